@@ -1,0 +1,42 @@
+# aenv: make setup | gen | envd | kernel | image | run | test | bench | lint
+# Everything runs from the repo's virtualenv (.venv), made by `make setup`.
+
+PY        ?= .venv/bin/python
+# Kernel and image builds are cached outside the repo, keyed by their inputs.
+AENV_CACHE ?= /var/cache/aenv
+export AENV_CACHE
+
+.PHONY: setup gen envd kernel image run test test-fast bench lint clean
+
+setup:            ## install system packages, the venv and the JS SDK for tests
+	scripts/setup.sh
+
+gen:              ## regenerate envd/spec/*_pb.py and *_connect.py from the .proto files
+	scripts/gen.sh
+
+envd:             ## freeze envd into one static executable: out/envd
+	scripts/freeze-envd.sh
+
+kernel:           ## build (or reuse) the guest kernel: $(AENV_CACHE)/kernel/<hash>/{bzImage,vmlinux}
+	kernel/build.sh
+
+image: envd       ## build (or reuse) the rootfs layers and manifest
+	rootfs/build.sh
+
+run:              ## run the host service on this machine's defaults
+	$(PY) -m host
+
+test:             ## the full test suite (what .ci/run runs)
+	$(PY) -m pytest -q -ra
+
+test-fast:        ## unit and envd tests only (no VMs)
+	$(PY) -m pytest -q -ra -m "not vm"
+
+bench:
+	$(PY) bench/run_all.py
+
+lint:
+	$(PY) -m ruff check envd host tests bench
+
+clean:
+	rm -rf out build dist *.egg-info

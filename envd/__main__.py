@@ -1,0 +1,29 @@
+"""`envd` entry point: serve the app with uvicorn."""
+
+from __future__ import annotations
+
+import sys
+
+import uvicorn
+
+from .app import build_app
+from .config import EnvdConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = EnvdConfig.from_args(argv)
+    uvicorn.run(
+        build_app(config),
+        host=config.host,
+        port=config.port,
+        log_level="warning",
+        # Streams blocked on a quiet process must not hold shutdown forever.
+        timeout_graceful_shutdown=5,
+        # Keep idle connections long: SDK pools reuse them across RPCs.
+        timeout_keep_alive=300,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Install everything the project and its tests need on a fresh Debian 12 machine
+# (as root): system packages, the repo venv (.venv) and the JS SDK used by tests.
+# Safe to run again: each step is skipped when already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(
+  qemu-system-x86 qemu-utils            # VMM, qemu-io / qemu-img / qemu-storage-daemon
+  debootstrap e2fsprogs erofs-utils     # rootfs layers
+  linux-source-6.12 build-essential flex bison bc libelf-dev libssl-dev dwarves  # guest kernel
+  python3.11-venv python3.11-dev patchelf scons  # frozen envd (PyInstaller + staticx, Debian python)
+  attr iproute2 nftables cpio xz-utils zstd
+  nginx                                 # proxy benchmark peer
+  nodejs npm                            # the JS e2b SDK in tests
+)
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+# node may come from outside Debian (e.g. a preinstalled nodejs); accept either.
+if command -v node >/dev/null && command -v npm >/dev/null; then
+  missing=("${missing[@]/nodejs}"); missing=("${missing[@]/npm}")
+fi
+read -r -a missing <<<"${missing[*]:-}"
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "setup: apt-get install ${missing[*]}"
+  apt-get update -q
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}"
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  python3 -m venv .venv
+fi
+echo "setup: pip install -e .[test,build]"
+.venv/bin/pip install -q --disable-pip-version-check -e ".[test,build]"
+
+if [ ! -d tests/js/node_modules/e2b ]; then
+  echo "setup: npm install (tests/js)"
+  (cd tests/js && npm install --no-audit --no-fund --loglevel=error)
+fi
+
+# envd tests run processes as the unprivileged `user`, like inside a guest.
+id user >/dev/null 2>&1 || useradd --create-home --shell /bin/bash user
+echo "setup: done"
