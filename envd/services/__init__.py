@@ -1,0 +1,1 @@
+"""envd's Connect services: one package per service."""
