@@ -1,0 +1,53 @@
+"""Errors raised by the orchestrator; the API maps them to E2B error bodies.
+
+    OrchestratorError
+    ├── SandboxNotFound          404
+    ├── SnapshotNotFound         404
+    ├── StateConflict            409  (e.g. pausing a paused sandbox)
+    ├── InvalidRequest           400
+    └── OperationFailed          500  (the VMM or storage failed; state was rolled back)
+"""
+
+from __future__ import annotations
+
+from .states import SandboxState
+
+
+class OrchestratorError(Exception):
+    status = 500
+
+
+class SandboxNotFound(OrchestratorError, LookupError):
+    status = 404
+
+    def __init__(self, sandbox_id: str) -> None:
+        super().__init__(f"sandbox '{sandbox_id}' not found")
+        self.sandbox_id = sandbox_id
+
+
+class SnapshotNotFound(OrchestratorError, LookupError):
+    status = 404
+
+    def __init__(self, snapshot_id: str) -> None:
+        super().__init__(f"snapshot '{snapshot_id}' not found")
+        self.snapshot_id = snapshot_id
+
+
+class StateConflict(OrchestratorError):
+    status = 409
+
+    def __init__(self, sandbox_id: str, actual: SandboxState,
+                 expected: frozenset[SandboxState] | set[SandboxState]) -> None:
+        want = ", ".join(sorted(s.value for s in expected))
+        super().__init__(f"sandbox '{sandbox_id}' is {actual.value}, expected one of: {want}")
+        self.sandbox_id = sandbox_id
+        self.actual = actual
+        self.expected = frozenset(expected)
+
+
+class InvalidRequest(OrchestratorError, ValueError):
+    status = 400
+
+
+class OperationFailed(OrchestratorError):
+    status = 500
