@@ -1,0 +1,107 @@
+"""Frozen request/response values of the orchestrator's Python API.
+
+The REST API parses HTTP into these, calls `Orchestrator` (see service.py), and
+serializes what comes back; nothing below the API sees HTTP objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .states import SandboxState
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    allow_internet_access: bool = True
+    allow_public_traffic: bool = True
+    allow_out: tuple[str, ...] = ()       # CIDR / IP (domains accepted, not enforced)
+    deny_out: tuple[str, ...] = ()
+    mask_request_host: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # accepted, kept, not enforced
+
+
+@dataclass(frozen=True)
+class CreateRequest:
+    template_id: str = "base"
+    timeout_s: int = 300
+    auto_pause: bool = True            # our default: TTL expiry pauses (autoPause false kills)
+    auto_resume: bool = False
+    metadata: dict[str, str] = field(default_factory=dict)
+    env_vars: dict[str, str] = field(default_factory=dict)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    secure: bool = True                # issue an envd access token
+    idempotency_key: str | None = None
+
+
+@dataclass(frozen=True)
+class SandboxInfo:
+    sandbox_id: str
+    template_id: str
+    alias: str | None
+    state: SandboxState
+    cpu_count: int
+    memory_mb: int
+    disk_mb: int
+    started_at: float                  # unix seconds
+    end_at: float                      # expiry (for a paused sandbox: now + TTL left)
+    envd_version: str
+    envd_access_token: str | None
+    traffic_access_token: str | None
+    metadata: dict[str, str]
+    auto_pause: bool
+    auto_resume: bool
+    network: NetworkConfig
+    client_id: str = "aenv"
+
+
+@dataclass(frozen=True)
+class ListFilter:
+    states: frozenset[SandboxState] | None = None   # None = running and paused
+    metadata: dict[str, str] = field(default_factory=dict)
+    template: str | None = None
+    started_after: float | None = None
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    snapshot_id: str
+    names: tuple[str, ...]
+    sandbox_id: str | None
+    created_at: float
+
+
+@dataclass(frozen=True)
+class ForkResult:
+    sandbox: SandboxInfo | None = None
+    error: str | None = None
+    error_status: int | None = None
+
+
+@dataclass(frozen=True)
+class Metric:
+    timestamp: float
+    cpu_count: int
+    cpu_used_pct: float
+    mem_used: int
+    mem_total: int
+    mem_cache: int
+    disk_used: int
+    disk_total: int
+
+
+@dataclass(frozen=True)
+class LogLine:
+    timestamp: float
+    line: str
+    level: str = "info"
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where the proxy sends traffic for one sandbox port."""
+
+    host: str
+    port: int
+    traffic_token: str | None          # required on non-envd ports when set
