@@ -1,31 +1,50 @@
-"""Connect RPC plumbing shared by envd's services (interceptors, codecs, disconnects)."""
+"""Connect RPC plumbing shared by envd's services.
+
+- `interceptors(defaults)`: auth (X-Access-Token), exception → ConnectError mapping,
+  Connect-Timeout-Ms enforcement for unary, server- and client-stream RPCs;
+- `codecs()`: JSON/proto codecs that answer undecodable bodies with invalid_argument;
+- `DisconnectMiddleware` + `next_or_disconnect` / `wait_or_disconnect`: let a blocked
+  stream handler notice that its client went away;
+- `with_keepalive` / `keepalive_interval_s`: keepalive messages on idle streams;
+- `request_user` / `request_timeout_s`: per-request user and deadline;
+- `to_connect_error` / `map_errors`: the error table, for code outside the interceptors.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from .codec import StrictCodec, codecs
+from .context import request_timeout_s, request_user, request_username
+from .disconnect import (
+    ClientDisconnected,
+    DisconnectMiddleware,
+    client_disconnected,
+    disconnect_event,
+    next_or_disconnect,
+    wait_or_disconnect,
+)
+from .errors import map_errors, to_connect_error
+from .interceptors import AuthInterceptor, DeadlineInterceptor, ErrorInterceptor, interceptors
+from .keepalive import DEFAULT_KEEPALIVE_S, keepalive_interval_s, with_keepalive
 
-from ..state import Defaults
-
-
-def interceptors(defaults: Defaults) -> Sequence[Any]:
-    """Interceptors for every Connect service (auth, deadlines, error mapping)."""
-    return ()
-
-
-def codecs() -> Sequence[Any] | None:
-    """Codecs for every Connect service (None = connectrpc's defaults)."""
-    return None
-
-
-class DisconnectMiddleware:
-    """ASGI middleware that records client disconnects for streaming handlers."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await self.app(scope, receive, send)
-
-
-__all__ = ["DisconnectMiddleware", "codecs", "interceptors"]
+__all__ = [
+    "DEFAULT_KEEPALIVE_S",
+    "AuthInterceptor",
+    "ClientDisconnected",
+    "DeadlineInterceptor",
+    "DisconnectMiddleware",
+    "ErrorInterceptor",
+    "StrictCodec",
+    "client_disconnected",
+    "codecs",
+    "disconnect_event",
+    "interceptors",
+    "keepalive_interval_s",
+    "map_errors",
+    "next_or_disconnect",
+    "request_timeout_s",
+    "request_user",
+    "request_username",
+    "to_connect_error",
+    "wait_or_disconnect",
+    "with_keepalive",
+]
