@@ -1,17 +1,16 @@
-"""filesystem.Filesystem: stat, list, make, move, remove and watch paths."""
+"""filesystem.Filesystem: stat, list, make, move, remove and watch paths, as the requesting user."""
 
 from __future__ import annotations
 
-from ...spec.filesystem.filesystem_connect import Filesystem
-from ...state import Defaults
+from .atomic import PendingFile, is_upload_temp
+from .credentials import run_as, run_blocking
+from .entry import METADATA_XATTR_PREFIX, build_entry, read_metadata
+from .errors import os_error_code
+from .paths import InvalidPathError, resolve
+from .service import FilesystemService, request_user
 
-
-class FilesystemService(Filesystem):
-    def __init__(self, defaults: Defaults) -> None:
-        self.defaults = defaults
-
-    async def aclose(self) -> None:
-        pass
-
-
-__all__ = ["FilesystemService"]
+__all__ = [
+    "METADATA_XATTR_PREFIX", "FilesystemService", "InvalidPathError", "PendingFile",
+    "build_entry", "is_upload_temp", "os_error_code", "read_metadata", "request_user",
+    "resolve", "run_as", "run_blocking",
+]
