@@ -1,0 +1,1 @@
+"""aenv host service: API, proxy, orchestrator, VMM drivers, storage, network."""

@@ -1,0 +1,49 @@
+"""VMM drivers: one interface (driver.py), QEMU implementation (qemu.py)."""
+
+from __future__ import annotations
+
+from .accel import AccelChoice, detect_accel, host_tsc_khz
+from .driver import (
+    ENVD_PORT,
+    BootTimeouts,
+    Disk,
+    FileDisk,
+    MemoryBacking,
+    NbdDisk,
+    Network,
+    TapNet,
+    UserNet,
+    Vm,
+    VmmDriver,
+    VmSpec,
+    VmState,
+)
+from .errors import VmmBootTimeout, VmmError, VmmStartError, VmmStateError, VmmTimeout
+from .qemu import QemuDriver, QemuVm, booted
+
+__all__ = [
+    "ENVD_PORT",
+    "AccelChoice",
+    "BootTimeouts",
+    "Disk",
+    "FileDisk",
+    "MemoryBacking",
+    "NbdDisk",
+    "Network",
+    "QemuDriver",
+    "QemuVm",
+    "TapNet",
+    "UserNet",
+    "Vm",
+    "VmSpec",
+    "VmState",
+    "VmmBootTimeout",
+    "VmmDriver",
+    "VmmError",
+    "VmmStartError",
+    "VmmStateError",
+    "VmmTimeout",
+    "booted",
+    "detect_accel",
+    "host_tsc_khz",
+]

@@ -1,0 +1,237 @@
+"""The VMM driver interface shared by the QEMU and Firecracker drivers.
+
+A driver turns a frozen `VmSpec` into a running `Vm`. The `Vm` object owns everything the
+VM needs on the host (process, API/QMP socket, serial log, work dir) and removes all of it
+in `kill()`/`aclose()`. Drivers never see HTTP objects or the state store; they raise only
+`VmmError` subclasses (see `errors.py`).
+
+Typical use::
+
+    driver = QemuDriver()
+    async with await driver.start(spec) as vm:      # boots; kills on any error
+        await vm.wait_for_envd(timeout_s=120)
+        url = vm.envd_url                           # http://127.0.0.1:<port>
+        await vm.pause(); await vm.resume()
+        await vm.save_state(path)                   # VM is paused afterwards
+    # leaving the block killed the VM and removed its work dir
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+ENVD_PORT = 49983
+"""envd's port inside the guest."""
+
+
+# ---------------------------------------------------------------------------------------
+# Spec values
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileDisk:
+    """A disk backed by a host file (raw or qcow2). Attached in order: first is /dev/vda."""
+
+    path: Path
+    read_only: bool = False
+    format: str = "raw"
+    # Optional virtio-blk serial (visible in the guest at /sys/block/vdX/serial), lets an
+    # init find a layer by name instead of by probe order.
+    serial: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class NbdDisk:
+    """A disk served over NBD on a unix socket (the storage layer's userspace server)."""
+
+    socket: Path
+    export: str
+    read_only: bool = False
+    serial: str | None = None
+
+
+Disk = FileDisk | NbdDisk
+
+
+@dataclass(frozen=True, kw_only=True)
+class UserNet:
+    """User-mode networking (slirp) with one host TCP port forwarded to guest envd.
+
+    `host_port=None` lets the driver pick a free port (retrying if another process takes
+    it between the pick and QEMU's bind). Guest side: 10.0.2.15/24, gateway 10.0.2.2.
+    """
+
+    host_port: int | None = None
+    host_addr: str = "127.0.0.1"
+    guest_port: int = ENVD_PORT
+    mac: str = "52:54:00:12:34:56"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TapNet:
+    """A TAP device (optionally inside a network namespace) set up by host/network.
+
+    The VMM process is started inside `netns` (via `ip netns exec`) so the TAP is
+    reachable; envd is then reached at `guest_ip:ENVD_PORT` from inside that namespace or
+    through whatever forwarding host/network installs.
+    """
+
+    tap: str
+    guest_ip: str
+    netns: str | None = None
+    mac: str = "52:54:00:12:34:56"
+
+
+Network = UserNet | TapNet
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryBacking:
+    """Guest RAM as a host file (memory snapshots).
+
+    shared=True: writes go to the file (MAP_SHARED); a full snapshot then needs only device
+    state (x-ignore-shared). shared=False: the file is mapped copy-on-write (MAP_PRIVATE),
+    e.g. children of a frozen base memory file. The file must not change while VMs map it
+    privately.
+    """
+
+    path: Path
+    shared: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class VmSpec:
+    """Everything needed to start one VM. Identical specs give identical VMM command
+    lines, which snapshots require (same devices, ids, kernel path)."""
+
+    kernel: Path
+    cmdline: str = ""
+    vcpus: int = 1
+    mem_mib: int = 512
+    initrd: Path | None = None
+    disks: tuple[Disk, ...] = ()
+    network: Network | None = field(default_factory=UserNet)
+    memory: MemoryBacking | None = None
+    # Where sockets, serial log and VMM logs live. None: the driver makes a fresh temp dir
+    # (and removes it on kill). An explicit dir is created if missing; files the driver
+    # created in it are removed on kill unless keep_work_dir.
+    work_dir: Path | None = None
+    keep_work_dir: bool = False
+    name: str = "vm"
+
+    def __post_init__(self) -> None:
+        if self.vcpus < 1:
+            raise ValueError(f"vcpus must be >= 1, got {self.vcpus}")
+        if self.mem_mib < 16:
+            raise ValueError(f"mem_mib must be >= 16, got {self.mem_mib}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BootTimeouts:
+    """Per-phase deadlines for `VmmDriver.start` and `Vm.wait_for_envd` (seconds)."""
+
+    vmm_ready_s: float = 15.0  # process started -> QMP/API socket answers
+    envd_ready_s: float = 180.0  # VM started -> envd /health answers (TCG cold boots are slow)
+    kill_s: float = 5.0  # graceful quit before SIGKILL
+
+
+class VmState(enum.Enum):
+    """Lifecycle of one `Vm` handle."""
+
+    CREATED = "created"  # object exists, nothing started
+    STARTING = "starting"  # VMM process launched, not yet running the guest
+    RUNNING = "running"
+    PAUSED = "paused"  # vCPUs stopped (pause, or after save_state / an incoming restore)
+    KILLED = "killed"  # process gone, files removed; terminal
+
+
+# ---------------------------------------------------------------------------------------
+# Interfaces
+
+
+@runtime_checkable
+class Vm(Protocol):
+    """A handle on one VM. Async context manager: `__aexit__` calls `aclose()`."""
+
+    @property
+    def spec(self) -> VmSpec: ...
+
+    @property
+    def state(self) -> VmState: ...
+
+    @property
+    def pid(self) -> int | None:
+        """The VMM process id while it runs, else None."""
+
+    @property
+    def work_dir(self) -> Path: ...
+
+    @property
+    def serial_log(self) -> Path:
+        """File receiving the guest serial console (ttyS0)."""
+
+    @property
+    def envd_address(self) -> tuple[str, int]:
+        """(host, port) at which envd is reachable from this host."""
+
+    @property
+    def envd_url(self) -> str:
+        """`http://host:port` for envd (what E2B_SANDBOX_URL should be)."""
+
+    async def wait_for_envd(self, timeout_s: float | None = None) -> float:
+        """Wait until envd answers GET /health; returns seconds waited.
+
+        Raises VmmBootTimeout (with serial/stderr tails) on timeout and VmmStartError if
+        the VMM process exits meanwhile. Does not kill the VM: the caller decides.
+        """
+
+    async def pause(self) -> None:
+        """Stop the vCPUs. Idempotent when already paused."""
+
+    async def resume(self) -> None:
+        """Continue the vCPUs. Idempotent when already running."""
+
+    async def save_state(self, dest: Path) -> None:
+        """Write a snapshot of CPU/device state (and RAM unless it lives in a shared
+        memory file) to `dest`. The VM is left PAUSED; `resume()` to continue."""
+
+    async def kill(self) -> None:
+        """Stop the VMM and remove everything it owned. Idempotent; never raises for an
+        already-dead process. Post-condition: the process is reaped, sockets are gone,
+        and the work dir is removed unless the spec asked to keep it."""
+
+    async def aclose(self) -> None:
+        """Same as kill()."""
+
+    async def __aenter__(self) -> Vm: ...
+
+    async def __aexit__(self, *exc_info: object) -> None: ...
+
+
+@runtime_checkable
+class VmmDriver(Protocol):
+    """Creates VMs. A driver instance remembers the VMs it created (`vms`)."""
+
+    name: str
+
+    @property
+    def vms(self) -> list[Vm]:
+        """VMs started by this driver that have not been killed."""
+
+    async def start(self, spec: VmSpec, *, timeouts: BootTimeouts | None = None) -> Vm:
+        """Launch the VMM and start the guest; returns once the VMM's control socket
+        answers (it does NOT wait for envd: call `vm.wait_for_envd()`). On any failure
+        nothing is left behind and a VmmError is raised."""
+
+    async def restore(
+        self, spec: VmSpec, state: Path, *, timeouts: BootTimeouts | None = None,
+        resume: bool = True,
+    ) -> Vm:
+        """Start a VM from a `save_state` file. `spec` must describe the same machine
+        (memory file included) as the saved VM. With resume=False the VM stays PAUSED."""
+
+    async def aclose(self) -> None:
+        """Kill every VM still alive."""

@@ -1,0 +1,518 @@
+"""The QEMU driver: one `QemuVm` per QEMU process, controlled over QMP.
+
+A `QemuVm` owns the QEMU process (its own session/process group), the QMP connection,
+the work dir (QMP socket, serial log, QEMU stderr) and the forwarded host port. Every
+failure path goes through `kill()`, which leaves no process and no file behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import shlex
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from qemu.qmp import ExecuteError, QMPClient, QMPError
+
+from . import proc as procs
+from .accel import DEFAULT_QEMU, detect_accel, host_tsc_khz
+from .driver import BootTimeouts, TapNet, UserNet, VmSpec, VmState
+from .errors import VmmBootTimeout, VmmError, VmmStartError, VmmStateError, VmmTimeout
+from .qemu_cmdline import QemuRunFiles, build_argv
+from .readiness import wait_for_health
+
+log = logging.getLogger(__name__)
+
+_PORT_ATTEMPTS = 5
+_QMP_CALL_S = 10.0
+_MIGRATE_S = 120.0
+_MAX_BANDWIDTH = 100 * 1024**3  # bytes/s; the 7.2 default (32 MiB/s) makes snapshots slow
+_TAIL_LINES = 30
+
+
+def default_run_dir() -> Path:
+    """Parent of per-VM work dirs: $AENV_RUN_DIR, else /run/aenv/vms (root), else /tmp.
+    Kept short: unix socket paths are limited to 107 bytes."""
+    env = os.environ.get("AENV_RUN_DIR")
+    if env:
+        return Path(env)
+    if os.geteuid() == 0 and Path("/run").is_dir():
+        return Path("/run/aenv/vms")
+    return Path(tempfile.gettempdir()) / "aenv-vms"
+
+
+class _PortTaken(Exception):
+    """QEMU could not bind the forwarded host port (someone took it after we picked it)."""
+
+
+class QemuDriver:
+    """Starts QEMU microVMs. KVM when it runs standard guests, else TCG (see accel.py)."""
+
+    name = "qemu"
+
+    def __init__(
+        self,
+        *,
+        qemu: str = DEFAULT_QEMU,
+        accel: str | None = None,
+        run_dir: Path | None = None,
+        die_with_parent: bool = True,
+    ) -> None:
+        self.qemu = qemu
+        self._accel = accel
+        self.run_dir = run_dir or default_run_dir()
+        self.die_with_parent = die_with_parent
+        self._vms: list[QemuVm] = []
+
+    @property
+    def vms(self) -> list[QemuVm]:
+        return list(self._vms)
+
+    async def accel(self) -> tuple[str, int | None]:
+        """(accelerator, host TSC kHz); detection is blocking and cached, so run it off-loop."""
+        name = self._accel or (await asyncio.to_thread(detect_accel, self.qemu)).name
+        return name, await asyncio.to_thread(host_tsc_khz)
+
+    async def start(self, spec: VmSpec, *, timeouts: BootTimeouts | None = None) -> QemuVm:
+        vm = QemuVm(self, spec, timeouts or BootTimeouts())
+        await vm._start(state_file=None)
+        return vm
+
+    async def boot(self, spec: VmSpec, *, timeouts: BootTimeouts | None = None) -> QemuVm:
+        """start() + wait_for_envd(); the VM is killed if envd does not come up."""
+        vm = await self.start(spec, timeouts=timeouts)
+        try:
+            await vm.wait_for_envd()
+        except BaseException:
+            await vm.kill()
+            raise
+        return vm
+
+    async def restore(
+        self, spec: VmSpec, state: Path, *, timeouts: BootTimeouts | None = None,
+        resume: bool = True,
+    ) -> QemuVm:
+        vm = QemuVm(self, spec, timeouts or BootTimeouts())
+        await vm._start(state_file=Path(state), resume=resume)
+        return vm
+
+    async def aclose(self) -> None:
+        errors: list[BaseException] = []
+        for vm in reversed(self.vms):
+            try:
+                await vm.kill()
+            except VmmError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def _forget(self, vm: QemuVm) -> None:
+        with contextlib.suppress(ValueError):
+            self._vms.remove(vm)
+
+
+class QemuVm:
+    """One QEMU process running one guest. Create through `QemuDriver`."""
+
+    def __init__(self, driver: QemuDriver, spec: VmSpec, timeouts: BootTimeouts) -> None:
+        self._driver = driver
+        self._spec = spec
+        self.timeouts = timeouts
+        self._state = VmState.CREATED
+        self._proc: asyncio.subprocess.Process | None = None
+        self._qmp: QMPClient | None = None
+        self._work_dir: Path | None = None
+        self._owns_work_dir = False
+        self._host_port: int | None = None
+        self._kill_task: asyncio.Task[None] | None = None
+        self.accel: str | None = None
+        self.argv: list[str] = []
+        self.started_at: float | None = None  # loop time of the spawn
+        self.qmp_ready_s: float | None = None  # spawn -> QMP negotiated
+
+    # -- properties -----------------------------------------------------------------
+
+    @property
+    def spec(self) -> VmSpec:
+        return self._spec
+
+    @property
+    def state(self) -> VmState:
+        return self._state
+
+    @property
+    def pid(self) -> int | None:
+        if self._proc is None or self._proc.returncode is not None:
+            return None
+        return self._proc.pid
+
+    @property
+    def work_dir(self) -> Path:
+        if self._work_dir is None:
+            raise VmmStateError(f"{self._spec.name}: not started")
+        return self._work_dir
+
+    @property
+    def files(self) -> QemuRunFiles:
+        return QemuRunFiles.in_dir(self.work_dir)
+
+    @property
+    def serial_log(self) -> Path:
+        return self.files.serial_log
+
+    @property
+    def stderr_log(self) -> Path:
+        return self.work_dir / "qemu.stderr"
+
+    @property
+    def envd_address(self) -> tuple[str, int]:
+        net = self._spec.network
+        if isinstance(net, UserNet):
+            if self._host_port is None:
+                raise VmmStateError(f"{self._spec.name}: no forwarded port yet")
+            return net.host_addr, self._host_port
+        if isinstance(net, TapNet):
+            return net.guest_ip, 49983
+        raise VmmStateError(f"{self._spec.name}: VM has no network")
+
+    @property
+    def envd_url(self) -> str:
+        host, port = self.envd_address
+        return f"http://{host}:{port}"
+
+    def serial_tail(self, lines: int = _TAIL_LINES) -> str:
+        return procs.tail(self.serial_log, lines) if self._work_dir else ""
+
+    def stderr_tail(self, lines: int = _TAIL_LINES) -> str:
+        return procs.tail(self.stderr_log, lines) if self._work_dir else ""
+
+    def _tails(self) -> dict[str, str]:
+        return {"serial_tail": self.serial_tail(), "stderr_tail": self.stderr_tail()}
+
+    def __repr__(self) -> str:
+        return f"<QemuVm {self._spec.name} {self._state.value} pid={self.pid}>"
+
+    # -- context manager --------------------------------------------------------------
+
+    async def __aenter__(self) -> QemuVm:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # -- start ------------------------------------------------------------------------
+
+    async def _start(self, *, state_file: Path | None, resume: bool = True) -> None:
+        if self._state is not VmState.CREATED:
+            raise VmmStateError(f"{self._spec.name}: already started")
+        if not self._spec.kernel.is_file():
+            raise VmmStartError(f"{self._spec.name}: kernel not found: {self._spec.kernel}")
+        if state_file is not None and not state_file.is_file():
+            raise VmmStartError(f"{self._spec.name}: saved state not found: {state_file}")
+        self._state = VmState.STARTING
+        self._driver._vms.append(self)
+        try:
+            self.accel, tsc_khz = await self._driver.accel()
+            self._make_work_dir()
+            await self._launch(tsc_khz, incoming=state_file is not None)
+            if state_file is None:
+                self._state = VmState.RUNNING
+            else:
+                await self._load_state(state_file, resume=resume)
+        except BaseException:
+            # Never leave a process or file behind, whatever went wrong (cancel included).
+            try:
+                await self.kill()
+            except VmmError as exc:
+                log.error("cleanup after failed start of %s failed: %s", self._spec.name, exc)
+            raise
+
+    def _make_work_dir(self) -> None:
+        spec = self._spec
+        if spec.work_dir is None:
+            self._driver.run_dir.mkdir(parents=True, exist_ok=True)
+            safe = re.sub(r"[^A-Za-z0-9_.-]", "_", spec.name)[:40]
+            self._work_dir = Path(tempfile.mkdtemp(prefix=f"{safe}-", dir=self._driver.run_dir))
+            self._owns_work_dir = True
+        else:
+            self._owns_work_dir = not spec.work_dir.exists()
+            spec.work_dir.mkdir(parents=True, exist_ok=True)
+            self._work_dir = spec.work_dir
+        if len(str(self.files.qmp_socket)) > 107:
+            raise VmmStartError(f"work dir path too long for a unix socket: {self._work_dir}")
+
+    async def _launch(self, tsc_khz: int | None, *, incoming: bool) -> None:
+        """Spawn QEMU and connect QMP, retrying with a new port if the picked one was
+        taken between our pick and QEMU's bind."""
+        net = self._spec.network
+        assert self.accel is not None
+        for attempt in range(1, _PORT_ATTEMPTS + 1):
+            if isinstance(net, UserNet):
+                self._host_port = net.host_port or procs.free_port(net.host_addr)
+            self.argv = build_argv(self._spec, files=self.files, accel=self.accel,
+                                   tsc_khz=tsc_khz, host_port=self._host_port,
+                                   incoming=incoming, qemu=self._driver.qemu)
+            await self._spawn()
+            try:
+                await self._connect_qmp()
+                return
+            except _PortTaken:
+                await self._reap()
+                if isinstance(net, UserNet) and net.host_port:
+                    raise VmmStartError(f"{self._spec.name}: host port {net.host_port} is in use",
+                                        **self._tails()) from None
+                log.info("%s: port %s taken, retrying (%d)", self._spec.name, self._host_port,
+                         attempt)
+        raise VmmStartError(f"{self._spec.name}: no free host port after {_PORT_ATTEMPTS} tries")
+
+    async def _spawn(self) -> None:
+        for stale in (self.files.qmp_socket,):
+            stale.unlink(missing_ok=True)
+        loop = asyncio.get_running_loop()
+        with open(self.stderr_log, "wb") as err:
+            try:
+                self._proc = await asyncio.create_subprocess_exec(
+                    *self.argv, stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.DEVNULL, stderr=err, start_new_session=True,
+                    preexec_fn=procs.die_with_parent if self._driver.die_with_parent else None)
+            except OSError as exc:
+                raise VmmStartError(f"{self._spec.name}: cannot run {self.argv[0]}: {exc}") \
+                    from exc
+        self.started_at = loop.time()
+        log.debug("%s: started pid %d: %s", self._spec.name, self._proc.pid,
+                  shlex.join(self.argv))
+
+    async def _connect_qmp(self) -> None:
+        assert self._proc is not None and self.started_at is not None
+        loop = asyncio.get_running_loop()
+        deadline = self.started_at + self.timeouts.vmm_ready_s
+        sock = self.files.qmp_socket
+        while True:
+            if self._proc.returncode is not None:
+                if "host forwarding rule" in self.stderr_tail().lower():
+                    raise _PortTaken
+                raise VmmStartError(f"{self._spec.name}: QEMU exited with code "
+                                    f"{self._proc.returncode} during startup", **self._tails())
+            if sock.exists():
+                client = QMPClient(self._spec.name)
+                try:
+                    await asyncio.wait_for(client.connect(str(sock)),
+                                           max(0.1, deadline - loop.time()))
+                except (QMPError, OSError, TimeoutError, EOFError):
+                    with contextlib.suppress(Exception):
+                        await client.disconnect()
+                else:
+                    self._qmp = client
+                    self.qmp_ready_s = loop.time() - self.started_at
+                    return
+            if loop.time() > deadline:
+                raise VmmTimeout(f"{self._spec.name}: QMP did not answer within "
+                                 f"{self.timeouts.vmm_ready_s}s", **self._tails())
+            await asyncio.sleep(0.005)
+
+    async def _reap(self) -> None:
+        if self._proc is not None:
+            await procs.terminate(self._proc, grace_s=1.0)
+            self._proc = None
+
+    # -- QMP --------------------------------------------------------------------------
+
+    async def _died(self) -> int | None:
+        """The exit code if QEMU has exited (waiting briefly for the reaper)."""
+        if self._proc is None:
+            return None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._proc.wait(), 0.2)
+        return self._proc.returncode
+
+    async def qmp(self, cmd: str, args: dict[str, Any] | None = None, *,
+                  timeout_s: float = _QMP_CALL_S) -> Any:
+        """Run one QMP command; errors become VmmError (VmmStartError if QEMU died)."""
+        if self._qmp is None or self._state is VmState.KILLED:
+            raise VmmStateError(f"{self._spec.name}: no QMP connection (state "
+                                f"{self._state.value})")
+        try:
+            return await asyncio.wait_for(self._qmp.execute(cmd, args), timeout_s)
+        except ExecuteError as exc:
+            raise VmmError(f"{self._spec.name}: QMP {cmd} failed: {exc}") from exc
+        except TimeoutError as exc:
+            raise VmmTimeout(f"{self._spec.name}: QMP {cmd} took over {timeout_s}s",
+                             **self._tails()) from exc
+        except (QMPError, OSError, EOFError) as exc:
+            rc = await self._died()
+            if rc is not None:
+                raise VmmStartError(f"{self._spec.name}: QEMU exited with code {rc} "
+                                    f"(during QMP {cmd})", **self._tails()) from exc
+            raise VmmError(f"{self._spec.name}: QMP {cmd}: {exc!r}") from exc
+
+    async def query_status(self) -> str:
+        res = await self.qmp("query-status")
+        return str(res["status"])  # type: ignore[index]
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def _require(self, *states: VmState) -> None:
+        if self._state not in states:
+            raise VmmStateError(f"{self._spec.name}: is {self._state.value}, needs one of "
+                                f"{', '.join(s.value for s in states)}")
+
+    async def wait_for_envd(self, timeout_s: float | None = None) -> float:
+        self._require(VmState.RUNNING)
+        timeout_s = self.timeouts.envd_ready_s if timeout_s is None else timeout_s
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        url = self.envd_url
+        proc = self._proc
+        assert proc is not None
+        try:
+            async with asyncio.timeout(timeout_s):
+                await wait_for_health(url, alive=lambda: proc.returncode is None)
+        except TimeoutError:
+            raise VmmBootTimeout(f"{self._spec.name}: envd did not answer {url}/health within "
+                                 f"{timeout_s:g}s (accel {self.accel})", **self._tails()) from None
+        if proc.returncode is not None:
+            raise VmmStartError(f"{self._spec.name}: QEMU exited with code {proc.returncode} "
+                                "before envd answered", **self._tails())
+        return loop.time() - t0
+
+    async def pause(self) -> None:
+        self._require(VmState.RUNNING, VmState.PAUSED)
+        if self._state is VmState.RUNNING:
+            await self.qmp("stop")
+            self._state = VmState.PAUSED
+
+    async def resume(self) -> None:
+        self._require(VmState.RUNNING, VmState.PAUSED)
+        if self._state is VmState.PAUSED:
+            await self.qmp("cont")
+            self._state = VmState.RUNNING
+
+    async def _set_ignore_shared(self) -> None:
+        # With guest RAM in a share=on file, the file *is* the memory snapshot: the stream
+        # then carries device state only. Must be set the same way on both sides.
+        on = self._spec.memory is not None and self._spec.memory.shared
+        await self.qmp("migrate-set-capabilities",
+                       {"capabilities": [{"capability": "x-ignore-shared", "state": on}]})
+
+    async def _wait_migration(self, timeout_s: float) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            info = await self.qmp("query-migrate")
+            if info.get("status") in ("completed", "failed", "cancelled"):
+                return dict(info)
+            if loop.time() > deadline:
+                raise VmmTimeout(f"{self._spec.name}: migration not done in {timeout_s}s: "
+                                 f"{info}")
+            await asyncio.sleep(0.005)
+
+    async def save_state(self, dest: Path, *, timeout_s: float = _MIGRATE_S) -> None:
+        """Full snapshot into `dest` (VM left PAUSED). With a shared memory file only
+        device state is written; copy the memory file while the VM stays paused."""
+        self._require(VmState.RUNNING, VmState.PAUSED)
+        dest = Path(dest)
+        part = dest.with_name(dest.name + ".part")
+        await self.pause()
+        await self.qmp("migrate-set-parameters", {"max-bandwidth": _MAX_BANDWIDTH})
+        await self._set_ignore_shared()
+        try:
+            await self.qmp("migrate", {"uri": f"exec:cat > {shlex.quote(str(part))}"})
+            info = await self._wait_migration(timeout_s)
+            if info.get("status") != "completed":
+                raise VmmError(f"{self._spec.name}: snapshot failed: "
+                               f"{info.get('error-desc', info.get('status'))}")
+            await asyncio.to_thread(os.replace, part, dest)
+        finally:
+            part.unlink(missing_ok=True)
+
+    async def _load_state(self, state_file: Path, *, resume: bool) -> None:
+        await self._set_ignore_shared()
+        await self.qmp("migrate-incoming", {"uri": f"exec:cat {shlex.quote(str(state_file))}"})
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _MIGRATE_S
+        while (status := await self.query_status()) in ("inmigrate", "prelaunch"):
+            if loop.time() > deadline:
+                raise VmmTimeout(f"{self._spec.name}: restore not done in {_MIGRATE_S}s")
+            await asyncio.sleep(0.005)
+        info = await self.qmp("query-migrate")
+        if info.get("status") not in (None, "completed"):
+            raise VmmError(f"{self._spec.name}: restore failed: {info}", **self._tails())
+        if status == "running":
+            self._state = VmState.RUNNING
+        elif status in ("paused", "postmigrate"):
+            self._state = VmState.PAUSED
+            if resume:
+                await self.resume()
+        else:
+            raise VmmError(f"{self._spec.name}: unexpected status after restore: {status}",
+                           **self._tails())
+
+    # -- teardown -----------------------------------------------------------------------
+
+    async def kill(self) -> None:
+        """Idempotent; shielded, so a cancelled caller cannot leave a half-killed VM."""
+        if self._state is VmState.KILLED and self._kill_task is None:
+            return
+        if self._kill_task is None:
+            self._kill_task = asyncio.ensure_future(self._kill())
+        await asyncio.shield(self._kill_task)
+
+    async def aclose(self) -> None:
+        await self.kill()
+
+    async def _kill(self) -> None:
+        proc, qmp = self._proc, self._qmp
+        gone = True
+        # 1. Ask QEMU to quit over QMP: it flushes its block layer and closes NBD client
+        #    connections cleanly (the NBD servers are dependents owned by storage/).
+        asked = False
+        if proc is not None and proc.returncode is None and qmp is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(qmp.execute("quit"), 1.0)
+                asked = True
+        # 2. Then signals, with deadlines, until the process group is really gone.
+        if proc is not None:
+            gone = await procs.terminate(proc, grace_s=self.timeouts.kill_s, already_asked=asked)
+        # 3. Close QMP after the process: its reader sees EOF instead of a live QEMU
+        #    losing its monitor mid-command.
+        if qmp is not None:
+            with contextlib.suppress(Exception):
+                await qmp.disconnect()
+        self._qmp = None
+        # 4. Files last, once nothing writes to them.
+        self._remove_files()
+        self._state = VmState.KILLED
+        self._driver._forget(self)
+        if not gone:
+            raise VmmError(f"{self._spec.name}: QEMU pid {proc.pid if proc else '?'} "
+                           "survived SIGKILL")
+
+    def _remove_files(self) -> None:
+        if self._work_dir is None:
+            return
+        files = QemuRunFiles.in_dir(self._work_dir)
+        files.qmp_socket.unlink(missing_ok=True)
+        if self._spec.keep_work_dir:
+            return
+        if self._owns_work_dir:
+            shutil.rmtree(self._work_dir, ignore_errors=True)
+        else:
+            for p in (files.serial_log, self._work_dir / "qemu.stderr"):
+                p.unlink(missing_ok=True)
+
+
+@contextlib.asynccontextmanager
+async def booted(spec: VmSpec, *, driver: QemuDriver | None = None,
+                 timeouts: BootTimeouts | None = None) -> AsyncIterator[QemuVm]:
+    """`async with booted(spec) as vm:` a VM with envd ready; killed on exit."""
+    drv = driver or QemuDriver()
+    vm = await drv.boot(spec, timeouts=timeouts)
+    async with vm:
+        yield vm

@@ -1,0 +1,134 @@
+"""Build the QEMU argv and the guest kernel command line for a `VmSpec` (pure functions).
+
+The machine is `-M microvm` booting an uncompressed PVH `vmlinux` directly (no firmware
+boot path), virtio-mmio devices, the serial console into a file and QMP on a unix socket.
+The same spec always gives the same device list and ids, which snapshots need.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from .driver import FileDisk, NbdDisk, TapNet, UserNet, VmSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class QemuRunFiles:
+    """Per-VM files the QEMU process uses, all inside the VM's work dir."""
+
+    qmp_socket: Path
+    serial_log: Path
+
+    @classmethod
+    def in_dir(cls, work_dir: Path) -> QemuRunFiles:
+        return cls(qmp_socket=work_dir / "qmp.sock", serial_log=work_dir / "serial.log")
+
+
+def qopt(value: object) -> str:
+    """Escape a value for a QEMU `key=value,...` option (a comma is written as `,,`)."""
+    return str(value).replace(",", ",,")
+
+
+def _has_param(cmdline: str, key: str) -> bool:
+    return any(tok == key or tok.startswith(key + "=") for tok in shlex.split(cmdline))
+
+
+def guest_cmdline(base: str, *, accel: str, tsc_khz: int | None) -> str:
+    """The kernel command line: `base` plus what this driver needs, unless already set.
+
+    - console=ttyS0: the serial log is our only view of a failing boot.
+    - panic=-1 (+ QEMU -no-reboot): a panicking guest (e.g. no init) makes QEMU exit at
+      once, so boot failures are reported in milliseconds, not at the boot deadline.
+    - tsc_early_khz under TCG: microvm has no other clocksource and the kernel sometimes
+      fails to calibrate the TSC under emulation and hangs (measured on this host type).
+    """
+    extra: list[str] = []
+    if not _has_param(base, "console"):
+        extra.append("console=ttyS0")
+    if not _has_param(base, "panic"):
+        extra.append("panic=-1")
+    if accel == "tcg" and tsc_khz and not _has_param(base, "tsc_early_khz"):
+        extra.append(f"tsc_early_khz={tsc_khz}")
+    return " ".join([*extra, base.strip()]).strip()
+
+
+def _disk_args(index: int, disk: FileDisk | NbdDisk) -> list[str]:
+    drive_id = f"disk{index}"
+    opts = [f"id={drive_id}", "if=none", "format=raw" if isinstance(disk, NbdDisk)
+            else f"format={qopt(disk.format)}"]
+    if isinstance(disk, FileDisk):
+        opts.insert(1, f"file={qopt(disk.path)}")
+        opts.append("cache=writeback")
+    else:
+        opts[1:1] = ["file.driver=nbd", "file.server.type=unix",
+                     f"file.server.path={qopt(disk.socket)}", f"file.export={qopt(disk.export)}"]
+        opts.append("cache=none")
+    if disk.read_only:
+        opts.append("readonly=on")
+    dev = f"virtio-blk-device,drive={drive_id}"
+    if disk.serial:
+        dev += f",serial={qopt(disk.serial)}"
+    return ["-drive", ",".join(opts), "-device", dev]
+
+
+def build_argv(
+    spec: VmSpec,
+    *,
+    files: QemuRunFiles,
+    accel: str,
+    tsc_khz: int | None,
+    host_port: int | None = None,
+    incoming: bool = False,
+    qemu: str = "qemu-system-x86_64",
+) -> list[str]:
+    """The full argv (including an `ip netns exec` prefix for a TAP in a netns).
+
+    `host_port` is the concrete host port for `UserNet` (the driver picks it when the spec
+    leaves it open). `incoming=True` starts QEMU waiting for `migrate-incoming` (restore).
+    """
+    machine = "microvm"
+    if spec.memory is not None:
+        machine += ",memory-backend=mem0"
+    argv = [
+        qemu,
+        "-name", qopt(spec.name),
+        "-M", machine,
+        "-accel", accel,
+        "-cpu", "max" if accel == "tcg" else "host",
+        "-smp", str(spec.vcpus),
+        "-m", f"{spec.mem_mib}M",
+        "-nodefaults", "-no-user-config", "-no-reboot", "-display", "none",
+        "-kernel", str(spec.kernel),
+        "-append", guest_cmdline(spec.cmdline, accel=accel, tsc_khz=tsc_khz),
+        "-chardev", f"file,id=ser0,path={qopt(files.serial_log)}",
+        "-serial", "chardev:ser0",
+        "-qmp", f"unix:{qopt(files.qmp_socket)},server=on,wait=off",
+        # Every VM is started the same way so a saved state can be restored into any of
+        # them, including device-state-only streams that carry no configuration section.
+        "-global", "migration.send-configuration=off",
+    ]
+    if spec.initrd is not None:
+        argv += ["-initrd", str(spec.initrd)]
+    if spec.memory is not None:
+        share = "on" if spec.memory.shared else "off"
+        argv += ["-object", f"memory-backend-file,id=mem0,size={spec.mem_mib}M,"
+                 f"mem-path={qopt(spec.memory.path)},share={share}"]
+    for i, disk in enumerate(spec.disks):
+        argv += _disk_args(i, disk)
+    net = spec.network
+    if isinstance(net, UserNet):
+        if host_port is None:
+            raise ValueError("UserNet needs a concrete host_port")
+        argv += ["-netdev", f"user,id=net0,hostfwd=tcp:{net.host_addr}:{host_port}-:"
+                 f"{net.guest_port}",
+                 "-device", f"virtio-net-device,netdev=net0,mac={net.mac}"]
+    elif isinstance(net, TapNet):
+        argv += ["-netdev", f"tap,id=net0,ifname={qopt(net.tap)},script=no,downscript=no",
+                 "-device", f"virtio-net-device,netdev=net0,mac={net.mac}"]
+        if net.netns:
+            argv = ["ip", "netns", "exec", net.netns, *argv]
+    if incoming:
+        argv += ["-incoming", "defer"]
+    return argv
