@@ -28,7 +28,7 @@ _EXPOSED_HEADERS = [
 def build_app(config: EnvdConfig | None = None) -> Starlette:
     config = config or EnvdConfig()
     defaults = Defaults.from_config(config)
-    processes = ProcessService(defaults)
+    processes = ProcessService(defaults, keepalive_default_s=config.default_keepalive_s)
     filesystem = FilesystemService(defaults)
     interceptors = rpc.interceptors(defaults)
 
