@@ -1,0 +1,78 @@
+"""Errors of the REST API and the one table that maps every failure to an E2B error body.
+
+    ApiError            raised by the API itself (bad JSON, bad query, unknown route...)
+    OrchestratorError   raised below us; mapped by `_STATUS` (see host/orchestrator/errors.py)
+
+Every error leaves as JSON `{"code": <status>, "message": ..., ["error_code": ...]}`; the
+Python SDK's generated client pops `code` and `message` and crashes without them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from starlette.responses import JSONResponse
+
+from host.orchestrator.errors import (InvalidRequest, OperationFailed, OrchestratorError,
+                                      SandboxNotFound, SnapshotNotFound, StateConflict)
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """A failure the API detects itself; `status` is the HTTP status."""
+
+    def __init__(self, status: int, message: str, *, error_code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_code = error_code
+
+
+def bad_request(message: str) -> ApiError:
+    return ApiError(400, message)
+
+
+# The one table: orchestrator error class -> HTTP status. Looked up along the MRO, so a
+# subclass added later (e.g. an idempotency mismatch deriving from StateConflict) maps
+# like its parent unless listed here. Unknown OrchestratorError subclasses fall back to
+# their own `status` class attribute.
+_STATUS: dict[type[Exception], int] = {
+    SandboxNotFound: 404,
+    SnapshotNotFound: 404,
+    StateConflict: 409,
+    InvalidRequest: 400,
+    OperationFailed: 500,
+}
+
+# Statuses a client may retry unchanged; every other 5xx carries `Should-Retry: false`
+# (Py SDK >= 2.61 retries 502/503/504 and even POSTs unless told not to).
+_TRANSIENT = frozenset({429, 502, 503, 504})
+
+
+def status_of(exc: Exception) -> int:
+    for cls in type(exc).__mro__:
+        if cls in _STATUS:
+            return _STATUS[cls]
+    return int(getattr(exc, "status", 500))
+
+
+def error_response(status: int, message: str, error_code: str | None = None) -> JSONResponse:
+    body: dict[str, object] = {"code": status, "message": message}
+    if error_code:
+        body["error_code"] = error_code
+    headers = {"Should-Retry": "false"} if status >= 500 and status not in _TRANSIENT else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def response_for(exc: Exception) -> JSONResponse:
+    """Map any exception escaping a handler to an E2B error response."""
+    if isinstance(exc, ApiError):
+        return error_response(exc.status, exc.message, exc.error_code)
+    if isinstance(exc, OrchestratorError):
+        status = status_of(exc)
+        if status >= 500:
+            log.error("orchestrator failed: %s", exc, exc_info=exc)
+        return error_response(status, str(exc), getattr(exc, "error_code", None))
+    log.exception("unhandled error in the API", exc_info=exc)
+    return error_response(500, f"internal error: {type(exc).__name__}")

@@ -1,0 +1,186 @@
+"""An in-memory `Orchestrator` test double.
+
+Allowed ONLY for unit tests of the HTTP mapping (REST API, proxy routing): it keeps
+sandboxes in a dict and runs no VM. The VM-backed orchestrator replaces it in the
+end-to-end tests once it exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import string
+import time
+from collections.abc import Sequence
+
+from host.orchestrator.errors import (OrchestratorError, SandboxNotFound, SnapshotNotFound,
+                                      StateConflict)
+from host.orchestrator.model import (CreateRequest, ForkResult, ListFilter, LogLine, Metric,
+                                     NetworkConfig, Route, SandboxInfo, SnapshotInfo)
+from host.orchestrator.states import SandboxState
+
+_ALNUM = string.ascii_lowercase + string.digits
+
+
+class IdempotencyMismatch(OrchestratorError):
+    """What the real orchestrator should raise (proposed for host/orchestrator/errors.py)."""
+
+    status = 409
+    error_code = "idempotency_request_mismatch"
+
+
+def new_id() -> str:
+    return "i" + "".join(secrets.choice(_ALNUM) for _ in range(20))
+
+
+class FakeOrchestrator:
+    """Keeps SandboxInfo values in a dict; `targets` maps (id, port) -> (host, port)."""
+
+    def __init__(self, domain: str | None = "sbx.test") -> None:
+        self.domain = domain
+        self.sandboxes: dict[str, SandboxInfo] = {}
+        self.snapshots: dict[str, SnapshotInfo] = {}
+        self.idempotency: dict[str, tuple[CreateRequest, str]] = {}
+        self.calls: list[tuple[str, tuple[object, ...]]] = []
+        self.upstream: tuple[str, int] | None = None    # route() target for every port
+        self.port_map: dict[int, int] = {}               # sandbox port -> local port
+        self._clock = 1_700_000_000.0
+
+    def add(self, *, state: SandboxState = SandboxState.RUNNING, metadata: dict[str, str] | None = None,
+            template: str = "base", traffic_token: str | None = None,
+            token: str | None = "envd-token", started_at: float | None = None) -> SandboxInfo:
+        self._clock += 1
+        sid = new_id()
+        start = self._clock if started_at is None else started_at
+        info = SandboxInfo(
+            sandbox_id=sid, template_id=template, alias=template, state=state, cpu_count=2,
+            memory_mb=512, disk_mb=2048, started_at=start, end_at=start + 300,
+            envd_version="0.6.13", envd_access_token=token, traffic_access_token=traffic_token,
+            metadata=dict(metadata or {}), auto_pause=True, auto_resume=False,
+            network=NetworkConfig(allow_public_traffic=traffic_token is None))
+        self.sandboxes[sid] = info
+        return info
+
+    def _get(self, sandbox_id: str) -> SandboxInfo:
+        info = self.sandboxes.get(sandbox_id)
+        if info is None or info.state is SandboxState.KILLED:
+            raise SandboxNotFound(sandbox_id)
+        return info
+
+    def _set(self, info: SandboxInfo, **changes: object) -> SandboxInfo:
+        new = dataclasses.replace(info, **changes)  # type: ignore[arg-type]
+        self.sandboxes[new.sandbox_id] = new
+        return new
+
+    async def create(self, req: CreateRequest) -> SandboxInfo:
+        self.calls.append(("create", (req,)))
+        if req.idempotency_key:
+            seen = self.idempotency.get(req.idempotency_key)
+            if seen is not None:
+                if seen[0] != req:
+                    raise IdempotencyMismatch(
+                        f"Idempotency-Key '{req.idempotency_key}' was used with another body")
+                return self._get(seen[1])
+        info = self.add(metadata=req.metadata, template=req.template_id,
+                        token="envd-token" if req.secure else None,
+                        traffic_token=None if req.network.allow_public_traffic else "traffic")
+        info = self._set(info, network=req.network, auto_pause=req.auto_pause,
+                         auto_resume=req.auto_resume)
+        if req.idempotency_key:
+            self.idempotency[req.idempotency_key] = (req, info.sandbox_id)
+        return info
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        return self._get(sandbox_id)
+
+    async def list(self, flt: ListFilter) -> Sequence[SandboxInfo]:
+        self.calls.append(("list", (flt,)))
+        states = flt.states or {SandboxState.RUNNING, SandboxState.PAUSED}
+        out = []
+        for info in self.sandboxes.values():
+            if info.state not in states:
+                continue
+            if any(info.metadata.get(k) != v for k, v in flt.metadata.items()):
+                continue
+            if flt.template and flt.template not in (info.template_id, info.alias):
+                continue
+            if flt.started_after is not None and info.started_at <= flt.started_after:
+                continue
+            out.append(info)
+        return out
+
+    async def kill(self, sandbox_id: str) -> None:
+        self._set(self._get(sandbox_id), state=SandboxState.KILLED)
+
+    async def set_timeout(self, sandbox_id: str, timeout_s: int) -> None:
+        self.calls.append(("set_timeout", (sandbox_id, timeout_s)))
+        info = self._get(sandbox_id)
+        self._set(info, end_at=time.time() + timeout_s)
+
+    async def extend_timeout(self, sandbox_id: str, duration_s: int) -> None:
+        self.calls.append(("extend_timeout", (sandbox_id, duration_s)))
+        self._get(sandbox_id)
+
+    async def pause(self, sandbox_id: str, *, memory: bool = True) -> None:
+        info = self._get(sandbox_id)
+        if info.state is not SandboxState.RUNNING:
+            raise StateConflict(sandbox_id, info.state, {SandboxState.RUNNING})
+        self._set(info, state=SandboxState.PAUSED)
+
+    async def connect(self, sandbox_id: str, timeout_s: int | None) -> tuple[SandboxInfo, bool]:
+        self.calls.append(("connect", (sandbox_id, timeout_s)))
+        info = self._get(sandbox_id)
+        if info.state is SandboxState.PAUSED:
+            return self._set(info, state=SandboxState.RUNNING), True
+        return info, False
+
+    async def snapshot(self, sandbox_id: str, name: str | None) -> SnapshotInfo:
+        self._get(sandbox_id)
+        self._clock += 1
+        snap_id = f"team/{name}:default" if name else f"team/{new_id()}:default"
+        snap = SnapshotInfo(snapshot_id=snap_id, names=(snap_id,), sandbox_id=sandbox_id,
+                            created_at=self._clock)
+        self.snapshots[snap_id] = snap
+        return snap
+
+    async def list_snapshots(self, sandbox_id: str | None, name: str | None) -> Sequence[SnapshotInfo]:
+        return [s for s in self.snapshots.values()
+                if (sandbox_id is None or s.sandbox_id == sandbox_id)
+                and (name is None or name in s.snapshot_id)]
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        self.calls.append(("delete_snapshot", (snapshot_id,)))
+        if self.snapshots.pop(snapshot_id, None) is None:
+            raise SnapshotNotFound(snapshot_id)
+
+    async def fork(self, sandbox_id: str, count: int, timeout_s: int | None) -> Sequence[ForkResult]:
+        parent = self._get(sandbox_id)
+        out = [ForkResult(sandbox=self.add(metadata=parent.metadata)) for _ in range(count - 1)]
+        out.append(ForkResult(error="no capacity", error_status=503))
+        return out
+
+    async def metrics(self, sandbox_id: str) -> Sequence[Metric]:
+        self._get(sandbox_id)
+        return [Metric(timestamp=1_700_000_000 + i, cpu_count=2, cpu_used_pct=1.5, mem_used=1,
+                       mem_total=2, mem_cache=0, disk_used=3, disk_total=4) for i in range(3)]
+
+    async def logs(self, sandbox_id: str, start_ms: int | None, limit: int) -> Sequence[LogLine]:
+        self._get(sandbox_id)
+        lines = [LogLine(timestamp=1_700_000_000 + i, line=f"line {i}",
+                         level="error" if i == 2 else "info") for i in range(4)]
+        return [ln for ln in lines if start_ms is None or ln.timestamp * 1000 >= start_ms][:limit]
+
+    async def update_network(self, sandbox_id: str, network: NetworkConfig) -> None:
+        self.calls.append(("update_network", (sandbox_id, network)))
+        self._set(self._get(sandbox_id), network=network)
+
+    async def route(self, sandbox_id: str, port: int, *, resume: bool) -> Route:
+        self.calls.append(("route", (sandbox_id, port, resume)))
+        info = self._get(sandbox_id)
+        if info.state is SandboxState.PAUSED:
+            raise StateConflict(sandbox_id, info.state, {SandboxState.RUNNING})
+        if self.upstream is None:
+            raise SandboxNotFound(sandbox_id)
+        host, envd_port = self.upstream
+        target = envd_port if port == 49983 else self.port_map.get(port, port)
+        return Route(host=host, port=target, traffic_token=info.traffic_access_token)
