@@ -1,20 +1,33 @@
-"""envd's plain HTTP routes: /health, /files, /init, /envs, /metrics."""
+"""envd's plain HTTP routes: /health, /files, /init, /envs, /metrics (spec §4.5).
+
+Every route but /health needs X-Access-Token once /init set a token; /files also
+accepts a signed URL instead. Errors are JSON `{"code": <status>, "message": ...}`.
+"""
 
 from __future__ import annotations
 
-from starlette.requests import Request
-from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from ..config import EnvdConfig
 from ..state import Defaults
+from .access import token_required
+from .envs import envs_endpoint
+from .errors import HTTPError, json_error
+from .files import download_endpoint, upload_endpoint
+from .health import health
+from .init import init_endpoint
+from .metrics import metrics
 
 
 def routes(defaults: Defaults, config: EnvdConfig) -> list[BaseRoute]:
-    async def health(request: Request) -> Response:
-        return Response(status_code=204)
+    return [
+        Route("/health", health, methods=["GET"]),
+        Route("/files", download_endpoint(defaults), methods=["GET"]),
+        Route("/files", upload_endpoint(defaults), methods=["POST"]),
+        Route("/init", init_endpoint(defaults), methods=["POST"]),
+        Route("/envs", token_required(defaults, envs_endpoint(defaults)), methods=["GET"]),
+        Route("/metrics", token_required(defaults, metrics), methods=["GET"]),
+    ]
 
-    return [Route("/health", health, methods=["GET"])]
 
-
-__all__ = ["routes"]
+__all__ = ["HTTPError", "json_error", "routes"]

@@ -3,7 +3,6 @@ map errors, build the reply). Semantics: shared/spec/e2b-compat.md §4.3-4.4."""
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 from collections.abc import AsyncIterator
 
@@ -12,7 +11,7 @@ from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
 from protobuf import Oneof
 
-from ...auth import basic_auth_user
+from ... import rpc
 from ...spec.filesystem.filesystem_connect import Filesystem
 from ...spec.filesystem.filesystem_pb import (
     CreateWatcherRequest, CreateWatcherResponse, GetWatcherEventsRequest,
@@ -27,14 +26,12 @@ from .credentials import run_as
 from .entry import list_entries
 from .errors import connect_errors
 from .paths import resolve
-from .streams import keepalive_interval_s, next_or_disconnect
 from .watch import DirWatch, NetworkMountError, WatcherRegistry
 
 
-def request_user(defaults: Defaults, ctx: RequestContext) -> User:
-    """The user named by `Authorization: Basic`, else the sandbox default user."""
-    name = basic_auth_user(ctx.request_headers.get("authorization")) or defaults.user
-    return User.lookup(name)
+async def _watch_messages(watch: DirWatch) -> AsyncIterator[WatchDirResponse]:
+    while True:
+        yield WatchDirResponse(event=Oneof("filesystem", await watch.next_event()))
 
 
 class FilesystemService(Filesystem):
@@ -46,7 +43,7 @@ class FilesystemService(Filesystem):
         await self.watchers.aclose()
 
     def _resolve(self, ctx: RequestContext, path: str) -> tuple[User, str]:
-        user = request_user(self.defaults, ctx)
+        user = rpc.request_user(ctx, self.defaults)
         return user, resolve(path, user)
 
     async def stat(self, request: StatRequest, ctx: RequestContext) -> StatResponse:
@@ -90,29 +87,18 @@ class FilesystemService(Filesystem):
 
     async def watch_dir(self, request: WatchDirRequest,
                         ctx: RequestContext) -> AsyncIterator[WatchDirResponse]:
+        # Deadline (Connect-Timeout-Ms) is enforced by rpc.DeadlineInterceptor, which
+        # cancels this generator; a client disconnect ends with_keepalive (notes P4).
         watch = await self._open_watch(request, ctx)
         try:
             # The SDKs block on this first message; the watch is already live (P5).
             yield WatchDirResponse(event=Oneof("start", WatchDirResponse.StartEvent()))
-            keepalive_s = keepalive_interval_s(ctx)
-            loop = asyncio.get_running_loop()
-            deadline = None if ctx.timeout_ms is None else loop.time() + ctx.timeout_ms / 1000
-            while True:
-                wait_s = keepalive_s
-                if deadline is not None:
-                    wait_s = min(wait_s, deadline - loop.time())
-                    if wait_s <= 0:
-                        raise ConnectError(Code.DEADLINE_EXCEEDED, "watch deadline exceeded")
-                try:
-                    event = await asyncio.wait_for(next_or_disconnect(watch.next_event()), wait_s)
-                except TimeoutError:
-                    if deadline is not None and loop.time() >= deadline:
-                        continue  # reported at the top of the loop
-                    yield WatchDirResponse(event=Oneof("keepalive", WatchDirResponse.KeepAlive()))
-                    continue
-                if event is None:
-                    return  # the client went away
-                yield WatchDirResponse(event=Oneof("filesystem", event))
+            async for message in rpc.with_keepalive(
+                _watch_messages(watch), interval_s=rpc.keepalive_interval_s(ctx),
+                keepalive=lambda: WatchDirResponse(
+                    event=Oneof("keepalive", WatchDirResponse.KeepAlive())),
+            ):
+                yield message
         finally:
             watch.close()
 

@@ -1,0 +1,15 @@
+"""GET /envs: the sandbox-wide environment variables set by /init."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ..state import Defaults
+
+
+def envs_endpoint(defaults: Defaults):  # type: ignore[no-untyped-def]
+    async def envs(request: Request) -> Response:
+        return JSONResponse(dict(defaults.env_vars))
+
+    return envs
