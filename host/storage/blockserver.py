@@ -1,0 +1,476 @@
+"""The node's block server: one asyncio process exporting every stack over NBD.
+
+    python -m host.storage.blockserver --socket-dir DIR --state-dir DIR [--repo SPEC]
+        [--cache-dir DIR --cache-mib N]
+
+Sockets: DIR/nbd.sock (all exports; the export name is the stack name) and
+DIR/control.sock (JSON control API, see control.py). State dir:
+
+    layers/<hex>.lsmt        sealed layers made or imported on this node
+    uppers/<id>/             writable uppers (data.lsmt + index.lsmt journal)
+    stacks/<name>.json       stack manifests {layers, upper, virtual_size}, written atomically
+
+Layers are looked up locally first, then in the repository: a posix_fs repository is read
+in place, an oss one lazily through the chunk cache. The server recovers every stack from
+its manifest at start (uppers replay their journals), including a seal cut by a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import uuid
+from pathlib import Path
+from typing import Any
+
+from .blob import Blob, FileBlob
+from .cache import ChunkCache
+from .control import CONTROL_SOCKET, NBD_SOCKET, StackInfo, error_reply
+from .errors import LayerNotFoundError, StackExistsError, StackNotFoundError, StorageError
+from .lsmt import SealedLayer, Upper, digest_of_file
+from .nbd import NbdServer, Piece
+from .repository import PosixFsRepository, OssRepository, Repository, _hex, open_repository
+from .stack import Stack
+
+log = logging.getLogger(__name__)
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+SEALED_MARKER = "sealed-as"
+
+
+class StackExport:
+    """One stack served over NBD; its lock serializes every change to the stack."""
+
+    read_only = False
+
+    def __init__(self, stack: Stack, upper_id: str) -> None:
+        self.stack = stack
+        self.upper_id = upper_id
+        self.lock = asyncio.Lock()
+
+    @property
+    def name(self) -> str:
+        return self.stack.name
+
+    @property
+    def size(self) -> int:
+        return self.stack.virtual_size
+
+    def _resolve(self, offset: int, length: int) -> list[Piece]:
+        out: list[Piece] = []
+        try:
+            for blob, boff, n in self.stack.pieces(offset, length):
+                if blob is None:
+                    out.append((None, 0, n, False))
+                else:
+                    out.extend(blob.pieces(boff, n))
+        except BaseException:
+            for fd, _o, _n, owned in out:
+                if owned and fd is not None:
+                    os.close(fd)
+            raise
+        return out
+
+    def _all_local(self, offset: int, length: int) -> bool:
+        return all(b is None or b.is_local(o, n) for b, o, n in self.stack.pieces(offset, length))
+
+    async def read_pieces(self, offset: int, length: int) -> list[Piece]:
+        async with self.lock:
+            if self._all_local(offset, length):
+                return self._resolve(offset, length)
+            return await asyncio.to_thread(self._resolve, offset, length)
+
+    async def write(self, offset: int, data: bytes | bytearray) -> None:
+        async with self.lock:
+            self.stack.write(offset, data)  # appends to the page cache: does not block long
+
+    async def write_zeroes(self, offset: int, length: int) -> None:
+        async with self.lock:
+            self.stack.write_zeroes(offset, length)
+
+    async def flush(self) -> None:
+        async with self.lock:
+            await asyncio.to_thread(self.stack.flush)
+
+    def info(self, nbd_socket: Path) -> StackInfo:
+        return StackInfo(name=self.name, layers=tuple(self.stack.layer_digests),
+                         virtual_size=self.size, nbd_socket=str(nbd_socket))
+
+
+class BlockServer:
+    """Owns the stacks, their layers, the NBD server and the control server."""
+
+    def __init__(self, *, socket_dir: str | os.PathLike[str], state_dir: str | os.PathLike[str],
+                 repository: Repository | None = None, cache: ChunkCache | None = None) -> None:
+        self.socket_dir = Path(socket_dir)
+        self.state_dir = Path(state_dir)
+        self.repository = repository
+        self.cache = cache
+        self.nbd_socket = self.socket_dir / NBD_SOCKET
+        self.control_socket = self.socket_dir / CONTROL_SOCKET
+        self._layers: dict[str, SealedLayer] = {}
+        self._stacks: dict[str, StackExport] = {}
+        self._ops_lock = asyncio.Lock()  # control operations run one at a time
+        self._nbd = NbdServer(self.nbd_socket, self._stacks.get, lambda: sorted(self._stacks))
+        self._control: asyncio.Server | None = None
+
+    # --- lifecycle ---
+    async def start(self) -> None:
+        for sub in ("layers", "uppers", "stacks"):
+            (self.state_dir / sub).mkdir(parents=True, exist_ok=True)
+        self.socket_dir.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(self._recover)
+        await self._nbd.start()
+        with contextlib.suppress(FileNotFoundError):
+            self.control_socket.unlink()
+        self._control = await asyncio.start_unix_server(self._handle_control,
+                                                        str(self.control_socket), limit=1 << 24)
+
+    async def aclose(self) -> None:
+        """Stop accepting, drop NBD connections, flush and close every stack."""
+        if self._control is not None:
+            self._control.close()
+            await self._control.wait_closed()
+            self._control = None
+            with contextlib.suppress(FileNotFoundError):
+                self.control_socket.unlink()
+        await self._nbd.aclose()
+        for exp in self._stacks.values():
+            with contextlib.suppress(OSError):
+                exp.stack.flush()
+            exp.stack.close()
+        self._stacks.clear()
+        for layer in self._layers.values():
+            layer.close()
+        self._layers.clear()
+
+    async def __aenter__(self) -> BlockServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # --- layers ---
+    def _layer_path(self, digest: str) -> Path:
+        return self.state_dir / "layers" / f"{_hex(digest)}.lsmt"
+
+    def _open_layer(self, digest: str) -> SealedLayer:
+        """The layer with `digest`, opened once and shared by every stack (may block)."""
+        if digest in self._layers:
+            return self._layers[digest]
+        blob: Blob
+        local = self._layer_path(digest)
+        if local.exists():
+            blob = FileBlob(local)
+        elif self.repository is None:
+            raise LayerNotFoundError(f"layer {digest} not on this node and no repository")
+        elif (path := self.repository.local_path(digest)) is not None:
+            blob = FileBlob(path)
+        elif self.cache is not None:
+            blob = self.cache.blob(self.repository, digest)
+        else:
+            raise LayerNotFoundError(f"layer {digest}: remote repository needs a cache dir")
+        try:
+            layer = SealedLayer.open(blob, digest=digest, name=f"layer {digest}")
+        except BaseException:
+            blob.close()
+            raise
+        self._layers[digest] = layer
+        return layer
+
+    def _release_unused_layers(self) -> None:
+        used = {layer.digest for e in self._stacks.values() for layer in e.stack.layers}
+        for digest in [d for d in self._layers if d not in used]:
+            self._layers.pop(digest).close()
+
+    def _placer(self, upper_dir: Path):  # type: ignore[no-untyped-def]
+        def place(digest: str, data_file: Path) -> Path:
+            # the marker lets recovery finish a seal cut between this rename and the
+            # manifest update that follows it
+            marker = upper_dir / SEALED_MARKER
+            marker.write_text(digest)
+            _fsync(marker)
+            dst = self._layer_path(digest)
+            os.replace(data_file, dst)
+            _fsync_dir(dst.parent)
+            return dst
+
+        return place
+
+    # --- stack manifests ---
+    def _save(self, exp: StackExport) -> None:
+        path = self.state_dir / "stacks" / f"{exp.name}.json"
+        tmp = path.with_suffix(".tmp")
+        doc = {"name": exp.name, "layers": exp.stack.layer_digests, "upper": exp.upper_id,
+               "virtual_size": exp.size}
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+
+    def _new_upper(self, name: str, virtual_size: int, parent_uuid: str) -> tuple[str, Upper]:
+        upper_id = f"{name}-{uuid.uuid4().hex[:12]}"
+        return upper_id, Upper.create(self.state_dir / "uppers" / upper_id, virtual_size,
+                                      parent_uuid=parent_uuid)
+
+    def _recover(self) -> None:
+        for path in sorted((self.state_dir / "stacks").glob("*.json")):
+            doc = json.loads(path.read_text())
+            name = doc["name"]
+            try:
+                layers = [self._open_layer(d) for d in doc["layers"]]
+                udir = self.state_dir / "uppers" / doc["upper"]
+                marker = udir / SEALED_MARKER
+                if marker.exists():  # a seal was cut after its rename: finish it
+                    layers.append(self._open_layer(marker.read_text().strip()))
+                    upper_id, upper = self._new_upper(name, int(doc["virtual_size"]),
+                                                      layers[-1].uuid)
+                    exp = StackExport(Stack(name, layers, upper), upper_id)
+                    self._save(exp)
+                    shutil.rmtree(udir, ignore_errors=True)
+                else:
+                    exp = StackExport(Stack(name, layers, Upper.open(udir)), doc["upper"])
+                self._stacks[name] = exp
+                log.info("recovered stack %s (%d layers)", name, len(layers))
+            except StorageError:
+                log.exception("cannot recover stack %s; leaving its files in place", name)
+
+    # --- operations (control API) ---
+    def _get(self, name: str) -> StackExport:
+        try:
+            return self._stacks[name]
+        except KeyError:
+            raise StackNotFoundError(f"no stack {name!r}") from None
+
+    def _check_new(self, name: str) -> None:
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            raise ValueError(f"bad stack name {name!r}")
+        if name in self._stacks:
+            raise StackExistsError(f"stack {name!r} exists")
+
+    async def create(self, name: str, layers: list[str], *,
+                     virtual_size: int | None = None) -> StackInfo:
+        async with self._ops_lock:
+            self._check_new(name)
+            opened = [await asyncio.to_thread(self._open_layer, d) for d in layers]
+            if virtual_size is None:
+                if not opened:
+                    raise ValueError("a stack without layers needs virtual_size")
+                virtual_size = opened[-1].virtual_size
+            if virtual_size <= 0 or virtual_size % 512:
+                raise ValueError(f"virtual_size {virtual_size} must be a positive multiple of 512")
+            parent = opened[-1].uuid if opened else ""
+            upper_id, upper = await asyncio.to_thread(self._new_upper, name, virtual_size, parent)
+            exp = StackExport(Stack(name, opened, upper), upper_id)
+            await asyncio.to_thread(self._save, exp)
+            self._stacks[name] = exp
+            return exp.info(self.nbd_socket)
+
+    async def _seal_locked(self, exp: StackExport, user_tag: str) -> str:
+        old_dir = exp.stack.upper.dir
+        new_id = f"{exp.name}-{uuid.uuid4().hex[:12]}"
+
+        def work() -> SealedLayer:
+            layer = exp.stack.seal(self._placer(old_dir), self.state_dir / "uppers" / new_id,
+                                   user_tag=user_tag.encode())
+            exp.upper_id = new_id
+            self._save(exp)
+            shutil.rmtree(old_dir, ignore_errors=True)
+            return layer
+
+        layer = await asyncio.to_thread(work)
+        assert layer.digest is not None
+        if layer.digest in self._layers:  # identical content already open: share it
+            layer.close()
+            exp.stack.layers[-1] = self._layers[layer.digest]
+            exp.stack.blobs[len(exp.stack.layers) - 1] = self._layers[layer.digest].blob
+        else:
+            self._layers[layer.digest] = layer
+        return layer.digest
+
+    async def seal(self, name: str, *, upload: bool = True, user_tag: str = "") -> str:
+        async with self._ops_lock:
+            exp = self._get(name)
+            async with exp.lock:
+                digest = await self._seal_locked(exp, user_tag)
+        if upload:
+            await self.push(digest)
+        return digest
+
+    async def clone(self, source: str, name: str, *, upload: bool = False) -> StackInfo:
+        async with self._ops_lock:
+            self._check_new(name)
+            src = self._get(source)
+            async with src.lock:
+                digest = None
+                if len(src.stack.upper.index):
+                    digest = await self._seal_locked(src, "")
+                parent = src.stack.layers[-1].uuid if src.stack.layers else ""
+                upper_id, upper = await asyncio.to_thread(self._new_upper, name, src.size, parent)
+                exp = StackExport(src.stack.fork(name, upper), upper_id)
+            await asyncio.to_thread(self._save, exp)
+            self._stacks[name] = exp
+        if upload and digest:
+            await self.push(digest)
+        return exp.info(self.nbd_socket)
+
+    async def delete(self, name: str) -> None:
+        async with self._ops_lock:
+            exp = self._get(name)
+            del self._stacks[name]
+            self._nbd.disconnect(name)
+            async with exp.lock:
+                exp.stack.close()
+                (self.state_dir / "stacks" / f"{name}.json").unlink(missing_ok=True)
+                await asyncio.to_thread(shutil.rmtree, exp.stack.upper.dir, True)
+            self._release_unused_layers()
+
+    async def flush(self, name: str) -> None:
+        await self._get(name).flush()
+
+    async def info(self, name: str) -> StackInfo:
+        return self._get(name).info(self.nbd_socket)
+
+    async def list(self) -> list[StackInfo]:
+        return [self._stacks[n].info(self.nbd_socket) for n in sorted(self._stacks)]
+
+    async def import_layer(self, path: str, *, upload: bool = True) -> str:
+        """Validate a sealed layer file, copy it into layers/, optionally upload it."""
+
+        def work() -> str:
+            SealedLayer.open_path(path).close()
+            digest = digest_of_file(path)
+            dst = self._layer_path(digest)
+            if not dst.exists():
+                tmp = dst.with_suffix(".tmp")
+                shutil.copyfile(path, tmp)
+                _fsync(tmp)
+                os.replace(tmp, dst)
+            return digest
+
+        digest = await asyncio.to_thread(work)
+        if upload:
+            await self.push(digest)
+        return digest
+
+    async def push(self, digest: str) -> None:
+        if self.repository is None:
+            return
+        local = self._layer_path(digest)
+        if not local.exists():
+            if await asyncio.to_thread(self.repository.has_layer, digest):
+                return
+            raise LayerNotFoundError(f"layer {digest} not on this node")
+        await asyncio.to_thread(self.repository.put_layer, digest, local)
+
+    # --- control server ---
+    async def _handle_control(self, reader: asyncio.StreamReader,
+                              writer: asyncio.StreamWriter) -> None:
+        try:
+            line = await reader.readline()
+            if not line:
+                return
+            reply = await self._dispatch(line)
+            writer.write(json.dumps(reply).encode() + b"\n")
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def _dispatch(self, line: bytes) -> dict[str, Any]:
+        try:
+            req = json.loads(line)
+            op = req["op"]
+            args = req.get("args") or {}
+            if op == "ping":
+                return {"ok": True, "result": True}
+            if op == "list":
+                return {"ok": True, "result": [i.to_dict() for i in await self.list()]}
+            fn = {"create": self.create, "seal": self.seal, "clone": self.clone,
+                  "delete": self.delete, "flush": self.flush, "info": self.info,
+                  "import_layer": self.import_layer, "push": self.push}.get(op)
+            if fn is None:
+                raise ValueError(f"unknown op {op!r}")
+            name_arg = {k: v for k, v in args.items()}
+            if op == "create":
+                result = await self.create(name_arg.pop("name"), name_arg.pop("layers", []),
+                                           **name_arg)
+            else:
+                result = await fn(**name_arg)
+            if isinstance(result, StackInfo):
+                result = result.to_dict()
+            return {"ok": True, "result": result}
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # every failure becomes an error reply; the server stays up
+            if not isinstance(exc, (StorageError, ValueError, KeyError, TypeError)):
+                log.exception("control request failed")
+            return error_reply(exc)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def build_server(args: argparse.Namespace) -> BlockServer:
+    repo: PosixFsRepository | OssRepository | None = (
+        open_repository(args.repo) if args.repo else None
+    )
+    cache = None
+    if args.cache_dir:
+        cache = ChunkCache(args.cache_dir, capacity_bytes=args.cache_mib << 20)
+    return BlockServer(socket_dir=args.socket_dir, state_dir=args.state_dir, repository=repo,
+                       cache=cache)
+
+
+async def _amain(args: argparse.Namespace) -> None:
+    server = build_server(args)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with server:
+        log.info("block server ready: nbd %s, control %s", server.nbd_socket,
+                 server.control_socket)
+        await stop.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m host.storage.blockserver",
+                                description="Serve layered block stacks over NBD.")
+    p.add_argument("--socket-dir", required=True, help="where nbd.sock and control.sock live")
+    p.add_argument("--state-dir", required=True, help="layers, uppers and stack manifests")
+    p.add_argument("--repo", default=None,
+                   help="posix_fs:/DIR or oss://BUCKET/PREFIX?endpoint=URL&region=R")
+    p.add_argument("--cache-dir", default=None, help="chunk cache for remote layers")
+    p.add_argument("--cache-mib", type=int, default=10240, help="chunk cache capacity")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_amain(args))
+
+
+if __name__ == "__main__":
+    main()

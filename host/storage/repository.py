@@ -1,0 +1,245 @@
+"""The durable store of sealed layers and snapshot manifests: `posix_fs` or `oss` (S3).
+
+Layers live under `layers/<hex>.lsmt`, manifests under `manifests/<name>.json`. Both are
+made visible atomically: posix_fs writes a temp file, fsyncs and renames; oss uploads a
+layer with a multipart upload (an object appears only when the upload completes) and a
+manifest with one PUT, after its layers. So a crash never leaves half a snapshot visible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import parse_qs, urlparse
+
+from .errors import LayerNotFoundError, RepositoryConfigError, RepositoryError
+
+
+def _hex(digest: str) -> str:
+    algo, _, hexpart = digest.partition(":")
+    if algo != "sha256" or len(hexpart) != 64 or not all(c in "0123456789abcdef" for c in hexpart):
+        raise ValueError(f"not a sha256 digest: {digest!r}")
+    return hexpart
+
+
+def _check_name(name: str) -> str:
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"bad manifest name {name!r}")
+    return name
+
+
+class Repository(Protocol):
+    """Where layers and manifests are kept durably."""
+
+    def has_layer(self, digest: str) -> bool: ...
+    def layer_size(self, digest: str) -> int: ...
+    def read_layer(self, digest: str, offset: int, length: int) -> bytes: ...
+    def put_layer(self, digest: str, path: str | os.PathLike[str]) -> None: ...
+    def local_path(self, digest: str) -> Path | None: ...
+    def put_manifest(self, name: str, manifest: dict[str, Any]) -> None: ...
+    def get_manifest(self, name: str) -> dict[str, Any]: ...
+    def list_manifests(self) -> list[str]: ...
+
+
+class PosixFsRepository:
+    """A directory (possibly on a shared filesystem)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        (self.root / "layers").mkdir(parents=True, exist_ok=True)
+        (self.root / "manifests").mkdir(parents=True, exist_ok=True)
+
+    def _layer(self, digest: str) -> Path:
+        return self.root / "layers" / f"{_hex(digest)}.lsmt"
+
+    def has_layer(self, digest: str) -> bool:
+        return self._layer(digest).exists()
+
+    def local_path(self, digest: str) -> Path | None:
+        p = self._layer(digest)
+        return p if p.exists() else None
+
+    def layer_size(self, digest: str) -> int:
+        try:
+            return self._layer(digest).stat().st_size
+        except FileNotFoundError as exc:
+            raise LayerNotFoundError(f"layer {digest} not in {self.root}") from exc
+
+    def read_layer(self, digest: str, offset: int, length: int) -> bytes:
+        try:
+            with open(self._layer(digest), "rb") as f:
+                return os.pread(f.fileno(), length, offset)
+        except FileNotFoundError as exc:
+            raise LayerNotFoundError(f"layer {digest} not in {self.root}") from exc
+
+    def put_layer(self, digest: str, path: str | os.PathLike[str]) -> None:
+        dst = self._layer(digest)
+        if dst.exists():
+            return
+        with self._atomic(dst) as tmp:
+            with open(path, "rb") as src, open(tmp, "wb") as out:
+                shutil.copyfileobj(src, out, 1 << 20)
+                out.flush()
+                os.fsync(out.fileno())
+
+    def put_manifest(self, name: str, manifest: dict[str, Any]) -> None:
+        dst = self.root / "manifests" / f"{_check_name(name)}.json"
+        with self._atomic(dst) as tmp:
+            with open(tmp, "w") as out:
+                json.dump(manifest, out, sort_keys=True)
+                out.flush()
+                os.fsync(out.fileno())
+
+    def get_manifest(self, name: str) -> dict[str, Any]:
+        try:
+            return json.loads((self.root / "manifests" / f"{_check_name(name)}.json").read_text())
+        except FileNotFoundError as exc:
+            raise RepositoryError(f"no manifest {name!r} in {self.root}") from exc
+
+    def list_manifests(self) -> list[str]:
+        return sorted(p.stem for p in (self.root / "manifests").glob("*.json"))
+
+    @contextlib.contextmanager
+    def _atomic(self, dst: Path) -> Iterator[Path]:
+        fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=".tmp-")
+        os.close(fd)
+        try:
+            yield Path(tmp)
+            os.replace(tmp, dst)
+            dfd = os.open(dst.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+
+@contextlib.contextmanager
+def _map_boto_errors(what: str) -> Iterator[None]:
+    """botocore errors become RepositoryError (LayerNotFoundError for a missing object)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        yield
+    except ClientError as exc:
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        if code in ("404", "NoSuchKey", "NotFound"):
+            raise LayerNotFoundError(f"{what}: not found") from exc
+        raise RepositoryError(f"{what}: {exc}") from exc
+    except BotoCoreError as exc:
+        raise RepositoryError(f"{what}: {exc}") from exc
+
+
+class OssRepository:
+    """Any S3-compatible object store through boto3. Endpoint, bucket and region are explicit."""
+
+    def __init__(self, *, bucket: str, region: str | None, endpoint: str | None = None,
+                 prefix: str = "", access_key: str | None = None, secret_key: str | None = None,
+                 addressing_style: str = "path", multipart_chunk_mib: int = 8) -> None:
+        if not bucket:
+            raise RepositoryConfigError("oss repository: bucket is required")
+        if not region:
+            raise RepositoryConfigError(
+                "oss repository: region is required (set it explicitly, e.g. region=us-east-1)"
+            )
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.s3 = boto3.client(
+            "s3", endpoint_url=endpoint, region_name=region, aws_access_key_id=access_key,
+            aws_secret_access_key=secret_key,
+            config=Config(s3={"addressing_style": addressing_style},
+                          retries={"max_attempts": 5, "mode": "standard"}),
+        )
+        chunk = multipart_chunk_mib << 20
+        self._transfer = TransferConfig(multipart_threshold=chunk, multipart_chunksize=chunk)
+
+    def _key(self, digest: str) -> str:
+        return f"{self.prefix}layers/{_hex(digest)}.lsmt"
+
+    def has_layer(self, digest: str) -> bool:
+        try:
+            self.layer_size(digest)
+            return True
+        except LayerNotFoundError:
+            return False
+
+    def local_path(self, digest: str) -> Path | None:
+        return None
+
+    def layer_size(self, digest: str) -> int:
+        with _map_boto_errors(f"layer {digest}"):
+            return int(self.s3.head_object(Bucket=self.bucket, Key=self._key(digest))["ContentLength"])
+
+    def read_layer(self, digest: str, offset: int, length: int) -> bytes:
+        with _map_boto_errors(f"layer {digest}"):
+            r = self.s3.get_object(Bucket=self.bucket, Key=self._key(digest),
+                                   Range=f"bytes={offset}-{offset + length - 1}")
+            return bytes(r["Body"].read())
+
+    def put_layer(self, digest: str, path: str | os.PathLike[str]) -> None:
+        if self.has_layer(digest):
+            return
+        # upload_file uses a multipart upload above the threshold: the object becomes
+        # visible only when CompleteMultipartUpload succeeds, never half-written
+        with _map_boto_errors(f"upload {digest}"):
+            self.s3.upload_file(str(path), self.bucket, self._key(digest), Config=self._transfer)
+
+    def put_manifest(self, name: str, manifest: dict[str, Any]) -> None:
+        body = json.dumps(manifest, sort_keys=True).encode()
+        with _map_boto_errors(f"manifest {name}"):
+            self.s3.put_object(Bucket=self.bucket, Key=f"{self.prefix}manifests/{_check_name(name)}.json",
+                               Body=body)
+
+    def get_manifest(self, name: str) -> dict[str, Any]:
+        try:
+            with _map_boto_errors(f"manifest {name}"):
+                r = self.s3.get_object(Bucket=self.bucket,
+                                       Key=f"{self.prefix}manifests/{_check_name(name)}.json")
+                return json.loads(r["Body"].read())
+        except LayerNotFoundError as exc:
+            raise RepositoryError(f"no manifest {name!r}") from exc
+
+    def list_manifests(self) -> list[str]:
+        names = []
+        with _map_boto_errors("list manifests"):
+            pages = self.s3.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=f"{self.prefix}manifests/")
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    key = obj["Key"].rsplit("/", 1)[1]
+                    if key.endswith(".json"):
+                        names.append(key[:-5])
+        return sorted(names)
+
+
+def open_repository(spec: str) -> PosixFsRepository | OssRepository:
+    """A repository from a spec string.
+
+    `posix_fs:/path` or a plain path → PosixFsRepository;
+    `oss://BUCKET/PREFIX?endpoint=URL&region=R[&addressing_style=path]` → OssRepository
+    (credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or boto3's usual chain).
+    """
+    if spec.startswith("oss://") or spec.startswith("s3://"):
+        u = urlparse(spec)
+        q = {k: v[-1] for k, v in parse_qs(u.query).items()}
+        return OssRepository(bucket=u.netloc, prefix=u.path, endpoint=q.get("endpoint"),
+                             region=q.get("region"),
+                             addressing_style=q.get("addressing_style", "path"))
+    if spec.startswith("posix_fs:"):
+        spec = spec[len("posix_fs:"):]
+    if not spec:
+        raise RepositoryConfigError("posix_fs repository: a directory is required")
+    return PosixFsRepository(spec)
