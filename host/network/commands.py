@@ -1,0 +1,124 @@
+"""Running `ip`, `nft` and `sysctl` (argv lists, never shell strings), in a namespace.
+
+All foreign errors are translated here: a missing binary becomes
+`NetworkUnavailableError`, a non-zero exit or a timeout `NetworkCommandError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import NetworkCommandError, NetworkUnavailableError
+
+COMMAND_TIMEOUT_S = 15.0
+
+
+@dataclass(frozen=True)
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+async def run(
+    argv: Sequence[str],
+    *,
+    input_text: str | None = None,
+    check: bool = True,
+    timeout_s: float = COMMAND_TIMEOUT_S,
+) -> Result:
+    """Run argv; raise NetworkCommandError on failure when `check`."""
+    argv = list(argv)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE if input_text is not None else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+    except FileNotFoundError as exc:
+        raise NetworkUnavailableError(f"{argv[0]} not found: {exc}") from exc
+    except OSError as exc:
+        raise NetworkCommandError(argv, None, str(exc)) from exc
+    try:
+        async with asyncio.timeout(timeout_s):
+            out, err = await proc.communicate(
+                input_text.encode() if input_text is not None else None
+            )
+    except TimeoutError as exc:
+        proc.kill()
+        await proc.wait()
+        raise NetworkCommandError(argv, None, f"timed out after {timeout_s}s") from exc
+    except asyncio.CancelledError:
+        if proc.returncode is None:
+            proc.kill()
+            await asyncio.shield(proc.wait())
+        raise
+    result = Result(proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace"))
+    if check and result.returncode != 0:
+        raise NetworkCommandError(argv, result.returncode, result.stderr)
+    return result
+
+
+def netns_exec_argv(netns: str | None, argv: Sequence[str]) -> list[str]:
+    """argv run inside `netns` (`ip netns exec NAME ...`); unchanged when netns is None."""
+    if netns is None:
+        return list(argv)
+    return ["ip", "netns", "exec", netns, *argv]
+
+
+class Namespace:
+    """Commands that act on one network namespace (None: the caller's own)."""
+
+    def __init__(self, name: str | None) -> None:
+        self.name = name
+
+    def _ip(self, *args: str) -> list[str]:
+        return ["ip", *(["-n", self.name] if self.name else []), *args]
+
+    async def ip(self, *args: str, check: bool = True) -> Result:
+        return await run(self._ip(*args), check=check)
+
+    async def ip_json(self, *args: str) -> list[dict[str, Any]]:
+        result = await run(self._ip("-j", *args))
+        text = result.stdout.strip()
+        return json.loads(text) if text else []
+
+    async def ip_batch(self, lines: Sequence[str]) -> Result:
+        """Several `ip` commands in one process (stops at the first failure)."""
+        return await run(self._ip("-batch", "-"), input_text="\n".join(lines) + "\n")
+
+    async def nft(self, script: str) -> Result:
+        """Apply an nft script as one atomic transaction."""
+        return await run(netns_exec_argv(self.name, ["nft", "-f", "-"]), input_text=script)
+
+    async def nft_out(self, *args: str, check: bool = True) -> Result:
+        return await run(netns_exec_argv(self.name, ["nft", *args]), check=check)
+
+    async def sysctl_read(self, key: str) -> str:
+        result = await run(netns_exec_argv(self.name, ["sysctl", "-n", key]))
+        return result.stdout.strip()
+
+    async def sysctl_write(self, values: dict[str, str]) -> None:
+        if values:
+            argv = ["sysctl", "-q", "-w", *(f"{k}={v}" for k, v in values.items())]
+            await run(netns_exec_argv(self.name, argv))
+
+
+def have_binaries(*names: str) -> list[str]:
+    """Names of the binaries that are missing from PATH."""
+    return [n for n in names if shutil.which(n) is None]
+
+
+NETNS_DIR = "/run/netns"
+
+
+def netns_path(name: str) -> str:
+    return os.path.join(NETNS_DIR, name)
