@@ -136,12 +136,19 @@ def unpack_entries(buf: bytes) -> list[tuple[int, int, int, bool]]:
 def index_entries(index: SegmentIndex, *, pad: bool) -> bytes:
     """The on-disk entries of an index (extents split to MAX_LENGTH), padded to 4 KiB."""
     parts = []
+    runs: list[list[int]] = []  # [start, end, moff, zeroed], adjacent extents coalesced
     for ext in index:
-        s, m = ext.start, ext.moff
-        while s < ext.end:
-            n = min(MAX_LENGTH, ext.end - s)
-            zeroed = ext.tag == ZERO
-            parts.append(pack_entry(s, n, 0 if zeroed else m, zeroed))
+        z = int(ext.tag == ZERO)
+        if runs and runs[-1][1] == ext.start and runs[-1][3] == z and (
+                z or runs[-1][2] + runs[-1][1] - runs[-1][0] == ext.moff):
+            runs[-1][1] = ext.end
+        else:
+            runs.append([ext.start, ext.end, 0 if z else ext.moff, z])
+    for start, end, moff, z in runs:
+        s, m = start, moff
+        while s < end:
+            n = min(MAX_LENGTH, end - s)
+            parts.append(pack_entry(s, n, 0 if z else m, bool(z)))
             s += n
             m += n
     if pad:
