@@ -114,7 +114,10 @@ class DeadlineInterceptor:
                         message = await anext(iterator)
                 except StopAsyncIteration:
                     return
-                except TimeoutError:
+                except Exception:
+                    # Usually TimeoutError; but code that turns the cancellation into
+                    # another error (connectrpc's request reader raises CANCELED) must
+                    # still report the deadline.
                     if timeout.expired():
                         raise _deadline_error() from None
                     raise
@@ -133,7 +136,7 @@ class DeadlineInterceptor:
         try:
             async with timeout:
                 return await aw
-        except TimeoutError:
+        except Exception:  # see intercept_server_stream
             if timeout.expired():
                 raise _deadline_error() from None
             raise
