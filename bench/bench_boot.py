@@ -1,0 +1,108 @@
+"""Cold boot benchmark for the QEMU driver on this machine's accelerator.
+
+Measures, over N cold boots (p50 / p95):
+  floor  QEMU process start -> QMP negotiated (what any VM costs before the guest runs)
+  boot   QEMU process start -> envd GET /health answers (cold boot of the built image)
+and prints boot/floor. Samples and parameters go to JSON (--json, default
+out/bench/boot.json).
+
+    .venv/bin/python bench/bench_boot.py [-n 5] [--image NAME]
+    .venv/bin/python bench/bench_boot.py --kernel K --rootfs R --cmdline "..."   # any guest
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from host.vmm import FileDisk, QemuDriver, VmSpec  # noqa: E402
+from host.vmm.image import find_image  # noqa: E402
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    if len(s) == 1:
+        return s[0]
+    return statistics.quantiles(s, n=100, method="inclusive")[int(q) - 1]
+
+
+async def one_boot(driver: QemuDriver, spec: VmSpec, timeout_s: float) -> tuple[float, float]:
+    vm = await driver.start(spec)
+    try:
+        await vm.wait_for_envd(timeout_s)
+        loop = asyncio.get_running_loop()
+        assert vm.started_at is not None and vm.qmp_ready_s is not None
+        return vm.qmp_ready_s, loop.time() - vm.started_at
+    finally:
+        await vm.kill()
+
+
+async def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-n", type=int, default=5)
+    ap.add_argument("--image", default=None, help="image name under $AENV_CACHE/images")
+    ap.add_argument("--kernel", type=Path)
+    ap.add_argument("--rootfs", type=Path, help="raw ext4 root disk (with --kernel)")
+    ap.add_argument("--cmdline", default="root=/dev/vda rw quiet")
+    ap.add_argument("--mem-mib", type=int, default=512)
+    ap.add_argument("--vcpus", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=180.0)
+    ap.add_argument("--json", type=Path, default=REPO / "out/bench/boot.json")
+    args = ap.parse_args()
+
+    if args.kernel:
+        disks = (FileDisk(path=args.rootfs),) if args.rootfs else ()
+        spec = VmSpec(kernel=args.kernel, cmdline=args.cmdline, disks=disks,
+                      mem_mib=args.mem_mib, vcpus=args.vcpus, name="bench-boot")
+        guest = {"kernel": str(args.kernel), "rootfs": str(args.rootfs), "cmdline": args.cmdline}
+    else:
+        image = find_image(args.image)
+        spec = image.vm_spec(mem_mib=args.mem_mib, vcpus=args.vcpus, name="bench-boot")
+        guest = {"image": image.name, "kernel": str(image.kernel.vmlinux),
+                 "kernel_release": image.kernel.release, "cmdline": spec.cmdline}
+
+    driver = QemuDriver()
+    accel, tsc_khz = await driver.accel()
+    floors: list[float] = []
+    boots: list[float] = []
+    try:
+        for i in range(args.n):
+            floor, boot = await one_boot(driver, spec, args.timeout)
+            floors.append(floor)
+            boots.append(boot)
+            print(f"  boot {i + 1}/{args.n}: qmp {floor * 1000:7.1f} ms   envd {boot:6.2f} s",
+                  flush=True)
+    finally:
+        await driver.aclose()
+
+    f50, b50 = statistics.median(floors), statistics.median(boots)
+    print(f"driver qemu, accel {accel}, vcpus {args.vcpus}, mem {args.mem_mib} MiB, n={args.n}")
+    print(f"  floor (start -> QMP ready)    p50 {f50 * 1000:8.1f} ms   p95 "
+          f"{pct(floors, 95) * 1000:8.1f} ms")
+    print(f"  cold boot (start -> envd ok)  p50 {b50 * 1000:8.1f} ms   p95 "
+          f"{pct(boots, 95) * 1000:8.1f} ms")
+    print(f"  cold boot / floor  median {b50 / f50:.1f}x")
+
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({
+        "bench": "boot", "driver": "qemu", "accel": accel, "tsc_khz": tsc_khz,
+        "vcpus": args.vcpus, "mem_mib": args.mem_mib, "n": args.n, "guest": guest,
+        "host": platform.node(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "floor_s": floors, "boot_s": boots,
+        "floor_p50_s": f50, "boot_p50_s": b50, "ratio_p50": b50 / f50,
+    }, indent=2) + "\n")
+    print(f"  samples: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(asyncio.run(main()))
