@@ -50,8 +50,9 @@ class ServerThread:
 
     def __init__(self, app, port: int | None = None, **kwargs) -> None:
         self.port = port or free_port()
+        kwargs.setdefault("lifespan", "off")
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                lifespan="off", **kwargs)
+                                **kwargs)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()),
                                        daemon=True)

@@ -1,0 +1,336 @@
+"""The sandbox reverse proxy: a pure ASGI app (served by uvicorn) that forwards each request
+to `orchestrator.route(...)`, streaming both ways.
+
+Why ASGI + httpx rather than a raw byte relay: one client connection may carry requests
+for different sandboxes (E2B_SANDBOX_URL routes every request by headers), so the proxy has
+to understand HTTP/1.1 framing on both sides anyway; uvicorn (httptools) and httpcore (h11)
+already do, and both stream: uvicorn hands us body chunks as they arrive, httpx sends an
+async-iterator body chunk by chunk (chunked, or with the client's Content-Length), and
+`aiter_raw()` yields response bytes as soon as they are read, undecoded. Nothing is
+buffered beyond one socket read. WebSockets are relayed message by message through the
+`websockets` client after both handshakes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections.abc import AsyncIterator
+
+import httpx
+import websockets
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import connect as ws_connect
+
+from host.orchestrator.errors import OrchestratorError, SandboxNotFound, StateConflict
+from host.orchestrator.model import Route
+from host.orchestrator.service import Orchestrator
+
+from . import responses
+from .routing import ENVD_PORT, BadTarget, Target, host_name, parse_target
+
+log = logging.getLogger(__name__)
+
+# envd control routes only the host may call (spec §1.6.3).
+BLOCKED_ENVD_PATHS = frozenset({"/init", "/freeze", "/unfreeze", "/fsfreeze", "/fsthaw",
+                                "/collapse", "/upgrade"})
+TRAFFIC_TOKEN_HEADER = b"e2b-traffic-access-token"
+
+# Hop-by-hop headers (RFC 9110 §7.6.1) plus those the server side already handled.
+_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate",
+                  b"proxy-authorization", b"te", b"trailer", b"transfer-encoding", b"upgrade",
+                  b"expect"})
+_WS_HANDSHAKE = frozenset({b"host", b"upgrade", b"connection", b"sec-websocket-key",
+                           b"sec-websocket-version", b"sec-websocket-extensions",
+                           b"sec-websocket-protocol", b"content-length"})
+
+
+class _ClientGone(Exception):
+    """The client disconnected while we were reading its body."""
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for k, v in scope["headers"]:
+        if k == name:
+            return v.decode("latin-1")
+    return None
+
+
+class ProxyApp:
+    """ASGI app; build with `build_proxy_app`. Call `aclose()` (or run the ASGI lifespan)."""
+
+    def __init__(self, orchestrator: Orchestrator, domain: str | None, *,
+                 api_app: ASGIApp | None = None, auto_resume: bool = True,
+                 connect_timeout_s: float = 5.0) -> None:
+        self.orchestrator = orchestrator
+        self.domain = domain.lower() if domain else None
+        self.api_app = api_app
+        self.auto_resume = auto_resume
+        self.connect_timeout_s = connect_timeout_s
+        self._client: httpx.AsyncClient | None = None
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                # Streams are long-lived (Connect streams, PTYs): no read/write/pool deadline,
+                # no cap on concurrent upstream connections.
+                timeout=httpx.Timeout(None, connect=self.connect_timeout_s),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=512,
+                                    keepalive_expiry=60),
+                follow_redirects=False, trust_env=False)
+        return self._client
+
+    async def aclose(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                await self.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # --- dispatch ---------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        host = host_name(_header(scope, b"host") or "")
+        if self.api_app is not None and self.domain and host == f"api.{self.domain}":
+            await self.api_app(scope, receive, send)
+            return
+        try:
+            target = parse_target(host, _header(scope, b"e2b-sandbox-id"),
+                                  _header(scope, b"e2b-sandbox-port"), self.domain)
+        except BadTarget as exc:
+            await self._deny(scope, receive, send, 400, str(exc))
+            return
+        route = await self._route(scope, receive, send, target)
+        if route is None:
+            return
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send, target, route)
+        else:
+            await self._http_exchange(scope, receive, send, target, route)
+
+    async def _deny(self, scope: Scope, receive: Receive, send: Send, status: int, message: str,
+                    *, sandbox_id: str | None = None, port: int | None = None) -> None:
+        if scope["type"] == "websocket":
+            await self._deny_websocket(scope, receive, send, status, message, sandbox_id, port)
+        else:
+            await responses.send_json(send, status, message, sandbox_id=sandbox_id, port=port)
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send,
+                     target: Target) -> Route | None:
+        """Resolve and authorize; answers the client itself and returns None on refusal."""
+        sid, port = target.sandbox_id, target.port
+        try:
+            route = await self.orchestrator.route(sid, port, resume=self.auto_resume)
+        except (SandboxNotFound, StateConflict):
+            # unknown, killed, or paused without auto-resume: the SDK reads "was not found"
+            await self._deny(scope, receive, send, 502, responses.NOT_FOUND, sandbox_id=sid)
+            return None
+        except OrchestratorError as exc:
+            await self._deny(scope, receive, send, 502, f"The sandbox is unavailable: {exc}",
+                             sandbox_id=sid)
+            return None
+        if port == ENVD_PORT:
+            path = scope["path"].rstrip("/") or "/"
+            if path in BLOCKED_ENVD_PATHS:
+                await self._deny(scope, receive, send, 403,
+                                 f"envd route {path} is not reachable through the proxy",
+                                 sandbox_id=sid)
+                return None
+        elif route.traffic_token is not None:
+            given = _header(scope, TRAFFIC_TOKEN_HEADER) or ""
+            if not hmac.compare_digest(given.encode(), route.traffic_token.encode()):
+                msg = ("missing e2b-traffic-access-token header" if not given
+                       else "invalid e2b-traffic-access-token")
+                await self._deny(scope, receive, send, 403, msg, sandbox_id=sid)
+                return None
+        return route
+
+    # --- HTTP -------------------------------------------------------------------------
+
+    async def _http_exchange(self, scope: Scope, receive: Receive, send: Send,
+                             target: Target, route: Route) -> None:
+        body_done = asyncio.Event()
+        headers = [(k, v) for k, v in scope["headers"] if k not in _HOP]
+        client = scope.get("client")
+        if client:
+            headers.append((b"x-forwarded-for", client[0].encode()))
+        has_body = any(k in (b"content-length", b"transfer-encoding") for k, _ in scope["headers"])
+        content = self._request_body(receive, body_done) if has_body else None
+        if content is None:
+            body_done.set()
+        query = scope.get("query_string", b"")
+        raw_path = scope.get("raw_path") or scope["path"].encode()
+        url = httpx.URL(scheme="http", host=route.host, port=route.port,
+                        raw_path=raw_path + (b"?" + query if query else b""))
+        request = httpx.Request(scope["method"], url, headers=headers, content=content)
+
+        work = asyncio.create_task(self._pump(request, send, target))
+        watcher = asyncio.create_task(self._wait_disconnect(receive, body_done))
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # Client gone (watcher done) or response finished (work done): stop the other.
+            for task in (work, watcher):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(work, watcher, return_exceptions=True)
+        if work.done() and not work.cancelled() and (exc := work.exception()) is not None:
+            if not isinstance(exc, _ClientGone):
+                raise exc
+
+    @staticmethod
+    async def _request_body(receive: Receive, done: asyncio.Event) -> AsyncIterator[bytes]:
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise _ClientGone
+            chunk = msg.get("body", b"")
+            if chunk:
+                yield chunk
+            if not msg.get("more_body", False):
+                break
+        done.set()
+
+    @staticmethod
+    async def _wait_disconnect(receive: Receive, body_done: asyncio.Event) -> None:
+        await body_done.wait()  # receive() belongs to the body reader until then
+        while True:
+            msg: Message = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    async def _pump(self, request: httpx.Request, send: Send, target: Target) -> None:
+        try:
+            upstream = await self._http().send(request, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout):
+            await responses.send_json(send, 502, responses.PORT_CLOSED,
+                                      sandbox_id=target.sandbox_id, port=target.port)
+            return
+        except httpx.TransportError as exc:
+            if isinstance(exc.__context__, _ClientGone) or isinstance(exc, httpx.StreamError):
+                raise _ClientGone from exc
+            await responses.send_json(send, 502, f"The sandbox closed the connection: {exc}",
+                                      sandbox_id=target.sandbox_id, port=target.port)
+            return
+        try:
+            await send({"type": "http.response.start", "status": upstream.status_code,
+                        "headers": [(k, v) for k, v in upstream.headers.raw
+                                    if k.lower() not in _HOP]})
+            try:
+                async for chunk in upstream.aiter_raw():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except httpx.TransportError as exc:
+                # The response has started: all we can do is cut the client off too.
+                log.info("upstream %s:%s broke mid-response: %s", target.sandbox_id,
+                         target.port, exc)
+                raise _ClientGone from exc
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await upstream.aclose()
+
+    # --- WebSocket --------------------------------------------------------------------
+
+    async def _deny_websocket(self, scope: Scope, receive: Receive, send: Send, status: int,
+                              message: str, sandbox_id: str | None, port: int | None) -> None:
+        msg = await receive()  # websocket.connect
+        if msg["type"] != "websocket.connect":
+            return
+        if "websocket.http.response" in scope.get("extensions", {}):
+            payload = responses.body(status, message, sandbox_id, port)
+            await send({"type": "websocket.http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(payload)).encode())]})
+            await send({"type": "websocket.http.response.body", "body": payload})
+        else:
+            await send({"type": "websocket.close", "code": 1008, "reason": message[:120]})
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send, target: Target,
+                         route: Route) -> None:
+        query = scope.get("query_string", b"")
+        raw_path = scope.get("raw_path") or scope["path"].encode()
+        uri = f"ws://{route.host}:{route.port}{raw_path.decode('latin-1')}"
+        if query:
+            uri += "?" + query.decode("latin-1")
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
+                   if k not in _WS_HANDSHAKE and k not in _HOP]
+        try:
+            upstream = await ws_connect(
+                uri, additional_headers=headers, subprotocols=scope.get("subprotocols") or None,
+                open_timeout=self.connect_timeout_s, max_size=None, compression=None,
+                user_agent_header=None, ping_interval=None)
+        except (OSError, asyncio.TimeoutError):
+            await self._deny_websocket(scope, receive, send, 502, responses.PORT_CLOSED,
+                                       target.sandbox_id, target.port)
+            return
+        except websockets.InvalidStatus as exc:
+            await self._deny_websocket(scope, receive, send, exc.response.status_code,
+                                       f"upstream refused the WebSocket: {exc}",
+                                       target.sandbox_id, target.port)
+            return
+        async with upstream:
+            if (await receive())["type"] != "websocket.connect":
+                return
+            await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
+            down = asyncio.create_task(self._ws_down(upstream, send))
+            up = asyncio.create_task(self._ws_up(receive, upstream))
+            try:
+                await asyncio.wait({down, up}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (down, up):
+                    task.cancel()
+                await asyncio.gather(down, up, return_exceptions=True)
+
+    @staticmethod
+    async def _ws_up(receive: Receive, upstream: ClientConnection) -> None:
+        with contextlib.suppress(websockets.ConnectionClosed):
+            await ProxyApp._ws_up_loop(receive, upstream)
+
+    @staticmethod
+    async def _ws_up_loop(receive: Receive, upstream: ClientConnection) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "websocket.receive":
+                data = msg.get("bytes")
+                await upstream.send(data if data is not None else msg.get("text", ""))
+            elif msg["type"] == "websocket.disconnect":
+                code = msg.get("code") or 1000
+                await upstream.close(code=1000 if code in (1005, 1006, 1015) else code)
+                return
+
+    @staticmethod
+    async def _ws_down(upstream: ClientConnection, send: Send) -> None:
+        with contextlib.suppress(websockets.ConnectionClosed):
+            async for data in upstream:
+                if isinstance(data, bytes):
+                    await send({"type": "websocket.send", "bytes": data})
+                else:
+                    await send({"type": "websocket.send", "text": data})
+        code = upstream.close_code or 1000
+        if code in (1005, 1006, 1015):  # reserved: may not be sent in a close frame
+            code = 1000
+        with contextlib.suppress(Exception):
+            await send({"type": "websocket.close", "code": code,
+                        "reason": upstream.close_reason or ""})
+
+
+def build_proxy_app(orchestrator: Orchestrator, domain: str | None, *,
+                    api_app: ASGIApp | None = None, auto_resume: bool = True) -> ProxyApp:
+    """The sandbox proxy. `api_app`, when given, serves requests for `api.<domain>` (one
+    TLS listener for everything); `auto_resume` is passed to `orchestrator.route`."""
+    return ProxyApp(orchestrator, domain, api_app=api_app, auto_resume=auto_resume)
