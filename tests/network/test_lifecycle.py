@@ -1,0 +1,142 @@
+"""create/destroy/aclose/recover leave nothing behind; errors are the documented ones."""
+
+from __future__ import annotations
+
+import pytest
+
+from host.network import (NetworkManager, NetworkManagerConfig, NetworkPolicy,
+                          NetworkUnavailableError, SandboxNetworkExistsError,
+                          SandboxNetworkNotFoundError)
+from host.network.errors import NetworkCleanupError, NetworkCommandError, NetworkError
+from host.network.manager import NetworkManager as _NM
+
+from .conftest import INET_A, PORT, PREFIX, World
+from .netns_util import links, netns_exists, nft_tables, sh, sysctl, try_tcp
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_create_builds_namespace_tap_bridge_and_rules(world: World) -> None:
+    net, _ = world.create("sbx1", guest=False)
+    assert net.netns == f"{PREFIX}sbx1" and netns_exists(net.netns)
+    assert net.host_ifname in links(world.host)
+    assert {"lo", "eth0", "br0", "tap0"} <= set(links(net.netns))
+    assert "table inet aenv" in nft_tables(net.netns)
+    assert sysctl(net.netns, "net.ipv4.ip_forward") == "1"
+    assert world.manager.get("sbx1") == net
+    tap = sh(["ip", "-n", net.netns, "-d", "link", "show", "tap0"])
+    assert "tun type tap" in tap and "master br0" in tap
+
+
+def test_destroy_removes_everything_and_is_idempotent(world: World) -> None:
+    net, guest = world.create("sbx1")
+    assert try_tcp(guest, INET_A, PORT) == "inet-a"
+    world.loop.run(world.manager.destroy("sbx1"))
+    assert not netns_exists(net.netns)
+    assert net.host_ifname not in links(world.host)
+    assert "sbx1" not in world.manager.networks
+    assert links(guest) == ["lo"]  # its veth went with the sandbox namespace
+    world.loop.run(world.manager.destroy("sbx1"))  # again: no error
+    world.loop.run(world.manager.destroy("neverexisted"))
+    with pytest.raises(SandboxNetworkNotFoundError):
+        world.manager.get("sbx1")
+    # the address block is reusable (round robin: a new sandbox gets the next one first)
+    net2, _ = world.create("sbx1", guest=False)
+    assert net2.slot != net.slot
+
+
+def test_duplicate_and_invalid_ids_are_rejected(world: World) -> None:
+    world.create("sbx1", guest=False)
+    with pytest.raises(SandboxNetworkExistsError):
+        world.loop.run(world.manager.create("sbx1"))
+    with pytest.raises(ValueError):
+        world.loop.run(world.manager.create("bad id/../x"))
+    with pytest.raises(SandboxNetworkNotFoundError):
+        world.loop.run(world.manager.update_policy("nope", NetworkPolicy()))
+
+
+def test_failed_create_rolls_back(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def broken_apply(self: _NM, net: object) -> None:
+        raise NetworkCommandError(["nft", "-f", "-"], 1, "injected failure")
+
+    monkeypatch.setattr(_NM, "_apply_policy", broken_apply)
+    with pytest.raises(NetworkCommandError, match="injected"):
+        world.loop.run(world.manager.create("sbx1"))
+    assert not netns_exists(f"{PREFIX}sbx1")
+    assert not [x for x in links(world.host) if x.startswith(PREFIX)]
+    assert world.manager.pool.in_use == frozenset()
+
+
+def test_destroy_reports_processes_still_in_namespace(world: World) -> None:
+    net, _ = world.create("sbx1", guest=False)
+    proc = __import__("subprocess").Popen(net.wrap_argv(["sleep", "30"]))
+    try:
+        with pytest.raises(NetworkCleanupError, match="still in"):
+            world.loop.run(world.manager.destroy("sbx1"))
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not netns_exists(net.netns)
+    assert net.host_ifname not in links(world.host)
+
+
+def test_aclose_removes_networks_host_table_and_restores_forwarding(world: World) -> None:
+    host = world.host
+    cfg = NetworkManagerConfig(prefix="t2nd-", pool="10.214.0.0/28", host_netns=host)
+    assert sysctl(host, "net.ipv4.ip_forward") == "1"  # world's manager set it
+    # a second manager on the same host does not take ownership of the switch
+    nm2 = world.loop.run(NetworkManager(cfg).open())
+    net = world.loop.run(nm2.create("other"))
+    assert "table ip t2nd_host" in nft_tables(host)
+    world.loop.run(nm2.aclose())
+    world.loop.run(nm2.aclose())  # idempotent
+    assert not netns_exists(net.netns)
+    assert "table ip t2nd_host" not in nft_tables(host)
+    assert sysctl(host, "net.ipv4.ip_forward") == "1"
+    # closing the manager that switched forwarding on restores the prior value
+    world.create("sbx1", guest=False)
+    world.loop.run(world.manager.aclose())
+    assert sysctl(host, "net.ipv4.ip_forward") == "0"
+    assert not [t for t in nft_tables(host) if "host" in t]
+    assert not netns_exists(f"{PREFIX}sbx1")
+    with pytest.raises(NetworkError, match="not open"):
+        world.loop.run(world.manager.create("sbx2"))
+
+
+def test_recover_cleans_leftovers_and_adopts_kept_networks(world: World) -> None:
+    world.create("gone1", guest=False)
+    world.create("gone2", guest=False)
+    kept, guest = world.create("kept", NetworkPolicy(allow_internet_access=False))
+    # a stray host veth whose namespace vanished
+    sh(["ip", "-n", world.host, "link", "add", f"{PREFIX}63", "type", "veth", "peer", "name",
+        "strayp"])
+    # "crash": a fresh manager with the same config finds what the first one left
+    world.manager._open = False  # the old object is abandoned, not closed
+    world.manager = world.loop.run(NetworkManager(world.manager.config).open())
+    found = world.loop.run(world.manager.list_existing())
+    assert {(e.sandbox_id, e.host_ifname) for e in found} == {
+        ("gone1", f"{PREFIX}0"), ("gone2", f"{PREFIX}1"), ("kept", f"{PREFIX}2"),
+        (None, f"{PREFIX}63"),
+    }
+    adopted = world.loop.run(world.manager.recover({"kept": NetworkPolicy()}))
+    assert adopted == [kept.__class__(**{**kept.__dict__, "policy": NetworkPolicy()})]
+    assert not netns_exists(f"{PREFIX}gone1") and not netns_exists(f"{PREFIX}gone2")
+    assert f"{PREFIX}63" not in links(world.host)
+    assert [e.sandbox_id for e in world.loop.run(world.manager.list_existing())] == ["kept"]
+    # the adopted network works with its re-applied policy, and its slot stays taken
+    assert try_tcp(guest, INET_A, PORT) == "inet-a"
+    assert world.manager.pool.in_use == frozenset({kept.slot})
+
+
+def test_open_reports_unavailable_without_capability(
+    loop: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from host.network import probe as probe_mod
+
+    monkeypatch.setattr(probe_mod, "_has_cap_net_admin", lambda: False)
+    from .netns_util import LoopThread
+    assert isinstance(loop, LoopThread)
+    cap = loop.run(NetworkManager.probe())
+    assert not cap.available and "CAP_NET_ADMIN" in cap.reason
+    with pytest.raises(NetworkUnavailableError, match="CAP_NET_ADMIN"):
+        loop.run(NetworkManager(NetworkManagerConfig(prefix="tnone-")).open())
