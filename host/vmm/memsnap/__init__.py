@@ -23,7 +23,14 @@ from .diff import DiffFile, DiffHeader, DiffKind, parse_header, write_diff
 from .errors import CorruptSnapshotError, MemSnapError, SnapshotMismatchError, UnsupportedStreamError
 from .inject import inject_chain
 from .pagemap import PAGE_SIZE, Vma, find_vma, scan_private, scan_private_ioctl, scan_private_pagemap
-from .snapshot import MemSnapshot, RestoreStats, config_digest, restore_into, snapshot_incremental
+from .snapshot import (
+    MemSnapshot,
+    RestoreStats,
+    config_digest,
+    restore_base_into,
+    restore_into,
+    snapshot_incremental,
+)
 
 __all__ = [
     "PAGE_SIZE",
@@ -53,6 +60,7 @@ __all__ = [
     "load_device_state",
     "parse_header",
     "parse_ram_prefix",
+    "restore_base_into",
     "restore_into",
     "save_device_state",
     "save_template",

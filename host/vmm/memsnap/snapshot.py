@@ -242,3 +242,29 @@ async def restore_into(
     t_end = time.perf_counter()
     return RestoreStats(pages, (t_verify - t0) * 1e3, (t_inject - t_verify) * 1e3,
                         (t_load - t_inject) * 1e3, (t_end - t0) * 1e3)
+
+
+async def restore_base_into(
+    qmp: Any,
+    pid: int,
+    mem_path: str | os.PathLike[str],
+    base: BaseImage,
+    *,
+    resume: bool = True,
+    timeout_s: float = 60.0,
+) -> float:
+    """Start a fresh child from the base itself: QEMU ``pid`` spawned on ``base.mem_path``
+    with share=off, ``-incoming defer -S`` loads the template stream. Returns milliseconds."""
+    t0 = time.perf_counter()
+    if os.path.realpath(mem_path) != os.path.realpath(base.mem_path):
+        raise SnapshotMismatchError(f"the VM maps {mem_path}, not the base file {base.mem_path}")
+    verify_base(base)
+    status = (await qmp_execute(qmp, "query-status"))["status"]
+    if status != "inmigrate":
+        raise MemSnapError(f"VM {pid} is {status!r}: starting from a base needs -incoming defer")
+    if find_vma(pid, mem_path).shared:
+        raise MemSnapError(f"VM {pid} maps the base shared (share=on): it would write into the base")
+    await load_device_state(qmp, base.template_path, timeout_s=timeout_s)
+    if resume:
+        await qmp_execute(qmp, "cont")
+    return (time.perf_counter() - t0) * 1e3
