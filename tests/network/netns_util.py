@@ -168,6 +168,15 @@ def sysctl(netns: str | None, key: str) -> str:
     return sh(argv).strip()
 
 
+def wait_until(predicate: Any, timeout_s: float = 5.0) -> bool:
+    """Poll `predicate` until true or the deadline passes; returns its last value."""
+    import time
+    deadline = time.monotonic() + timeout_s
+    while not (ok := predicate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return bool(ok)
+
+
 class LoopThread:
     """An event loop in a background thread; `run(coro)` from sync tests and fixtures."""
 

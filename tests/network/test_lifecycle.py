@@ -11,7 +11,7 @@ from host.network.errors import NetworkCleanupError, NetworkCommandError, Networ
 from host.network.manager import NetworkManager as _NM
 
 from .conftest import INET_A, PORT, PREFIX, World
-from .netns_util import links, netns_exists, nft_tables, sh, sysctl, try_tcp
+from .netns_util import wait_until, links, netns_exists, nft_tables, sh, sysctl, try_tcp
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,7 +35,8 @@ def test_destroy_removes_everything_and_is_idempotent(world: World) -> None:
     assert not netns_exists(net.netns)
     assert net.host_ifname not in links(world.host)
     assert "sbx1" not in world.manager.networks
-    assert links(guest) == ["lo"]  # its veth went with the sandbox namespace
+    # its veth goes with the sandbox namespace (the kernel frees namespaces asynchronously)
+    assert wait_until(lambda: links(guest) == ["lo"])
     world.loop.run(world.manager.destroy("sbx1"))  # again: no error
     world.loop.run(world.manager.destroy("neverexisted"))
     with pytest.raises(SandboxNetworkNotFoundError):

@@ -59,7 +59,8 @@ def root_world(loop: LoopThread, netns_capable: None) -> Iterator[World]:
         if w is not None:
             for g in w.guests:
                 _del_netns(g)
-        _del_netns(inet)  # takes the uplink veth with it
+        sh(["ip", "link", "del", UPLINK], check=False)  # netns teardown is asynchronous
+        _del_netns(inet)
     assert UPLINK not in links(None)
     assert not [x for x in links(None) if x.startswith(f"{TAG}-")]
 
