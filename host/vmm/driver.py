@@ -226,6 +226,9 @@ class VmmDriver(Protocol):
         answers (it does NOT wait for envd: call `vm.wait_for_envd()`). On any failure
         nothing is left behind and a VmmError is raised."""
 
+    async def boot(self, spec: VmSpec, *, timeouts: BootTimeouts | None = None) -> Vm:
+        """start() then wait_for_envd(); the VM is killed if envd does not come up."""
+
     async def restore(
         self, spec: VmSpec, state: Path, *, timeouts: BootTimeouts | None = None,
         resume: bool = True,
