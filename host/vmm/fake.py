@@ -1,0 +1,155 @@
+"""An in-memory VMM driver for unit tests of the layers above (no process, no root, no KVM).
+
+`FakeDriver(envd_url=...)` hands out `FakeVm`s that follow the same state rules as real
+VMs and point at an envd URL of the test's choosing (e.g. an unfrozen envd on the host).
+Failures are injected per operation: `FakeDriver(fail={"start": VmmStartError("boom")})`
+raises on every start; `fail_once` raises only on the next call. `calls` records every
+operation as (op, vm name) in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from pathlib import Path
+
+from .driver import BootTimeouts, VmSpec, VmState
+from .errors import VmmError, VmmStateError
+
+_pids = itertools.count(900_000)
+
+
+class FakeVm:
+    def __init__(self, driver: FakeDriver, spec: VmSpec) -> None:
+        self._driver = driver
+        self._spec = spec
+        self._state = VmState.CREATED
+        self._pid = next(_pids)
+        self.saved_to: list[Path] = []
+
+    @property
+    def spec(self) -> VmSpec:
+        return self._spec
+
+    @property
+    def state(self) -> VmState:
+        return self._state
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._state in (VmState.CREATED, VmState.KILLED) else self._pid
+
+    @property
+    def work_dir(self) -> Path:
+        return self._spec.work_dir or Path(f"/nonexistent/fake-vms/{self._spec.name}")
+
+    @property
+    def serial_log(self) -> Path:
+        return self.work_dir / "serial.log"
+
+    @property
+    def envd_address(self) -> tuple[str, int]:
+        host, _, port = self._driver.envd_url.removeprefix("http://").partition(":")
+        return host, int(port or 80)
+
+    @property
+    def envd_url(self) -> str:
+        return self._driver.envd_url
+
+    def _require(self, *states: VmState) -> None:
+        if self._state not in states:
+            raise VmmStateError(f"{self._spec.name}: is {self._state.value}")
+
+    async def wait_for_envd(self, timeout_s: float | None = None) -> float:
+        self._require(VmState.RUNNING)
+        await self._driver._op("wait_for_envd", self)
+        return 0.0
+
+    async def pause(self) -> None:
+        self._require(VmState.RUNNING, VmState.PAUSED)
+        await self._driver._op("pause", self)
+        self._state = VmState.PAUSED
+
+    async def resume(self) -> None:
+        self._require(VmState.RUNNING, VmState.PAUSED)
+        await self._driver._op("resume", self)
+        self._state = VmState.RUNNING
+
+    async def save_state(self, dest: Path) -> None:
+        self._require(VmState.RUNNING, VmState.PAUSED)
+        await self._driver._op("save_state", self)
+        self._state = VmState.PAUSED
+        Path(dest).write_text(f"fake-state {self._spec.name}\n")
+        self.saved_to.append(Path(dest))
+
+    async def kill(self) -> None:
+        if self._state is VmState.KILLED:
+            return
+        self._driver.calls.append(("kill", self._spec.name))
+        self._state = VmState.KILLED
+        if self in self._driver._vms:
+            self._driver._vms.remove(self)
+
+    async def aclose(self) -> None:
+        await self.kill()
+
+    async def __aenter__(self) -> FakeVm:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+class FakeDriver:
+    name = "fake"
+
+    def __init__(self, *, envd_url: str = "http://127.0.0.1:49983",
+                 fail: dict[str, BaseException] | None = None, delay_s: float = 0.0) -> None:
+        self.envd_url = envd_url
+        self.fail = dict(fail or {})
+        self.fail_once: dict[str, BaseException] = {}
+        self.delay_s = delay_s
+        self.calls: list[tuple[str, str]] = []
+        self._vms: list[FakeVm] = []
+
+    @property
+    def vms(self) -> list[FakeVm]:
+        return list(self._vms)
+
+    async def _op(self, op: str, vm: FakeVm) -> None:
+        self.calls.append((op, vm.spec.name))
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        exc = self.fail_once.pop(op, None) or self.fail.get(op)
+        if exc is not None:
+            raise exc
+
+    async def _launch(self, op: str, spec: VmSpec, state: VmState) -> FakeVm:
+        vm = FakeVm(self, spec)
+        await self._op(op, vm)  # failing here leaves nothing, like the real drivers
+        vm._state = state
+        self._vms.append(vm)
+        return vm
+
+    async def start(self, spec: VmSpec, *, timeouts: BootTimeouts | None = None) -> FakeVm:
+        return await self._launch("start", spec, VmState.RUNNING)
+
+    async def boot(self, spec: VmSpec, *, timeouts: BootTimeouts | None = None) -> FakeVm:
+        vm = await self.start(spec, timeouts=timeouts)
+        try:
+            await vm.wait_for_envd()
+        except BaseException:
+            await vm.kill()
+            raise
+        return vm
+
+    async def restore(self, spec: VmSpec, state: Path, *, timeouts: BootTimeouts | None = None,
+                      resume: bool = True) -> FakeVm:
+        if not Path(state).is_file():
+            raise VmmError(f"{spec.name}: saved state not found: {state}")
+        return await self._launch("restore", spec,
+                                  VmState.RUNNING if resume else VmState.PAUSED)
+
+    async def aclose(self) -> None:
+        for vm in self.vms:
+            await vm.kill()
