@@ -23,9 +23,26 @@ import pytest
 from e2b import AsyncSandbox, FileNotFoundException, FileType, Sandbox
 from e2b.exceptions import InvalidArgumentException, SandboxException
 
+from tests.envd.test_http_endpoints import private_envd
+
 USER = pwd.getpwnam("user")
 UNARY = {"Content-Type": "application/json", "Connect-Protocol-Version": "1"}
 STREAM = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1"}
+
+
+@pytest.fixture(scope="module")
+def envd_url():
+    """A private envd for this module: parallel suites restart the shared 49983 instance."""
+    with private_envd() as (url, _):
+        yield url
+
+
+@pytest.fixture
+def sdk_env(envd_url, monkeypatch):
+    """The SDK in debug mode, pointed at this module's envd."""
+    monkeypatch.setenv("E2B_DEBUG", "true")
+    monkeypatch.setenv("E2B_SANDBOX_URL", envd_url)
+    return envd_url
 
 
 @pytest.fixture
