@@ -40,8 +40,11 @@ DEFAULT_DENIED: tuple[str, ...] = (
 
 ALL_IPV4 = "0.0.0.0/0"
 
+# Labels of letters, digits and inner hyphens; the last label (TLD) must hold a letter,
+# so "300.1.1.1" is a bad IP, not a domain.
 _DOMAIN = re.compile(
-    r"^(\*\.)?(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$",
+    r"^(\*\.)?(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*"
+    r"(?=[a-z0-9-]*[a-z])[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$",
     re.IGNORECASE,
 )
 
