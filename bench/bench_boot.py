@@ -16,8 +16,10 @@ import argparse
 import asyncio
 import json
 import platform
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -59,6 +61,7 @@ async def main() -> int:
     ap.add_argument("--json", type=Path, default=REPO / "out/bench/boot.json")
     args = ap.parse_args()
 
+    scratch: Path | None = None
     if args.kernel:
         disks = (FileDisk(path=args.rootfs),) if args.rootfs else ()
         spec = VmSpec(kernel=args.kernel, cmdline=args.cmdline, disks=disks,
@@ -66,7 +69,11 @@ async def main() -> int:
         guest = {"kernel": str(args.kernel), "rootfs": str(args.rootfs), "cmdline": args.cmdline}
     else:
         image = find_image(args.image)
-        spec = image.vm_spec(mem_mib=args.mem_mib, vcpus=args.vcpus, name="bench-boot")
+        # a fresh overlay per run: every boot starts from the same disk state
+        scratch = Path(tempfile.mkdtemp(prefix="bench-boot-"))
+        root = image.overlay(scratch / "root.qcow2")
+        spec = image.vm_spec(root=root, mem_mib=args.mem_mib, vcpus=args.vcpus,
+                             name="bench-boot")
         guest = {"image": image.name, "kernel": str(image.kernel.vmlinux),
                  "kernel_release": image.kernel.release, "cmdline": spec.cmdline}
 
@@ -83,6 +90,8 @@ async def main() -> int:
                   flush=True)
     finally:
         await driver.aclose()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
 
     f50, b50 = statistics.median(floors), statistics.median(boots)
     print(f"driver qemu, accel {accel}, vcpus {args.vcpus}, mem {args.mem_mib} MiB, n={args.n}")

@@ -3,10 +3,11 @@
 Cache layout (written by kernel/build.sh and rootfs/build.sh):
 
     $AENV_CACHE/kernel/current -> <hash>/{vmlinux, bzImage, info.json, DONE}
-    $AENV_CACHE/images/<name>/manifest.json   (layers, kernel, cmdline)
+    $AENV_CACHE/images/<name>/{rootfs.ext4, manifest.json (rootfs, layers, kernel, cmdline)}
+    $AENV_CACHE/images/current -> <name>
 
-`find_image()` reads a manifest and returns a `GuestImage` whose `vm_spec()` gives a
-ready-to-start `VmSpec` (read-only base layers first, then a writable upper).
+`find_image()` reads a manifest and returns a `GuestImage`; `image.vm_spec(root=
+image.overlay(path))` gives a ready-to-start `VmSpec` with a private writable root disk.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .driver import FileDisk, VmSpec
+from .driver import Disk, FileDisk, VmSpec
 from .errors import VmmError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,92 +59,69 @@ def find_kernel(cache: Path | None = None) -> GuestKernel:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Layer:
-    path: Path
-    read_only: bool
-    format: str = "raw"
-    name: str | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
 class GuestImage:
+    """A built image: the bootable root disk, its kernel and kernel command line."""
+
     name: str
     dir: Path
     manifest: dict[str, Any]
     kernel: GuestKernel
-    cmdline: str
-    layers: tuple[Layer, ...]
+    rootfs: Path  # raw ext4 booted as /dev/vda; shared by all VMs: never write into it
+    cmdline: str  # without tsc_early_khz: the driver adds it under TCG only
 
-    def vm_spec(self, *, disks: tuple[FileDisk, ...] | None = None, **kw: Any) -> VmSpec:
-        """A `VmSpec` booting this image. By default the layers are attached as they are
-        (a writable layer is written in place: give per-VM copies via `disks` or use
-        `with_upper()`). Other keyword arguments go to `VmSpec`."""
-        if disks is None:
-            disks = tuple(FileDisk(path=lay.path, read_only=lay.read_only, format=lay.format,
-                                   serial=lay.name) for lay in self.layers)
-        return VmSpec(kernel=self.kernel.vmlinux, cmdline=self.cmdline, disks=disks, **kw)
+    def overlay(self, dest: Path) -> FileDisk:
+        """A per-VM writable root disk: a qcow2 overlay over the shared rootfs (instant,
+        only the VM's writes take space)."""
+        try:
+            subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw",
+                            "-b", str(self.rootfs), str(dest)],
+                           check=True, capture_output=True, timeout=30)
+        except subprocess.CalledProcessError as exc:
+            raise VmmError(f"qemu-img create {dest} failed: {exc.stderr.decode().strip()}") \
+                from exc
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise VmmError(f"qemu-img create {dest} failed: {exc}") from exc
+        return FileDisk(path=dest, format="qcow2")
 
-    def with_kernel(self, kernel: GuestKernel) -> GuestImage:
-        return replace(self, kernel=kernel)
-
-
-def _layer(entry: Any, image_dir: Path) -> Layer:
-    if isinstance(entry, str):
-        entry = {"path": entry}
-    raw = entry.get("path") or entry.get("file")
-    if not raw:
-        raise ImageNotFound(f"manifest layer without a path: {entry}")
-    path = Path(raw)
-    if not path.is_absolute():
-        path = image_dir / path
-    ro = entry.get("read_only", entry.get("readonly", entry.get("role") != "upper"))
-    fmt = entry.get("format", "raw")
-    if fmt in ("ext4", "erofs"):  # file system type, not a QEMU image format
-        fmt = "raw"
-    return Layer(path=path, read_only=bool(ro), format=fmt, name=entry.get("name"))
+    def vm_spec(self, *, root: Disk, **kw: Any) -> VmSpec:
+        """A `VmSpec` booting this image from `root` (e.g. `overlay()`, or an NBD export
+        of a writable layer stack). Other keyword arguments go to `VmSpec`; `cmdline`
+        there is appended to the image's command line."""
+        extra = kw.pop("cmdline", "")
+        cmdline = f"{self.cmdline} {extra}".strip()
+        return VmSpec(kernel=self.kernel.vmlinux, cmdline=cmdline, disks=(root,), **kw)
 
 
 def _kernel_for(manifest: dict[str, Any], cache: Path) -> GuestKernel:
     k = manifest.get("kernel")
-    if isinstance(k, dict):
-        k = k.get("dir") or k.get("path") or k.get("vmlinux") or k.get("hash")
-    if isinstance(k, str) and k:
-        p = Path(k)
-        if not p.is_absolute():
-            p = cache / "kernel" / k
-        if p.name in ("vmlinux", "bzImage"):
-            p = p.parent
-        if p.exists():
-            return GuestKernel.from_dir(p)
+    if isinstance(k, dict) and k.get("dir") and Path(k["dir"], "DONE").exists():
+        return GuestKernel.from_dir(Path(k["dir"]))
     return find_kernel(cache)
 
 
+def _strip_placeholders(cmdline: str) -> str:
+    # the manifest carries `tsc_early_khz={tsc_khz}`: host-specific, filled by the driver
+    return " ".join(tok for tok in cmdline.split() if "{" not in tok)
+
+
 def find_image(name: str | None = None, cache: Path | None = None) -> GuestImage:
-    """The image `name` (default $AENV_IMAGE, else the only/`default`/`base` image)."""
+    """The image `name` (default $AENV_IMAGE, else `images/current`, else `default`)."""
     cache = cache or cache_dir()
     images = cache / "images"
     name = name or os.environ.get("AENV_IMAGE")
     if name is None:
-        built = sorted(p.parent.name for p in images.glob("*/manifest.json"))
-        for preferred in ("default", "base"):
-            if preferred in built:
-                name = preferred
-                break
-        else:
-            if not built:
-                raise ImageNotFound(f"no image in {images} (run `make image`)")
-            name = built[0]
+        current = images / "current"
+        name = current.resolve().name if current.is_symlink() else "default"
     d = images / name
     mpath = d / "manifest.json"
     if not mpath.is_file():
         raise ImageNotFound(f"{mpath} missing (run `make image`)")
     manifest = json.loads(mpath.read_text())
-    layers = tuple(_layer(e, d) for e in manifest.get("layers", []))
-    for lay in layers:
-        if not lay.path.exists():
-            raise ImageNotFound(f"image {name}: layer {lay.path} missing")
+    rootfs = Path(manifest.get("rootfs", {}).get("path") or d / "rootfs.ext4")
+    if not rootfs.is_file():
+        raise ImageNotFound(f"image {name}: {rootfs} missing (run `make image`)")
     return GuestImage(name=name, dir=d, manifest=manifest, kernel=_kernel_for(manifest, cache),
-                      cmdline=str(manifest.get("cmdline", "")), layers=layers)
+                      rootfs=rootfs, cmdline=_strip_placeholders(str(manifest.get("cmdline", ""))))
 
 
 def build(targets: tuple[str, ...] = ("kernel", "image"), *, repo: Path = REPO,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -32,15 +31,6 @@ def guest_image() -> GuestImage:
     return find_image()
 
 
-def private_disks(image: GuestImage, dest: Path) -> tuple[FileDisk, ...]:
-    """The image's layers as disks, writable layers copied (sparse) into `dest` so a VM
-    never writes into the shared cache."""
-    disks = []
-    for lay in image.layers:
-        path = lay.path
-        if not lay.read_only:
-            path = dest / lay.path.name
-            subprocess.run(["cp", "--sparse=always", str(lay.path), str(path)], check=True)
-        disks.append(FileDisk(path=path, read_only=lay.read_only, format=lay.format,
-                              serial=lay.name))
-    return tuple(disks)
+def private_root(image: GuestImage, dest_dir: Path) -> FileDisk:
+    """A writable root disk for one VM (qcow2 overlay), so no VM writes into the cache."""
+    return image.overlay(dest_dir / "root.qcow2")

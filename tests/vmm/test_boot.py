@@ -17,7 +17,7 @@ import pytest
 from host.vmm import BootTimeouts, QemuDriver, QemuVm, VmmBootTimeout, VmmStartError, VmState
 from host.vmm.image import GuestImage
 
-from .conftest import private_disks
+from .conftest import private_root
 from .helpers import procs_mentioning
 
 pytestmark = [pytest.mark.vm, pytest.mark.asyncio(loop_scope="session")]
@@ -34,9 +34,9 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def vm(guest_image: GuestImage, run_dir: Path,
              tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[QemuVm]:
     """One booted VM with envd healthy; killed at module end in any case."""
-    disks = private_disks(guest_image, tmp_path_factory.mktemp("disks"))
+    root = private_root(guest_image, tmp_path_factory.mktemp("disks"))
     driver = QemuDriver(run_dir=run_dir)
-    spec = guest_image.vm_spec(disks=disks, name="test-boot", mem_mib=1024, vcpus=2)
+    spec = guest_image.vm_spec(root=root, name="test-boot", mem_mib=1024, vcpus=2)
     t0 = time.monotonic()
     booted = await driver.boot(spec, timeouts=BootTimeouts(envd_ready_s=BOOT_TIMEOUT_S))
     print(f"\ncold boot to envd healthy: {time.monotonic() - t0:.2f} s ({booted.accel})")
@@ -114,8 +114,8 @@ async def _boot_failing(image: GuestImage, tmp_path: Path, extra: str,
                         timeout_s: float) -> BaseException:
     run_dir = tmp_path / "run"
     driver = QemuDriver(run_dir=run_dir)
-    spec = image.vm_spec(disks=private_disks(image, tmp_path), name="test-fail",
-                         cmdline=f"{image.cmdline} {extra}")
+    spec = image.vm_spec(root=private_root(image, tmp_path), name="test-fail",
+                         cmdline=extra)
     t0 = time.monotonic()
     with pytest.raises((VmmBootTimeout, VmmStartError)) as err:
         await driver.boot(spec, timeouts=BootTimeouts(envd_ready_s=timeout_s))
@@ -152,7 +152,7 @@ async def test_cancel_during_boot_leaves_nothing(guest_image: GuestImage,
                                                  tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     driver = QemuDriver(run_dir=run_dir)
-    spec = guest_image.vm_spec(disks=private_disks(guest_image, tmp_path), name="test-cancel")
+    spec = guest_image.vm_spec(root=private_root(guest_image, tmp_path), name="test-cancel")
     task = asyncio.ensure_future(driver.boot(spec))
     await asyncio.sleep(1.0)
     task.cancel()

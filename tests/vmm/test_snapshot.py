@@ -10,7 +10,7 @@ import pytest
 from host.vmm import BootTimeouts, MemoryBacking, QemuDriver, VmState
 from host.vmm.image import GuestImage
 
-from .conftest import private_disks
+from .conftest import private_root
 from .helpers import procs_mentioning
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
@@ -29,7 +29,7 @@ async def test_save_kill_restore(guest_image: GuestImage, tmp_path: Path,
                                  monkeypatch: pytest.MonkeyPatch, memory_file: bool) -> None:
     run_dir = tmp_path / "run"
     memory = MemoryBacking(path=tmp_path / "guest.mem", shared=True) if memory_file else None
-    spec = guest_image.vm_spec(disks=private_disks(guest_image, tmp_path), name="test-snap",
+    spec = guest_image.vm_spec(root=private_root(guest_image, tmp_path), name="test-snap",
                                mem_mib=512, memory=memory)
     driver = QemuDriver(run_dir=run_dir)
     state = tmp_path / "vm.state"

@@ -17,7 +17,7 @@ import pytest
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-from memsnap_child import PAGE, page_pattern  # noqa: E402
+from memsnap_child import PAGE, page_pattern
 
 
 class Child:
@@ -92,4 +92,4 @@ def base_file(tmp_path: Path) -> Path:
     return make_base(tmp_path / "base.mem", 1024, list(range(0, 1024, 7)))
 
 
-__all__ = ["Child", "PAGE", "make_base", "page_pattern"]
+__all__ = ["PAGE", "Child", "make_base", "page_pattern"]
