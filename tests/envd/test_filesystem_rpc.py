@@ -297,7 +297,11 @@ async def test_async_watch_dir_stream(sdk_env, home_dir):
                                        include_entry=True, timeout=30)
     try:
         mkdir_user(home_dir / "nested")
-        await asyncio.sleep(0.1)  # the new subdirectory gets its own watch
+        # envd adds the new subdirectory's watch before it reports the directory's CREATE
+        for _ in range(100):
+            if any(e.name == "nested" for e in events):
+                break
+            await asyncio.sleep(0.05)
         await sbx.files.write(str(home_dir / "nested" / "async.txt"), "abc")
         await sbx.files.rename(str(home_dir / "nested" / "async.txt"), str(home_dir / "moved.txt"))
         for _ in range(50):
