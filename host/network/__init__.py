@@ -27,10 +27,10 @@ from .probe import NetworkCapability, probe_capability
 from .sandbox import GuestNetConfig, SandboxNetwork, qemu_netdev_args
 
 __all__ = [
+    "DEFAULT_DENIED",
     "AddressPool",
     "AddressPoolExhaustedError",
     "Block",
-    "DEFAULT_DENIED",
     "EgressRules",
     "ExistingNetwork",
     "GuestNetConfig",

@@ -27,6 +27,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import TracebackType
+from typing import Self
 
 from .commands import Namespace, netns_path, run
 from .errors import (
@@ -43,7 +44,6 @@ from .ruleset import delete_table, host_allow_update, host_table, host_table_nam
 from .sandbox import (
     BRIDGE_NAME,
     GATEWAY_MAC,
-    GUEST_SUBNET,
     TAP_NAME,
     UPLINK_NAME,
     GuestNetConfig,
@@ -153,8 +153,9 @@ class NetworkManager:
         if errors:
             raise NetworkCleanupError("; ".join(str(e) for e in errors))
 
-    async def __aenter__(self) -> NetworkManager:
-        return await self.open()
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
 
     async def __aexit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
@@ -272,7 +273,8 @@ class NetworkManager:
         errors: list[str] = []
         for ex in await self.list_existing():
             try:
-                if (ex.sandbox_id in keep and ex.slot is not None and ex.host_ifname
+                if (ex.sandbox_id is not None and ex.sandbox_id in keep
+                        and ex.slot is not None and ex.host_ifname
                         and ex.sandbox_id not in self._nets):
                     async with self._lock:
                         block = self.pool.reserve(ex.slot)

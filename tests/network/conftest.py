@@ -23,8 +23,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from host.network import (NetworkManager, NetworkManagerConfig, NetworkPolicy, SandboxNetwork,
-                          probe_capability)
+from host.network import (
+    NetworkManager,
+    NetworkManagerConfig,
+    NetworkPolicy,
+    SandboxNetwork,
+    probe_capability,
+)
 from host.network.sandbox import BRIDGE_NAME, GATEWAY_IP, GUEST_IP, GUEST_MAC
 
 from .netns_util import LoopThread, TcpServer, ip_batch, netns_exists, sh

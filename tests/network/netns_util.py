@@ -53,7 +53,8 @@ def socket_in_netns(netns: str | None, type_: int = socket.SOCK_STREAM) -> socke
     t.join()
     if "error" in box:
         raise box["error"]
-    return box["sock"]
+    sock: socket.socket = box["sock"]
+    return sock
 
 
 class TcpServer:
@@ -133,7 +134,7 @@ def try_tcp(netns: str | None, addr: str, port: int, timeout_s: float = 3.0) -> 
 
 
 def sh(argv: Sequence[str], *, check: bool = True, input_text: str | None = None) -> str:
-    res = subprocess.run(list(argv), capture_output=True, text=True, input=input_text,
+    res = subprocess.run(list(argv), check=False, capture_output=True, text=True, input=input_text,
                          timeout=30)
     if check and res.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed: {res.stderr.strip()}")

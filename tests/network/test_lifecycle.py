@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from host.network import (NetworkManager, NetworkManagerConfig, NetworkPolicy,
-                          NetworkUnavailableError, SandboxNetworkExistsError,
-                          SandboxNetworkNotFoundError)
+from host.network import (
+    NetworkManager,
+    NetworkManagerConfig,
+    NetworkPolicy,
+    NetworkUnavailableError,
+    SandboxNetworkExistsError,
+    SandboxNetworkNotFoundError,
+)
 from host.network.errors import NetworkCleanupError, NetworkCommandError, NetworkError
 from host.network.manager import NetworkManager as _NM
 
 from .conftest import INET_A, PORT, PREFIX, World
-from .netns_util import wait_until, links, netns_exists, nft_tables, sh, sysctl, try_tcp
+from .netns_util import links, netns_exists, nft_tables, sh, sysctl, try_tcp, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

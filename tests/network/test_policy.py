@@ -7,9 +7,16 @@ import ipaddress
 
 import pytest
 
-from host.network import (AddressPool, AddressPoolExhaustedError, GuestNetConfig,
-                          NetworkManagerConfig, NetworkPolicy, NetworkPolicyError,
-                          SandboxNetwork, qemu_netdev_args)
+from host.network import (
+    AddressPool,
+    AddressPoolExhaustedError,
+    GuestNetConfig,
+    NetworkManagerConfig,
+    NetworkPolicy,
+    NetworkPolicyError,
+    SandboxNetwork,
+    qemu_netdev_args,
+)
 from host.network.ruleset import host_allow_update, host_table, host_table_name, sandbox_table
 
 POOL = "10.200.0.0/16"
@@ -28,7 +35,7 @@ def test_bad_entries_are_rejected(entry: str) -> None:
 
 
 def test_domains_allowed_in_allow_out_only_and_reported_unenforced() -> None:
-    p = NetworkPolicy(allow_out=["example.com", "*.Example.org", "2001:db8::/32", "1.2.3.4"])
+    p = NetworkPolicy(allow_out=["example.com", "*.Example.org", "2001:db8::/32", "1.2.3.4"])  # type: ignore[arg-type]
     assert p.allow_out == ("example.com", "*.Example.org", "2001:db8::/32", "1.2.3.4")
     r = rules(p)
     assert r.unenforced == ("example.com", "*.Example.org", "2001:db8::/32")
