@@ -20,9 +20,21 @@ from .devstate import (
     splice,
 )
 from .diff import DiffFile, DiffHeader, DiffKind, parse_header, write_diff
-from .errors import CorruptSnapshotError, MemSnapError, SnapshotMismatchError, UnsupportedStreamError
+from .errors import (
+    CorruptSnapshotError,
+    MemSnapError,
+    SnapshotMismatchError,
+    UnsupportedStreamError,
+)
 from .inject import inject_chain
-from .pagemap import PAGE_SIZE, Vma, find_vma, scan_private, scan_private_ioctl, scan_private_pagemap
+from .pagemap import (
+    PAGE_SIZE,
+    Vma,
+    find_vma,
+    scan_private,
+    scan_private_ioctl,
+    scan_private_pagemap,
+)
 from .snapshot import (
     MemSnapshot,
     RestoreStats,

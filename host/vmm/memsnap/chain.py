@@ -8,6 +8,7 @@ the base file's content, so no tombstones are needed.
 
 from __future__ import annotations
 
+import itertools
 import os
 from array import array
 from collections.abc import Sequence
@@ -27,7 +28,7 @@ class DiffChain:
         first = files[0].header
         if first.kind != DiffKind.CUMULATIVE:
             raise SnapshotMismatchError(f"{files[0].path}: a chain must start with a cumulative diff")
-        for prev, cur in zip(files, files[1:]):
+        for prev, cur in itertools.pairwise(files):
             h = cur.header
             if h.kind != DiffKind.DELTA:
                 raise SnapshotMismatchError(f"{cur.path}: only the first diff of a chain may be cumulative")

@@ -26,7 +26,6 @@ import shlex
 import struct
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 

@@ -204,7 +204,7 @@ class DiffFile:
         """Open and check a diff: header, size, index order and (if ``verify``) the digest."""
         path = Path(path)
         try:
-            f = open(path, "rb")
+            f = open(path, "rb")  # noqa: SIM115 - owned by the DiffFile, closed by close()
         except OSError as exc:
             raise MemSnapError(f"cannot open diff {path}: {exc}") from exc
         try:

@@ -30,9 +30,10 @@ def inject_chain(pid: int, vma: Vma, chain: DiffChain) -> int:
     per_file: dict[int, tuple[DiffFile, list[tuple[int, int]]]] = {}
     for p, (f, i) in chain.view().items():
         per_file.setdefault(id(f), (f, []))[1].append((p, i))
-    holders = []
+    holders: list[object] = []
     segments: list[Segment] = []
     total = 0
+    holder: object = None
     try:
         for f, pages in per_file.values():
             pages.sort()
@@ -49,5 +50,8 @@ def inject_chain(pid: int, vma: Vma, chain: DiffChain) -> int:
             total += len(pages)
         transfer(pid, segments, write=True)
     finally:
+        # drop every pointer into the mmaps, or closing the chain fails with BufferError
+        segments.clear()
         holders.clear()
+        holder = None
     return total

@@ -170,7 +170,7 @@ async def snapshot_incremental(
         {
             "downtime_ms": (t_cont - t0) * 1e3, "total_ms": (t_end - t0) * 1e3,
             "stop_ms": (t_stop - t0) * 1e3, "devstate_ms": (t_dev - t_stop) * 1e3,
-            "scan_ms": cap.timings_ms["scan"], "readv_ms": cap.timings_ms["readv"],
+            "capture_ms": (t_cap - t_dev) * 1e3, "scan_ms": cap.timings_ms["scan"], "readv_ms": cap.timings_ms["readv"],
             "captured_pages": cap.count, "diff_pages": count, "runs": cap.n_runs,
             "chain_len": len(chain_paths) + 1,
         },

@@ -8,7 +8,7 @@ drives over the serial chardev's unix socket.
 from __future__ import annotations
 
 import asyncio
-import ctypes
+import contextlib
 import glob
 import hashlib
 import os
@@ -91,8 +91,8 @@ class VmShape:
         argv = [
             QEMU, "-M", "microvm", "-accel", "tcg", "-cpu", "max", "-smp", "1",
             "-m", f"{self.mem_mib}M", "-display", "none", "-no-reboot", "-nodefaults",
-            "-object", f"memory-backend-file,id=mem0,size={self.mem_mib}M,mem-path={mem_path},"
-                       f"share={'on' if share else 'off'},merge=off",
+            "-object", (f"memory-backend-file,id=mem0,size={self.mem_mib}M,mem-path={mem_path},"
+                        f"share={'on' if share else 'off'},merge=off"),
             "-machine", "memory-backend=mem0",
             "-kernel", str(self.kernel), "-append", append,
             "-drive", f"file={self.rootfs},format=raw,if=none,id=root,readonly=on",
@@ -112,8 +112,19 @@ class VmShape:
         return config_digest(argv)
 
 
-def _pdeathsig() -> None:
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the test
+def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """Start QEMU in its own session; setpriv's PR_SET_PDEATHSIG (kept across exec) kills it
+    if the test process dies, so no QEMU outlives a crashed test."""
+    with open(log, "wb") as err:
+        return subprocess.Popen(["setpriv", "--pdeathsig", "KILL", "--", *argv],
+                                stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                                start_new_session=True)
+
+
+def make_sparse(path: Path, size: int) -> Path:
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return path
 
 
 class Vm:
@@ -137,9 +148,7 @@ class Vm:
         vm = cls(shape.argv(mem_path=mem_path, share=share, workdir=workdir, incoming=incoming),
                  workdir, mem_path)
         t0 = time.perf_counter()
-        with open(workdir / "qemu.stderr", "wb") as err:
-            vm.proc = subprocess.Popen(vm.argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
-                                       start_new_session=True, preexec_fn=_pdeathsig)
+        vm.proc = _spawn(vm.argv, workdir / "qemu.stderr")
         try:
             deadline = time.monotonic() + timeout_s
             while True:
@@ -219,10 +228,8 @@ class Vm:
         if self._w is not None:
             self._w.close()
             self._w = self._r = None
-        try:
+        with contextlib.suppress(Exception):  # best effort: the process is killed anyway
             await self.qmp.disconnect()
-        except Exception:  # noqa: BLE001 - best effort, the process is killed anyway
-            pass
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
         if self.proc is not None:

@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
-from memsnap_vm import Vm, VmShape, build_rootfs, find_kernel, smaps_rollup
+from memsnap_vm import Vm, VmShape, build_rootfs, find_kernel, make_sparse, smaps_rollup
 
 from host.vmm.memsnap import (
     BaseImage,
@@ -105,9 +105,7 @@ async def _make_family(work: Path) -> Family:
     kernel = find_kernel()
     assert kernel is not None
     shape = VmShape(kernel, build_rootfs(work), mem_mib=256)
-    scratch = work / "parent.mem"
-    with open(scratch, "wb") as f:
-        f.truncate(256 * MIB)
+    scratch = make_sparse(work / "parent.mem", 256 * MIB)
     parent = await Vm.start(shape, work / "parent", mem_path=scratch, share=True, incoming=False)
     try:
         await parent.wait_shell(timeout_s=120)
@@ -231,9 +229,7 @@ async def test_qemu_streams_without_a_guest_kernel(tmp_path: Path) -> None:
             return a
 
     shape = Bare(kernel, tmp_path / "unused", mem_mib=64)
-    scratch = tmp_path / "p.mem"
-    with open(scratch, "wb") as f:
-        f.truncate(64 * MIB)
+    scratch = make_sparse(tmp_path / "p.mem", 64 * MIB)
     parent = await Vm.start(shape, tmp_path / "p", mem_path=scratch, share=True, incoming=False)
     try:
         base = await freeze_base(parent.qmp, scratch, tmp_path / "base")
