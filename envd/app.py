@@ -60,5 +60,6 @@ def build_app(config: EnvdConfig | None = None) -> Starlette:
         ],
     )
     app.state.defaults = defaults
+    app.state.processes = processes
     app.state.config = config
     return app
