@@ -7,10 +7,11 @@ All foreign errors are translated here: a missing binary becomes
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +111,30 @@ class Namespace:
         if values:
             argv = ["sysctl", "-q", "-w", *(f"{k}={v}" for k, v in values.items())]
             await run(netns_exec_argv(self.name, argv))
+
+
+CLONE_NEWNET = 0x40000000
+
+
+def netns_preexec(netns: str) -> Callable[[], None]:
+    """A `preexec_fn` that moves the child into `netns` with setns(2) before exec.
+
+    An alternative to `netns_exec_argv` for callers that want the VMM to keep the parent's
+    mount namespace (`ip netns exec` unshares it to remount /sys). Note that preexec_fn is
+    not safe in processes that run threads while forking (see subprocess docs)."""
+    path = netns_path(netns)
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def enter() -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if libc.setns(fd, CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns({path}): {os.strerror(err)}")
+        finally:
+            os.close(fd)
+
+    return enter
 
 
 def have_binaries(*names: str) -> list[str]:

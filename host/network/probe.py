@@ -7,6 +7,7 @@ why not if it cannot; the VMM then uses user-mode networking (slirp).
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from .commands import Namespace, have_binaries, run
 from .errors import NetworkError
 
 CAP_NET_ADMIN = 12
+_probe_ids = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,8 @@ async def probe_capability(prefix: str = "aenv-") -> NetworkCapability:
         return NetworkCapability(False, f"missing binaries: {', '.join(missing)}")
     if not os.path.exists("/dev/net/tun"):
         return NetworkCapability(False, "/dev/net/tun does not exist")
-    name = f"{prefix}probe-{os.getpid()}"
+    # Not "<prefix><id>": recovery must never mistake a probe for a sandbox namespace.
+    name = f"{prefix.rstrip('-_')}probe{os.getpid()}-{next(_probe_ids)}"
     try:
         await run(["ip", "netns", "add", name])
     except NetworkError as exc:

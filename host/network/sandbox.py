@@ -9,10 +9,10 @@ by their host-reachable `address`, which the namespace DNATs to the guest.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .commands import netns_exec_argv, netns_path
+from .commands import netns_exec_argv, netns_path, netns_preexec
 from .policy import NetworkPolicy
 
 GUEST_SUBNET = "192.168.127.0/30"
@@ -117,3 +117,7 @@ class SandboxNetwork:
     def wrap_argv(self, argv: Sequence[str]) -> list[str]:
         """argv that runs `argv` (e.g. QEMU) inside this sandbox's namespace."""
         return netns_exec_argv(self.netns, argv)
+
+    def preexec(self) -> Callable[[], None]:
+        """A subprocess `preexec_fn` entering this namespace (setns) instead of wrap_argv."""
+        return netns_preexec(self.netns)

@@ -9,6 +9,7 @@ from host.network import (
     NetworkManagerConfig,
     NetworkPolicy,
     NetworkUnavailableError,
+    SandboxNetwork,
     SandboxNetworkExistsError,
     SandboxNetworkNotFoundError,
 )
@@ -146,3 +147,36 @@ def test_open_reports_unavailable_without_capability(
     assert not cap.available and "CAP_NET_ADMIN" in cap.reason
     with pytest.raises(NetworkUnavailableError, match="CAP_NET_ADMIN"):
         loop.run(NetworkManager(NetworkManagerConfig(prefix="tnone-")).open())
+
+
+def test_concurrent_creates_and_destroys(world: World) -> None:
+    import asyncio
+
+    ids = [f"c{i}" for i in range(8)]
+
+    async def create_all() -> list[SandboxNetwork]:
+        return list(await asyncio.gather(*(world.manager.create(i) for i in ids)))
+
+    nets = world.loop.run(create_all())
+    assert len({n.address for n in nets}) == len({n.slot for n in nets}) == len(ids)
+    guests = [world.attach_guest(n) for n in nets[:2]]
+    for g in guests:
+        assert try_tcp(g, INET_A, PORT) == "inet-a"
+
+    async def destroy_all() -> None:
+        await asyncio.gather(*(world.manager.destroy(i) for i in ids))
+
+    world.loop.run(destroy_all())
+    assert not world.manager.networks and world.manager.pool.in_use == frozenset()
+    assert not [x for x in links(world.host) if x.startswith(PREFIX)]
+    assert not [x for x in sh(["ip", "netns", "list"]).split() if x.startswith(PREFIX)]
+
+
+def test_preexec_enters_the_namespace(world: World) -> None:
+    import json
+    import subprocess
+
+    net, _ = world.create("pre", guest=False)
+    out = subprocess.run(["ip", "-j", "link", "show"], preexec_fn=net.preexec(),
+                         capture_output=True, text=True, check=True).stdout
+    assert "tap0" in {link["ifname"] for link in json.loads(out)}
