@@ -1,0 +1,344 @@
+/*
+ * aenv-init: PID 1 of an aenv guest. Static, no dependencies (gcc -static -Os).
+ *
+ *  - mounts /proc /sys /dev (devtmpfs) /dev/pts /dev/shm /run /tmp
+ *  - hostname from aenv.hostname= (kernel command line) or /etc/hostname
+ *  - brings lo up and configures the NIC from the kernel command line:
+ *      aenv.ip=ADDR/PREFIX  aenv.gw=GW  aenv.dns=IP[,IP]  aenv.iface=eth0
+ *    aenv.ip=none skips it; without aenv.ip the QEMU user-network defaults are used
+ *    (10.0.2.15/24, gw 10.0.2.2, dns 10.0.2.3) when the interface exists.
+ *  - starts /usr/bin/envd as root (ENVD_SET_CLOCK=1), output on the console,
+ *    restarts it with backoff when it dies; aenv.envd=PATH overrides the binary
+ *  - reaps orphans
+ *  - SIGTERM/SIGINT/SIGPWR (or a write to /run/aenv/shutdown): sync, stop all processes,
+ *    unmount, remount / read-only, power off. SIGUSR1: the same, then reboot.
+ * Console lines start with "aenv-init: ".
+ */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <net/if.h>
+#include <net/route.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/reboot.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define ENVD_DEFAULT "/usr/bin/envd"
+#define SHUTDOWN_FIFO "/run/aenv/shutdown"
+
+static char cmdline[4096];
+
+static double uptime(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_BOOTTIME, &ts);
+    return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static void say(const char *fmt, ...) {
+    char buf[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    dprintf(2, "aenv-init: [%.3f] %s\n", uptime(), buf);
+}
+
+/* Value of KEY=... on the kernel command line (copied into out), or NULL. */
+static const char *param(const char *key, char *out, size_t n) {
+    size_t kl = strlen(key);
+    const char *p = cmdline;
+    while (*p) {
+        while (*p == ' ' || *p == '\n') p++;
+        const char *end = p;
+        while (*end && *end != ' ' && *end != '\n') end++;
+        if ((size_t)(end - p) > kl && strncmp(p, key, kl) == 0 && p[kl] == '=') {
+            size_t vl = end - p - kl - 1;
+            if (vl >= n) vl = n - 1;
+            memcpy(out, p + kl + 1, vl);
+            out[vl] = 0;
+            return out;
+        }
+        p = end;
+    }
+    return NULL;
+}
+
+static int has_flag(const char *word) {
+    size_t wl = strlen(word);
+    const char *p = cmdline;
+    while ((p = strstr(p, word))) {
+        if ((p == cmdline || p[-1] == ' ') && (p[wl] == 0 || p[wl] == ' ' || p[wl] == '\n'))
+            return 1;
+        p += wl;
+    }
+    return 0;
+}
+
+static void do_mount(const char *src, const char *dst, const char *type, unsigned long flags,
+                     const char *data) {
+    mkdir(dst, 0755);
+    if (mount(src, dst, type, flags, data) < 0 && errno != EBUSY)
+        say("mount %s on %s failed: %s", type, dst, strerror(errno));
+}
+
+static void write_file(const char *path, const char *text) {
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) return;
+    if (write(fd, text, strlen(text)) < 0) say("write %s: %s", path, strerror(errno));
+    close(fd);
+}
+
+static void setup_mounts(void) {
+    const unsigned long nosuid_nodev_noexec = MS_NOSUID | MS_NODEV | MS_NOEXEC;
+    do_mount("proc", "/proc", "proc", nosuid_nodev_noexec, NULL);
+    do_mount("sysfs", "/sys", "sysfs", nosuid_nodev_noexec, NULL);
+    do_mount("devtmpfs", "/dev", "devtmpfs", MS_NOSUID, "mode=0755");
+    do_mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "gid=5,mode=0620,ptmxmode=0666");
+    do_mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
+    do_mount("tmpfs", "/run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755");
+    do_mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
+    symlink("/proc/self/fd", "/dev/fd");
+    symlink("/proc/self/fd/0", "/dev/stdin");
+    symlink("/proc/self/fd/1", "/dev/stdout");
+    symlink("/proc/self/fd/2", "/dev/stderr");
+    mkdir("/run/lock", 01777);
+    mkdir("/run/aenv", 0755);
+    /* root must be writable (the kernel command line should say rw) */
+    if (!has_flag("ro") && mount(NULL, "/", NULL, MS_REMOUNT, NULL) < 0)
+        say("remount / rw failed: %s", strerror(errno));
+}
+
+static void setup_hostname(void) {
+    char name[256] = "";
+    if (!param("aenv.hostname", name, sizeof name)) {
+        FILE *f = fopen("/etc/hostname", "re");
+        if (f) {
+            if (!fgets(name, sizeof name, f)) name[0] = 0;
+            fclose(f);
+        }
+        name[strcspn(name, "\r\n ")] = 0;
+    }
+    if (!name[0]) strcpy(name, "aenv");
+    if (sethostname(name, strlen(name)) < 0) say("sethostname: %s", strerror(errno));
+}
+
+static int if_up(int s, const char *ifname) {
+    struct ifreq ifr = {0};
+    strncpy(ifr.ifr_name, ifname, IFNAMSIZ - 1);
+    if (ioctl(s, SIOCGIFFLAGS, &ifr) < 0) return -1;
+    ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+    return ioctl(s, SIOCSIFFLAGS, &ifr);
+}
+
+static int set_addr(int s, const char *ifname, unsigned long req, in_addr_t a) {
+    struct ifreq ifr = {0};
+    struct sockaddr_in *sin = (struct sockaddr_in *)&ifr.ifr_addr;
+    strncpy(ifr.ifr_name, ifname, IFNAMSIZ - 1);
+    sin->sin_family = AF_INET;
+    sin->sin_addr.s_addr = a;
+    return ioctl(s, req, &ifr);
+}
+
+static void setup_network(void) {
+    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (s < 0) { say("socket: %s", strerror(errno)); return; }
+    if (if_up(s, "lo") < 0) say("lo up: %s", strerror(errno));
+
+    char ip[64], gw[64] = "", dns[256] = "", ifname[IFNAMSIZ] = "eth0";
+    param("aenv.iface", ifname, sizeof ifname);
+    int explicit_ip = param("aenv.ip", ip, sizeof ip) != NULL;
+    if (explicit_ip && strcmp(ip, "none") == 0) { close(s); return; }
+    if (!explicit_ip) {
+        strcpy(ip, "10.0.2.15/24");
+        strcpy(gw, "10.0.2.2");
+        strcpy(dns, "10.0.2.3");
+    }
+    param("aenv.gw", gw, sizeof gw);
+    param("aenv.dns", dns, sizeof dns);
+
+    if (if_nametoindex(ifname) == 0) {
+        if (explicit_ip) say("network: no interface %s", ifname);
+        close(s);
+        return;
+    }
+    int prefix = 24;
+    char *slash = strchr(ip, '/');
+    if (slash) { *slash = 0; prefix = atoi(slash + 1); }
+    struct in_addr addr, gwa;
+    if (inet_pton(AF_INET, ip, &addr) != 1 || prefix < 0 || prefix > 32) {
+        say("network: bad aenv.ip %s", ip);
+        close(s);
+        return;
+    }
+    in_addr_t mask = prefix ? htonl(0xffffffffu << (32 - prefix)) : 0;
+    if (set_addr(s, ifname, SIOCSIFADDR, addr.s_addr) < 0 ||
+        set_addr(s, ifname, SIOCSIFNETMASK, mask) < 0 ||
+        if_up(s, ifname) < 0) {
+        say("network: configuring %s failed: %s", ifname, strerror(errno));
+        close(s);
+        return;
+    }
+    if (gw[0]) {
+        if (inet_pton(AF_INET, gw, &gwa) != 1) {
+            say("network: bad aenv.gw %s", gw);
+        } else {
+            struct rtentry rt = {0};
+            struct sockaddr_in *d = (struct sockaddr_in *)&rt.rt_dst;
+            struct sockaddr_in *g = (struct sockaddr_in *)&rt.rt_gateway;
+            struct sockaddr_in *m = (struct sockaddr_in *)&rt.rt_genmask;
+            d->sin_family = g->sin_family = m->sin_family = AF_INET;
+            g->sin_addr = gwa;
+            rt.rt_flags = RTF_UP | RTF_GATEWAY;
+            rt.rt_dev = ifname;
+            if (ioctl(s, SIOCADDRT, &rt) < 0 && errno != EEXIST)
+                say("network: default route via %s: %s", gw, strerror(errno));
+        }
+    }
+    close(s);
+    if (dns[0]) {
+        char buf[512] = "", *save = NULL;
+        for (char *tok = strtok_r(dns, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+            strncat(buf, "nameserver ", sizeof buf - strlen(buf) - 1);
+            strncat(buf, tok, sizeof buf - strlen(buf) - 1);
+            strncat(buf, "\n", sizeof buf - strlen(buf) - 1);
+        }
+        /* /etc/resolv.conf may be a symlink into /run */
+        unlink("/etc/resolv.conf");
+        write_file("/etc/resolv.conf", buf);
+    }
+    say("network: %s %s/%d gw %s", ifname, ip, prefix, gw[0] ? gw : "-");
+}
+
+static sigset_t handled;
+static char envd_path[256] = ENVD_DEFAULT;
+
+static pid_t start_envd(void) {
+    pid_t pid = fork();
+    if (pid < 0) { say("fork: %s", strerror(errno)); return -1; }
+    if (pid == 0) {
+        sigprocmask(SIG_UNBLOCK, &handled, NULL);
+        setsid();
+        int fd = open("/dev/console", O_RDWR | O_NOCTTY);
+        if (fd >= 0) { dup2(fd, 1); dup2(fd, 2); if (fd > 2) close(fd); }
+        fd = open("/dev/null", O_RDONLY);
+        if (fd >= 0) { dup2(fd, 0); if (fd > 2) close(fd); }
+        chdir("/");
+        char *argv[] = {envd_path, NULL};
+        char *envp[] = {
+            "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "HOME=/root", "USER=root", "LOGNAME=root", "LANG=C.UTF-8", "TERM=xterm",
+            "ENVD_SET_CLOCK=1", "TMPDIR=/tmp", NULL,
+        };
+        execve(envd_path, argv, envp);
+        dprintf(2, "aenv-init: exec %s: %s\n", envd_path, strerror(errno));
+        _exit(127);
+    }
+    say("envd started pid %d", (int)pid);
+    return pid;
+}
+
+static void reap_all_wait(double seconds) {
+    double end = uptime() + seconds;
+    while (uptime() < end) {
+        pid_t p = waitpid(-1, NULL, WNOHANG);
+        if (p < 0 && errno == ECHILD) return;
+        if (p <= 0) usleep(20000);
+    }
+}
+
+static void shutdown_now(int cmd) {
+    say("shutting down (%s)", cmd == RB_AUTOBOOT ? "reboot" : "power off");
+    sync();
+    kill(-1, SIGTERM);
+    reap_all_wait(3.0);
+    kill(-1, SIGKILL);
+    reap_all_wait(1.0);
+    sync();
+    const char *mnts[] = {"/tmp", "/dev/shm", "/dev/pts", "/run", NULL};
+    for (int i = 0; mnts[i]; i++) umount2(mnts[i], MNT_DETACH);
+    if (mount(NULL, "/", NULL, MS_REMOUNT | MS_RDONLY, NULL) < 0)
+        say("remount / ro: %s", strerror(errno));
+    sync();
+    reboot(cmd);
+    say("reboot(): %s; halting", strerror(errno));
+    reboot(RB_HALT_SYSTEM);
+    for (;;) pause();
+}
+
+int main(void) {
+    if (getpid() != 1) fprintf(stderr, "aenv-init: warning: not PID 1\n");
+    umask(022);
+    setup_mounts();  /* /proc first: the command line lives there */
+    int fd = open("/proc/cmdline", O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        ssize_t n = read(fd, cmdline, sizeof cmdline - 1);
+        cmdline[n > 0 ? n : 0] = 0;
+        close(fd);
+    }
+    say("starting");
+    reboot(RB_DISABLE_CAD); /* Ctrl-Alt-Del becomes SIGINT to us */
+    setup_hostname();
+    setup_network();
+    param("aenv.envd", envd_path, sizeof envd_path);
+
+    struct rlimit rl = {65536, 65536};
+    setrlimit(RLIMIT_NOFILE, &rl);
+
+    sigemptyset(&handled);
+    int sigs[] = {SIGCHLD, SIGTERM, SIGINT, SIGPWR, SIGUSR1, SIGHUP, SIGQUIT};
+    for (size_t i = 0; i < sizeof sigs / sizeof *sigs; i++) sigaddset(&handled, sigs[i]);
+    sigprocmask(SIG_BLOCK, &handled, NULL);
+
+    /* shutdown request channel: any write to the FIFO powers off */
+    mkfifo(SHUTDOWN_FIFO, 0600);
+    int ctl = open(SHUTDOWN_FIFO, O_RDWR | O_NONBLOCK | O_CLOEXEC);
+
+    pid_t envd = start_envd();
+    double started = uptime(), restart_at = -1;
+    int failures = 0;
+    for (;;) {
+        struct timespec tmo = {restart_at >= 0 ? 0 : 1, restart_at >= 0 ? 100 * 1000 * 1000 : 0};
+        siginfo_t si;
+        int sig = sigtimedwait(&handled, &si, &tmo);
+        if (sig == SIGTERM || sig == SIGINT || sig == SIGPWR || sig == SIGQUIT) shutdown_now(RB_POWER_OFF);
+        if (sig == SIGUSR1) shutdown_now(RB_AUTOBOOT);
+        if (ctl >= 0) {
+            char b[16];
+            if (read(ctl, b, sizeof b) > 0) shutdown_now(strncmp(b, "reboot", 6) ? RB_POWER_OFF : RB_AUTOBOOT);
+        }
+        int status;
+        pid_t p;
+        while ((p = waitpid(-1, &status, WNOHANG)) > 0) {
+            if (p != envd) continue;
+            double ran = uptime() - started;
+            if (WIFEXITED(status)) say("envd pid %d exited with %d after %.1fs", p, WEXITSTATUS(status), ran);
+            else say("envd pid %d killed by signal %d after %.1fs", p, WTERMSIG(status), ran);
+            failures = ran > 30 ? 1 : failures + 1;
+            double delay = 0.1;
+            for (int i = 1; i < failures && delay < 5; i++) delay *= 2;
+            if (delay > 5) delay = 5;
+            restart_at = uptime() + delay;
+            envd = -1;
+        }
+        if (envd < 0 && restart_at >= 0 && uptime() >= restart_at) {
+            restart_at = -1;
+            started = uptime();
+            envd = start_envd();
+            if (envd < 0) restart_at = uptime() + 1;
+        }
+    }
+}
