@@ -107,7 +107,9 @@ class VmSpec:
     """Everything needed to start one VM. Identical specs give identical VMM command
     lines, which snapshots require (same devices, ids, kernel path)."""
 
-    kernel: Path
+    # None boots no guest kernel (firmware only): enough to exercise the VMM plumbing
+    # (QMP, pause, snapshots, teardown) in tests. Firecracker drivers may reject it.
+    kernel: Path | None
     cmdline: str = ""
     vcpus: int = 1
     mem_mib: int = 512

@@ -14,6 +14,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -212,7 +213,7 @@ class QemuVm:
     async def _start(self, *, state_file: Path | None, resume: bool = True) -> None:
         if self._state is not VmState.CREATED:
             raise VmmStateError(f"{self._spec.name}: already started")
-        if not self._spec.kernel.is_file():
+        if self._spec.kernel is not None and not self._spec.kernel.is_file():
             raise VmmStartError(f"{self._spec.name}: kernel not found: {self._spec.kernel}")
         if state_file is not None and not state_file.is_file():
             raise VmmStartError(f"{self._spec.name}: saved state not found: {state_file}")
@@ -300,14 +301,16 @@ class QemuVm:
                     raise _PortTaken
                 raise VmmStartError(f"{self._spec.name}: QEMU exited with code "
                                     f"{self._proc.returncode} during startup", **self._tails())
-            if sock.exists():
+            conn = await self._try_connect(sock) if sock.exists() else None
+            if conn is not None:
                 client = QMPClient(self._spec.name)
                 try:
-                    await asyncio.wait_for(client.connect(str(sock)),
+                    await asyncio.wait_for(client.connect(conn),
                                            max(0.1, deadline - loop.time()))
                 except (QMPError, OSError, TimeoutError, EOFError):
                     with contextlib.suppress(Exception):
                         await client.disconnect()
+                    conn.close()
                 else:
                     self._qmp = client
                     self.qmp_ready_s = loop.time() - self.started_at
@@ -316,6 +319,19 @@ class QemuVm:
                 raise VmmTimeout(f"{self._spec.name}: QMP did not answer within "
                                  f"{self.timeouts.vmm_ready_s}s", **self._tails())
             await asyncio.sleep(0.005)
+
+    @staticmethod
+    async def _try_connect(path: Path) -> socket.socket | None:
+        """Connect the unix socket ourselves: QEMU binds before it listens, and letting
+        the QMP library retry would log every refused attempt as an error."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, str(path))
+        except OSError:
+            sock.close()
+            return None
+        return sock
 
     async def _reap(self) -> None:
         if self._proc is not None:

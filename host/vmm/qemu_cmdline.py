@@ -100,8 +100,6 @@ def build_argv(
         "-smp", str(spec.vcpus),
         "-m", f"{spec.mem_mib}M",
         "-nodefaults", "-no-user-config", "-no-reboot", "-display", "none",
-        "-kernel", str(spec.kernel),
-        "-append", guest_cmdline(spec.cmdline, accel=accel, tsc_khz=tsc_khz),
         "-chardev", f"file,id=ser0,path={qopt(files.serial_log)}",
         "-serial", "chardev:ser0",
         "-qmp", f"unix:{qopt(files.qmp_socket)},server=on,wait=off",
@@ -109,6 +107,9 @@ def build_argv(
         # them, including device-state-only streams that carry no configuration section.
         "-global", "migration.send-configuration=off",
     ]
+    if spec.kernel is not None:
+        argv += ["-kernel", str(spec.kernel),
+                 "-append", guest_cmdline(spec.cmdline, accel=accel, tsc_khz=tsc_khz)]
     if spec.initrd is not None:
         argv += ["-initrd", str(spec.initrd)]
     if spec.memory is not None:

@@ -1,0 +1,181 @@
+"""The QEMU driver's process/QMP/snapshot plumbing on a VM without a guest kernel.
+
+Real QEMU, no kernel or image needed (firmware only), so these run wherever QEMU is
+installed and take about a second each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from host.vmm import (
+    BootTimeouts,
+    MemoryBacking,
+    QemuDriver,
+    UserNet,
+    VmmBootTimeout,
+    VmmStartError,
+    VmmStateError,
+    VmSpec,
+    VmState,
+)
+
+from .helpers import procs_mentioning
+
+pytestmark = pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None,
+                                reason="qemu-system-x86_64 not installed")
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return tmp_path / "run"
+
+
+def _bare(**kw: object) -> VmSpec:
+    return VmSpec(kernel=None, mem_mib=64, name="bare", **kw)  # type: ignore[arg-type]
+
+
+def _assert_clean(run_dir: Path) -> None:
+    assert procs_mentioning(str(run_dir)) == []
+    assert not run_dir.exists() or list(run_dir.iterdir()) == []
+
+
+async def test_start_pause_resume_kill(run_dir: Path) -> None:
+    driver = QemuDriver(run_dir=run_dir)
+    vm = await driver.start(_bare())
+    try:
+        assert vm.state is VmState.RUNNING and driver.vms == [vm]
+        assert vm.qmp_ready_s is not None and vm.qmp_ready_s < 10
+        pid, work = vm.pid, vm.work_dir
+        assert pid is not None and (work / "qmp.sock").exists()
+        assert os.getpgid(pid) == pid  # own session: the group is killable as one
+        host, port = vm.envd_address
+        assert host == "127.0.0.1" and port > 0
+        assert f"hostfwd=tcp:127.0.0.1:{port}-:49983" in " ".join(vm.argv)
+        await vm.pause()
+        await vm.pause()  # idempotent
+        assert await vm.query_status() == "paused"
+        await vm.resume()
+        assert await vm.query_status() == "running"
+    finally:
+        await vm.kill()
+    assert vm.state is VmState.KILLED and vm.pid is None
+    assert not Path(f"/proc/{pid}").exists() and not work.exists()
+    assert driver.vms == []
+    with pytest.raises(VmmStateError):
+        await vm.pause()
+    _assert_clean(run_dir)
+
+
+async def test_envd_wait_times_out_with_tails(run_dir: Path) -> None:
+    driver = QemuDriver(run_dir=run_dir)
+    async with await driver.start(_bare()) as vm:
+        t0 = time.monotonic()
+        with pytest.raises(VmmBootTimeout, match="did not answer") as err:
+            await vm.wait_for_envd(1.5)
+        assert 1.4 < time.monotonic() - t0 < 5
+        assert "within 1.5s" in str(err.value)
+    _assert_clean(run_dir)
+
+
+async def test_qemu_dying_is_noticed_while_waiting(run_dir: Path) -> None:
+    driver = QemuDriver(run_dir=run_dir)
+    vm = await driver.start(_bare())
+    try:
+        assert vm.pid is not None
+        os.kill(vm.pid, signal.SIGKILL)
+        with pytest.raises(VmmStartError, match="exited with code -9"):
+            await vm.wait_for_envd(30)
+    finally:
+        await vm.kill()
+    _assert_clean(run_dir)
+
+
+async def test_port_in_use_is_retried_with_a_new_port(run_dir: Path) -> None:
+    """Occupy the port QEMU would get: a fixed port fails clearly; a picked one is retried."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        driver = QemuDriver(run_dir=run_dir)
+        with pytest.raises(VmmStartError, match=f"port {taken} is in use"):
+            await driver.start(_bare(network=UserNet(host_port=taken)))
+        _assert_clean(run_dir)
+        from host.vmm import proc as procs
+
+        picks = iter([taken, 0])
+        real = procs.free_port
+        orig = procs.free_port
+        try:
+            procs.free_port = lambda host="127.0.0.1": next(picks) or real(host)  # type: ignore[assignment]
+            vm = await driver.start(_bare())
+        finally:
+            procs.free_port = orig  # type: ignore[assignment]
+        async with vm:
+            assert vm.envd_address[1] != taken
+    _assert_clean(run_dir)
+
+
+@pytest.mark.parametrize("memory", ["ram", "shared-file"])
+async def test_save_state_and_restore(run_dir: Path, tmp_path: Path, memory: str) -> None:
+    backing = (MemoryBacking(path=tmp_path / "guest.mem", shared=True)
+               if memory == "shared-file" else None)
+    spec = _bare(memory=backing)
+    driver = QemuDriver(run_dir=run_dir)
+    state = tmp_path / "vm.state"
+    async with await driver.start(spec) as vm:
+        await vm.save_state(state)
+        assert vm.state is VmState.PAUSED and await vm.query_status() == "postmigrate"
+    assert state.is_file() and not Path(f"{state}.part").exists()
+    assert state.stat().st_size < 2 * 1024 * 1024  # zero pages cost nothing either way
+    vm2 = await driver.restore(spec, state)
+    async with vm2:
+        assert vm2.state is VmState.RUNNING
+        assert await vm2.query_status() == "running"
+        assert "-incoming" in vm2.argv
+    vm3 = await driver.restore(spec, state, resume=False)
+    async with vm3:
+        assert vm3.state is VmState.PAUSED
+        await vm3.resume()
+    _assert_clean(run_dir)
+
+
+async def test_restore_of_garbage_fails_cleanly(run_dir: Path, tmp_path: Path) -> None:
+    state = tmp_path / "garbage.state"
+    state.write_bytes(os.urandom(4096))
+    driver = QemuDriver(run_dir=run_dir)
+    with pytest.raises(VmmStartError) as err:
+        await driver.restore(_bare(), state)
+    assert "exited" in str(err.value)
+    assert driver.vms == []
+    _assert_clean(run_dir)
+
+
+async def test_driver_aclose_kills_everything(run_dir: Path) -> None:
+    driver = QemuDriver(run_dir=run_dir)
+    vms = await asyncio.gather(*(driver.start(_bare()) for _ in range(3)))
+    assert len({vm.envd_address[1] for vm in vms}) == 3
+    await driver.aclose()
+    assert all(vm.state is VmState.KILLED for vm in vms) and driver.vms == []
+    _assert_clean(run_dir)
+
+
+async def test_start_cancelled_while_running_kills(run_dir: Path) -> None:
+    driver = QemuDriver(run_dir=run_dir)
+    vm = await driver.start(_bare(), timeouts=BootTimeouts(kill_s=1))
+    task = asyncio.ensure_future(vm.kill())
+    task.cancel()  # the kill is shielded: it completes anyway
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await vm.kill()
+    assert vm.state is VmState.KILLED
+    _assert_clean(run_dir)
