@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -19,6 +20,8 @@ from .auth import ApiKeyMiddleware, ApiKeys
 from .errors import error_response
 from .openapi import document
 
+Endpoint = Callable[[Request], Awaitable[Response]]
+
 
 async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
@@ -31,35 +34,52 @@ async def openapi(request: Request) -> Response:
 async def http_error(request: Request, exc: Exception) -> Response:
     """Starlette's own 404/405 (unknown route, wrong method) as E2B error bodies."""
     assert isinstance(exc, HTTPException)  # noqa: S101 - registered for HTTPException only
-    return error_response(exc.status_code, str(exc.detail))
+    resp = error_response(exc.status_code, str(exc.detail))
+    resp.headers.update(exc.headers or {})
+    return resp
+
+
+def _by_method(handlers: dict[str, Endpoint]) -> Endpoint:
+    """One endpoint per path, so that a 405 lists every allowed method in `Allow`."""
+    if "GET" in handlers:
+        handlers = {**handlers, "HEAD": handlers["GET"]}
+
+    async def endpoint(request: Request) -> Response:
+        return await handlers[request.method](request)
+
+    endpoint.methods = list(handlers)  # type: ignore[attr-defined]
+    return endpoint
 
 
 def routes() -> list[Route]:
     sid = "/sandboxes/{sandbox_id}"
-    return [
-        Route("/health", health, methods=["GET"]),
-        Route("/openapi.json", openapi, methods=["GET"]),
-        Route("/v2/sandboxes", sb.create_v2, methods=["POST"]),
-        Route("/v2/sandboxes", sb.list_v2, methods=["GET"]),
-        Route("/sandboxes", sb.create_v1, methods=["POST"]),
-        Route("/sandboxes", sb.list_v1, methods=["GET"]),
-        Route(sid, sb.get_one, methods=["GET"]),
-        Route(sid, sb.kill, methods=["DELETE"]),
-        Route(f"/v2{sid}/connect", sb.connect_v2, methods=["POST"]),
-        Route(f"{sid}/connect", sb.connect_v1, methods=["POST"]),
-        Route(f"{sid}/pause", sb.pause, methods=["POST"]),
-        Route(f"{sid}/resume", sb.resume_v1, methods=["POST"]),
-        Route(f"{sid}/timeout", sb.set_timeout, methods=["POST"]),
-        Route(f"{sid}/refreshes", sb.refresh, methods=["POST"]),
-        Route(f"{sid}/fork", sb.fork, methods=["POST"]),
-        Route(f"{sid}/network", sb.update_network, methods=["PUT"]),
-        Route(f"{sid}/metrics", sb.metrics, methods=["GET"]),
-        Route(f"{sid}/logs", sb.logs_v1, methods=["GET"]),
-        Route(f"/v2{sid}/logs", sb.logs_v2, methods=["GET"]),
-        Route(f"{sid}/snapshots", snap.create, methods=["POST"]),
-        Route("/snapshots", snap.list_all, methods=["GET"]),
-        Route("/templates/{template_id:path}", snap.delete_template, methods=["DELETE"]),
-    ]
+    table: dict[str, dict[str, Endpoint]] = {
+        "/health": {"GET": health},
+        "/openapi.json": {"GET": openapi},
+        "/v2/sandboxes": {"POST": sb.create_v2, "GET": sb.list_v2},
+        "/sandboxes": {"POST": sb.create_v1, "GET": sb.list_v1},
+        sid: {"GET": sb.get_one, "DELETE": sb.kill},
+        f"/v2{sid}/connect": {"POST": sb.connect_v2},
+        f"{sid}/connect": {"POST": sb.connect_v1},
+        f"{sid}/pause": {"POST": sb.pause},
+        f"{sid}/resume": {"POST": sb.resume_v1},
+        f"{sid}/timeout": {"POST": sb.set_timeout},
+        f"{sid}/refreshes": {"POST": sb.refresh},
+        f"{sid}/fork": {"POST": sb.fork},
+        f"{sid}/network": {"PUT": sb.update_network},
+        f"{sid}/metrics": {"GET": sb.metrics},
+        f"{sid}/logs": {"GET": sb.logs_v1},
+        f"/v2{sid}/logs": {"GET": sb.logs_v2},
+        f"{sid}/snapshots": {"POST": snap.create},
+        "/snapshots": {"GET": snap.list_all},
+        # `path` convertor: ids like team/snap:default arrive as team%2Fsnap%3Adefault
+        "/templates/{template_id:path}": {"DELETE": snap.delete_template},
+    }
+    out = []
+    for path, handlers in table.items():
+        endpoint = _by_method(handlers)
+        out.append(Route(path, endpoint, methods=endpoint.methods))  # type: ignore[attr-defined]
+    return out
 
 
 def build_api_app(orchestrator: Orchestrator, keys: ApiKeys | Path | str, *,

@@ -17,7 +17,15 @@ def _ref(name: str) -> J:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
+def _nullable(schema: J) -> J:
+    if "$ref" in schema:  # OpenAPI 3.0: siblings of $ref are ignored
+        return {"nullable": True, "allOf": [schema]}
+    return {**schema, "nullable": True}
+
+
 def _obj(props: J, required: tuple[str, ...] = ()) -> J:
+    """An object schema. Optional properties are nullable: the server reads null as absent."""
+    props = {k: v if k in required else _nullable(v) for k, v in props.items()}
     out: J = {"type": "object", "properties": props}
     if required:
         out["required"] = list(required)
@@ -28,6 +36,7 @@ _STR: J = {"type": "string"}
 _BOOL: J = {"type": "boolean"}
 _INT32: J = {"type": "integer", "format": "int32", "minimum": 0, "maximum": INT32_MAX}
 _INT64: J = {"type": "integer", "format": "int64"}
+INT64_MAX = 2**63 - 1
 _TIME: J = {"type": "string", "format": "date-time"}
 _STR_MAP: J = {"type": "object", "additionalProperties": _STR}
 _STR_LIST: J = {"type": "array", "items": _STR}
@@ -182,7 +191,7 @@ def _paths() -> J:
     list_v2_params[1]["style"] = "form"
     list_v2_params[1]["explode"] = False
     sandbox = _ref("Sandbox")
-    unix = {"type": "integer", "format": "int64", "minimum": 0}
+    unix = {"type": "integer", "format": "int64", "minimum": 0, "maximum": INT64_MAX}
     return {
         "/health": {"get": {"operationId": "health", "security": [],
                             "responses": {"200": _json({"type": "object"})}}},
@@ -190,7 +199,8 @@ def _paths() -> J:
             "post": _op("createSandboxV2", {"201": _json(sandbox, "The sandbox was created")},
                         body=_body("NewSandboxV2"),
                         params=[{"name": "Idempotency-Key", "in": "header", "required": False,
-                                 "schema": {"type": "string", "pattern": "^[a-z0-9-]{1,255}$"}}],
+                                 "schema": {"type": "string",
+                                            "pattern": "^[\\x21-\\x7e]{1,255}$"}}],
                         errors=(400, 401, 404, 409, 500)),
             "get": _op("listSandboxesV2", {"200": _json(arr("ListedSandbox"), headers=_NEXT)},
                        params=list_v2_params, errors=(400, 401, 500)),

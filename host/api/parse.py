@@ -21,6 +21,7 @@ from host.orchestrator.states import SandboxState
 from .errors import bad_request
 
 INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
 MAX_FORKS = 16          # one node restores at most 16 children (DESIGN.md "Fork")
 MAX_LIST_LIMIT = 100
 
@@ -117,7 +118,15 @@ def network_config(body: dict[str, Any], *, allow_internet_access: bool | None,
                    base: NetworkConfig | None = None) -> NetworkConfig:
     """`SandboxNetworkConfig` (create) or `SandboxNetworkUpdateConfig` (PUT, with `base`)."""
     base = base or NetworkConfig()
-    extra = {k: v for k, v in body.items() if k not in _NETWORK_KNOWN}
+    # accepted and kept, not enforced; type-checked so nothing malformed is stored
+    opt_object(body, "rules")
+    opt_object(body, "egressProxy")
+    str_list(body, "dnsServers")
+    ports = body.get("httpsPorts")
+    if ports is not None and not (isinstance(ports, list) and all(
+            isinstance(p, int) and not isinstance(p, bool) for p in ports)):
+        raise bad_request("'httpsPorts' must be an array of integers")
+    extra = {k: v for k, v in body.items() if k not in _NETWORK_KNOWN and v is not None}
     public = opt_bool(body, "allowPublicTraffic", base.allow_public_traffic)
     deny = str_list(body, "denyOut")
     if allow_internet_access is False and "0.0.0.0/0" not in deny:
@@ -142,6 +151,11 @@ def create_request(body: dict[str, Any], *, legacy: bool,
     if mounts not in (None, []):
         raise bad_request("'volumeMounts' are not supported by this server")
     auto_resume = opt_object(body, "autoResume")
+    if body.get("autoResume") is not None and not isinstance(auto_resume.get("enabled"), bool):
+        raise bad_request("'autoResume.enabled' is required and must be a boolean")
+    opt_object(body, "mcp")   # accepted, not used
+    opt_bool(body, "autoPauseMemory")  # accepted; pause always keeps memory for now
+    opt_object(body, "iam")   # accepted, not used
     kwargs: dict[str, Any] = {}
     if (auto_pause := opt_bool(body, "autoPause")) is not None:
         kwargs["auto_pause"] = auto_pause
@@ -161,7 +175,9 @@ def create_request(body: dict[str, Any], *, legacy: bool,
 
 
 def fork_params(body: dict[str, Any]) -> tuple[int, int | None]:
-    count = body.get("count", 1)
+    count = body.get("count")
+    if count is None:
+        count = 1
     if isinstance(count, bool) or not isinstance(count, int):
         raise bad_request(f"'count' must be an integer, got {_type_name(count)}")
     if not 1 <= count <= MAX_FORKS:
@@ -206,7 +222,7 @@ def metadata_filter(raw: str | None) -> dict[str, str]:
 
 
 def rfc3339(raw: str | None, name: str) -> float | None:
-    if raw is None or raw == "":
+    if raw is None:
         return None
     try:
         dt = datetime.fromisoformat(raw.replace("z", "Z"))

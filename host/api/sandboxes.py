@@ -216,8 +216,8 @@ async def update_network(request: Request) -> Response:
 @handler
 async def metrics(request: Request) -> Response:
     q = request.query_params
-    start = parse.query_int(q.get("start"), "start", lo=0, hi=2**62, default=0)
-    end = parse.query_int(q.get("end"), "end", lo=0, hi=2**62, default=2**62)
+    start = parse.query_int(q.get("start"), "start", lo=0, hi=parse.INT64_MAX, default=0)
+    end = parse.query_int(q.get("end"), "end", lo=0, hi=parse.INT64_MAX, default=2**62)
     items = await orch(request).metrics(sandbox_id(request))
     return JSONResponse([serialize.metric(m) for m in items if start <= m.timestamp <= end])
 
@@ -225,7 +225,7 @@ async def metrics(request: Request) -> Response:
 @handler
 async def logs_v1(request: Request) -> Response:
     q = request.query_params
-    start = parse.query_int(q.get("start"), "start", lo=0, hi=2**62, default=0)
+    start = parse.query_int(q.get("start"), "start", lo=0, hi=parse.INT64_MAX, default=0)
     limit = parse.query_int(q.get("limit"), "limit", lo=0, hi=10_000, default=1000)
     lines = await orch(request).logs(sandbox_id(request), start or None, limit)
     return JSONResponse({"logs": [serialize.legacy_log(ln) for ln in lines],
@@ -238,7 +238,7 @@ _LEVELS = {"debug": 0, "info": 1, "warn": 2, "error": 3}
 @handler
 async def logs_v2(request: Request) -> Response:
     q = request.query_params
-    cursor = parse.query_int(q.get("cursor"), "cursor", lo=0, hi=2**62, default=0)
+    cursor = parse.query_int(q.get("cursor"), "cursor", lo=0, hi=parse.INT64_MAX, default=0)
     limit = parse.query_int(q.get("limit"), "limit", lo=0, hi=1000, default=1000)
     direction = q.get("direction") or "forward"
     if direction not in ("forward", "backward"):
