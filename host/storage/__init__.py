@@ -6,10 +6,10 @@ a VMM attaches a stack with `StackInfo.qemu_drive()` / `StackInfo.nbd_uri`.
 
 from __future__ import annotations
 
-from .blockserver import BlockServer
+from typing import TYPE_CHECKING, Any
+
 from .cache import ChunkCache
 from .control import BlockServerClient, StackInfo, SyncBlockServerClient
-from .convert import convert_image
 from .errors import (
     ControlError,
     LayerFormatError,
@@ -25,6 +25,25 @@ from .errors import (
 from .lsmt import LayerWriter, SealedLayer, Upper, digest_of_file
 from .repository import OssRepository, PosixFsRepository, Repository, open_repository
 from .stack import Stack
+
+if TYPE_CHECKING:
+    from .blockserver import BlockServer
+    from .convert import convert_image
+
+
+def __getattr__(name: str) -> Any:
+    # imported lazily so `python -m host.storage.blockserver|convert` does not find its
+    # own module already imported by the package (runpy warns about that)
+    if name == "BlockServer":
+        from .blockserver import BlockServer
+
+        return BlockServer
+    if name == "convert_image":
+        from .convert import convert_image
+
+        return convert_image
+    raise AttributeError(name)
+
 
 __all__ = [
     "BlockServer",

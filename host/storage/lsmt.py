@@ -249,6 +249,22 @@ class _Appender:
         self.fd = fd
         self.pos = pos
         self.hasher = hasher
+        self.hasher_stale = False  # set by in-place overwrites: rehash before use
+
+    def digest_state(self) -> hashlib._Hash:
+        """The running sha256 of bytes [0, pos), recomputed if something was overwritten."""
+        if self.hasher_stale:
+            h = hashlib.sha256()
+            pos = 0
+            while pos < self.pos:
+                chunk = os.pread(self.fd, min(1 << 22, self.pos - pos), pos)
+                if not chunk:
+                    raise LayerFormatError("data file shrank under the upper")
+                h.update(chunk)
+                pos += len(chunk)
+            self.hasher = h
+            self.hasher_stale = False
+        return self.hasher
 
     def append(self, data: bytes | memoryview) -> int:
         at = self.pos
@@ -256,7 +272,8 @@ class _Appender:
         done = 0
         while done < len(view):
             done += os.pwrite(self.fd, view[done:], at + done)
-        self.hasher.update(view)
+        if not self.hasher_stale:
+            self.hasher.update(view)
         self.pos += len(view)
         return at
 
@@ -299,6 +316,7 @@ class LayerWriter:
 
 def seal_data_file(out: _Appender, index: SegmentIndex, info: HeaderTrailer) -> str:
     """Append index + trailer to a data file being written through `out`; fsync; digest."""
+    out.digest_state()
     index_offset = out.pos
     entries = index_entries(index, pad=True)
     out.append(entries)
@@ -369,12 +387,6 @@ class Upper:
             if size % SECTOR:  # a torn unflushed append: pad so appends stay aligned
                 os.pwrite(data_fd, bytes(SECTOR - size % SECTOR), size)
                 size += SECTOR - size % SECTOR
-            hasher = hashlib.sha256()
-            pos = 0
-            while pos < size:
-                chunk = os.pread(data_fd, min(1 << 22, size - pos), pos)
-                hasher.update(chunk)
-                pos += len(chunk)
             jsize = os.fstat(journal_fd).st_size
             jsize_whole = SPACE + (jsize - SPACE) // ENTRY.size * ENTRY.size
             if jsize_whole != jsize:  # torn journal append (crash mid-flush): drop the tail
@@ -390,7 +402,9 @@ class Upper:
             os.close(data_fd)
             os.close(journal_fd)
             raise
-        return cls(d, info, data_fd, journal_fd, _Appender(data_fd, size, hasher), index)
+        out = _Appender(data_fd, size, hashlib.sha256())
+        out.hasher_stale = True  # hashed lazily, at the first seal
+        return cls(d, info, data_fd, journal_fd, out, index)
 
     # --- Blob protocol (reads of the upper's own data) ---
     def pread(self, offset: int, length: int) -> bytes:
@@ -418,6 +432,22 @@ class Upper:
             out.append((s, s + n, at))
         self.size = self.out.pos
         return out
+
+    def overwrite(self, moff: int, data: bytes | memoryview) -> None:
+        """Rewrite data already appended at data sector `moff` in place (same mapping).
+
+        Overwriting freshly allocated file pages costs far more than appending on ext4, so
+        a rewrite of blocks the upper already holds goes in place. Like any unflushed block
+        write it may be torn by a crash; flushed data stays intact. It invalidates the
+        running digest, which `seal` then recomputes from the file."""
+        at = moff * SECTOR
+        if at < SPACE or at + len(data) > self.out.pos:
+            raise ValueError("overwrite outside the upper's data")
+        view = memoryview(data)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.data_fd, view[done:], at + done)
+        self.out.hasher_stale = True
 
     def zero(self, sector: int, nsectors: int) -> None:
         s, end = sector, sector + nsectors

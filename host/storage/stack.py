@@ -102,6 +102,10 @@ class Stack:
             buf[offset - s * SECTOR:end - s * SECTOR] = data
             data = buf
         tag = len(self.layers)
+        hit = self.merged.lookup(s, e)
+        if len(hit) == 1 and hit[0].tag == tag and hit[0].start == s and hit[0].end == e:
+            self.upper.overwrite(hit[0].moff, data)  # already ours: rewrite in place
+            return
         for a, b, moff in self.upper.write(s, data):
             self.merged.insert(a, b, tag, moff)
 
