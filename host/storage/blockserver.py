@@ -243,6 +243,14 @@ class BlockServer:
                 log.info("recovered stack %s (%d layers)", name, len(layers))
             except StorageError:
                 log.exception("cannot recover stack %s; leaving its files in place", name)
+                return  # keep every upper dir: a broken stack's upper must not be collected
+        # uppers no manifest names were left by a crash between creating an upper and
+        # recording it (create, clone, seal): nothing refers to them
+        live = {e.upper_id for e in self._stacks.values()}
+        for udir in (self.state_dir / "uppers").iterdir():
+            if udir.name not in live:
+                log.info("removing orphan upper %s", udir.name)
+                shutil.rmtree(udir, ignore_errors=True)
 
     # --- operations (control API) ---
     def _get(self, name: str) -> StackExport:
@@ -298,10 +306,15 @@ class BlockServer:
         return layer.digest
 
     async def seal(self, name: str, *, upload: bool = True, user_tag: str = "") -> str:
+        """Seal the upper into a new layer; an unchanged disk (empty upper) seals nothing
+        and returns the top layer's digest, so repeated pauses do not pile up layers."""
         async with self._ops_lock:
             exp = self._get(name)
             async with exp.lock:
-                digest = await self._seal_locked(exp, user_tag)
+                if not len(exp.stack.upper.index) and exp.stack.layers:
+                    digest = str(exp.stack.layers[-1].digest)
+                else:
+                    digest = await self._seal_locked(exp, user_tag)
         if upload:
             await self.push(digest)
         return digest
@@ -327,7 +340,7 @@ class BlockServer:
         async with self._ops_lock:
             exp = self._get(name)
             del self._stacks[name]
-            self._nbd.disconnect(name)
+            await self._nbd.disconnect(name)
             async with exp.lock:
                 exp.stack.close()
                 (self.state_dir / "stacks" / f"{name}.json").unlink(missing_ok=True)

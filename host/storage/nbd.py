@@ -195,11 +195,14 @@ class NbdServer:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
 
-    def disconnect(self, name: str) -> None:
-        """Drop every connection to export `name` (it is being deleted)."""
-        for task, (_sock, export) in list(self._conns.items()):
-            if export == name:
-                task.cancel()
+    async def disconnect(self, name: str) -> None:
+        """Drop every connection to export `name` and wait until they are gone, so the
+        caller may close the export's files (no send is left in flight on them)."""
+        tasks = [t for t, (_sock, export) in list(self._conns.items()) if export == name]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()

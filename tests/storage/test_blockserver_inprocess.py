@@ -1,0 +1,90 @@
+"""BlockServer in process: crash recovery paths, seal of an unchanged disk, deletes."""
+
+from __future__ import annotations
+
+import socket
+import struct
+from pathlib import Path
+
+import pytest
+
+from host.storage.blockserver import BlockServer
+from host.storage.repository import PosixFsRepository
+
+from .test_blockserver import RawNbd
+
+MiB = 1 << 20
+
+
+def _server(tmp_path: Path) -> BlockServer:
+    return BlockServer(socket_dir=tmp_path / "s", state_dir=tmp_path / "st",
+                       repository=PosixFsRepository(tmp_path / "repo"))
+
+
+async def test_seal_cut_by_a_crash_is_finished_at_recovery(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    bs = _server(tmp_path)
+    await bs.start()
+    await bs.create("m", [], virtual_size=MiB)
+    exp = bs._stacks["m"]
+    await exp.write(0, b"q" * 8192)
+    await exp.flush()
+
+    def crash(self: BlockServer, exp: object) -> None:
+        raise RuntimeError("crash between the layer rename and the manifest update")
+
+    monkeypatch.setattr(BlockServer, "_save", crash)
+    with pytest.raises(RuntimeError, match="crash"):
+        await bs.seal("m", upload=False)
+    monkeypatch.undo()
+    await bs.aclose()  # the old manifest still names the old upper, now only a marker
+
+    bs2 = _server(tmp_path)
+    await bs2.start()
+    try:
+        info = await bs2.info("m")
+        assert len(info.layers) == 1
+        assert bs2._stacks["m"].stack.read(0, 8192) == b"q" * 8192
+        uppers = list((tmp_path / "st" / "uppers").iterdir())
+        assert [u.name for u in uppers] == [bs2._stacks["m"].upper_id]  # orphans collected
+    finally:
+        await bs2.aclose()
+
+
+async def test_seal_of_unchanged_disk_adds_no_layer(tmp_path: Path) -> None:
+    async with _server(tmp_path) as bs:
+        await bs.create("u", [], virtual_size=MiB)
+        await bs._stacks["u"].write(0, b"x" * 4096)
+        d1 = await bs.seal("u")
+        assert await bs.seal("u") == d1
+        assert (await bs.info("u")).layers == (d1,)
+        assert PosixFsRepository(tmp_path / "repo").has_layer(d1)
+
+
+async def test_delete_drops_connections_and_layers(tmp_path: Path) -> None:
+    async with _server(tmp_path) as bs:
+        await bs.create("d", [], virtual_size=MiB)
+        await bs._stacks["d"].write(0, b"x" * 4096)
+        await bs.clone("d", "e")
+        assert len(bs._layers) == 1
+        import asyncio
+
+        def connect_and_go() -> RawNbd:
+            n = RawNbd(bs.nbd_socket)
+            n.go("d")
+            return n
+
+        n = await asyncio.to_thread(connect_and_go)
+        await bs.delete("d")
+        assert len(bs._layers) == 1  # still used by e
+
+        def request_after_delete() -> None:
+            with pytest.raises((EOFError, ConnectionError, socket.timeout)):
+                n.s.sendall(struct.pack(">IHHQQI", 0x25609513, 0, 0, 1, 0, 512))
+                n.recv(16)
+            n.close()
+
+        await asyncio.to_thread(request_after_delete)
+        await bs.delete("e")
+        assert bs._layers == {}
+        assert list((tmp_path / "st" / "uppers").iterdir()) == []
