@@ -27,6 +27,7 @@ import re
 import shutil
 import signal
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from .control import CONTROL_SOCKET, NBD_SOCKET, StackInfo, error_reply
 from .errors import LayerNotFoundError, StackExistsError, StackNotFoundError, StorageError
 from .lsmt import SealedLayer, Upper, digest_of_file
 from .nbd import NbdServer, Piece
-from .repository import PosixFsRepository, OssRepository, Repository, _hex, open_repository
+from .repository import OssRepository, PosixFsRepository, Repository, _hex, open_repository
 from .stack import Stack
 
 log = logging.getLogger(__name__)
@@ -117,8 +118,11 @@ class BlockServer:
         self._layers: dict[str, SealedLayer] = {}
         self._stacks: dict[str, StackExport] = {}
         self._ops_lock = asyncio.Lock()  # control operations run one at a time
-        self._nbd = NbdServer(self.nbd_socket, self._stacks.get, lambda: sorted(self._stacks))
+        self._nbd = NbdServer(self.nbd_socket, self._lookup, lambda: sorted(self._stacks))
         self._control: asyncio.Server | None = None
+
+    def _lookup(self, name: str) -> StackExport | None:
+        return self._stacks.get(name)
 
     # --- lifecycle ---
     async def start(self) -> None:
@@ -150,7 +154,7 @@ class BlockServer:
             layer.close()
         self._layers.clear()
 
-    async def __aenter__(self) -> BlockServer:
+    async def __aenter__(self) -> BlockServer:  # noqa: PYI034
         await self.start()
         return self
 
@@ -409,19 +413,19 @@ class BlockServer:
                 return {"ok": True, "result": True}
             if op == "list":
                 return {"ok": True, "result": [i.to_dict() for i in await self.list()]}
-            fn = {"create": self.create, "seal": self.seal, "clone": self.clone,
-                  "delete": self.delete, "flush": self.flush, "info": self.info,
-                  "import_layer": self.import_layer, "push": self.push}.get(op)
+            ops: dict[str, Callable[..., Awaitable[Any]]] = {
+                "create": self.create, "seal": self.seal, "clone": self.clone,
+                "delete": self.delete, "flush": self.flush, "info": self.info,
+                "import_layer": self.import_layer, "push": self.push}
+            fn = ops.get(op)
             if fn is None:
                 raise ValueError(f"unknown op {op!r}")
-            name_arg = {k: v for k, v in args.items()}
+            kwargs = dict(args)
             if op == "create":
-                result = await self.create(name_arg.pop("name"), name_arg.pop("layers", []),
-                                           **name_arg)
+                out = await self.create(kwargs.pop("name"), kwargs.pop("layers", []), **kwargs)
             else:
-                result = await fn(**name_arg)
-            if isinstance(result, StackInfo):
-                result = result.to_dict()
+                out = await fn(**kwargs)
+            result = out.to_dict() if isinstance(out, StackInfo) else out
             return {"ok": True, "result": result}
         except asyncio.CancelledError:
             raise

@@ -32,7 +32,7 @@ class Extent:
 class SegmentIndex:
     """Sorted non-overlapping extents; `insert` overrides whatever it covers."""
 
-    __slots__ = ("_start", "_end", "_tag", "_moff")
+    __slots__ = ("_end", "_moff", "_start", "_tag")
 
     def __init__(self) -> None:
         self._start: list[int] = []

@@ -266,7 +266,7 @@ class _Appender:
             self.hasher_stale = False
         return self.hasher
 
-    def append(self, data: bytes | memoryview) -> int:
+    def append(self, data: bytes | bytearray | memoryview) -> int:
         at = self.pos
         view = memoryview(data)
         done = 0
@@ -417,7 +417,7 @@ class Upper:
         return True
 
     # --- writes ---
-    def write(self, sector: int, data: bytes | memoryview) -> list[tuple[int, int, int]]:
+    def write(self, sector: int, data: bytes | bytearray | memoryview) -> list[tuple[int, int, int]]:
         """Append sector-aligned data for `sector`; returns [(start, end, moff)] extents."""
         view = memoryview(data)
         out = []
@@ -433,7 +433,7 @@ class Upper:
         self.size = self.out.pos
         return out
 
-    def overwrite(self, moff: int, data: bytes | memoryview) -> None:
+    def overwrite(self, moff: int, data: bytes | bytearray | memoryview) -> None:
         """Rewrite data already appended at data sector `moff` in place (same mapping).
 
         Overwriting freshly allocated file pages costs far more than appending on ext4, so

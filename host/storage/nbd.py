@@ -83,9 +83,12 @@ Piece = tuple[int | None, int, int, bool]  # (fd or None for zeros, offset, leng
 class Export(Protocol):
     """What the NBD server needs from one export."""
 
-    name: str
-    size: int
-    read_only: bool
+    @property
+    def name(self) -> str: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def read_only(self) -> bool: ...
 
     async def read_pieces(self, offset: int, length: int) -> list[Piece]: ...
     async def write(self, offset: int, data: bytes | bytearray) -> None: ...
@@ -150,7 +153,11 @@ class _Conn:
     async def _writable(self) -> None:
         fut = self.loop.create_future()
         fd = self.sock.fileno()
-        self.loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
+        def ready() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        self.loop.add_writer(fd, ready)
         try:
             await fut
         finally:
@@ -217,7 +224,7 @@ class NbdServer:
     async def _serve(self, sock: socket.socket) -> None:
         conn = _Conn(sock)
         try:
-            export, no_zeroes = await self._negotiate(conn)
+            export = await self._negotiate(conn)
             if export is not None:
                 task = asyncio.current_task()
                 assert task is not None
@@ -234,7 +241,7 @@ class NbdServer:
     async def _opt_reply(self, conn: _Conn, opt: int, rtype: int, data: bytes = b"") -> None:
         await conn.send(struct.pack(">QIII", OPT_REPLY_MAGIC, opt, rtype, len(data)) + data)
 
-    async def _negotiate(self, conn: _Conn) -> tuple[Export | None, bool]:
+    async def _negotiate(self, conn: _Conn) -> Export | None:
         await conn.send(struct.pack(">QQH", NBDMAGIC, IHAVEOPT,
                                     FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES))
         (cflags,) = struct.unpack(">I", await conn.recv(4))
@@ -250,11 +257,11 @@ class NbdServer:
                     raise _Closed("unknown export")
                 await conn.send(struct.pack(">QH", export.size, self._tflags(export))
                                 + (b"" if no_zeroes else bytes(124)))
-                return export, no_zeroes
+                return export
             if opt == OPT_ABORT:
                 with contextlib.suppress(ConnectionError):
                     await self._opt_reply(conn, opt, REP_ACK)
-                return None, no_zeroes
+                return None
             if opt == OPT_LIST:
                 if data:
                     await self._opt_reply(conn, opt, REP_ERR_INVALID)
@@ -266,7 +273,7 @@ class NbdServer:
             elif opt in (OPT_INFO, OPT_GO):
                 export = await self._info(conn, opt, data)
                 if export is not None and opt == OPT_GO:
-                    return export, no_zeroes
+                    return export
             else:
                 await self._opt_reply(conn, opt, REP_ERR_UNSUP)
 

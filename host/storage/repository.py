@@ -82,23 +82,23 @@ class PosixFsRepository:
         dst = self._layer(digest)
         if dst.exists():
             return
-        with self._atomic(dst) as tmp:
-            with open(path, "rb") as src, open(tmp, "wb") as out:
-                shutil.copyfileobj(src, out, 1 << 20)
-                out.flush()
-                os.fsync(out.fileno())
+        with self._atomic(dst) as tmp, open(path, "rb") as src, open(tmp, "wb") as out:
+            shutil.copyfileobj(src, out, 1 << 20)
+            out.flush()
+            os.fsync(out.fileno())
 
     def put_manifest(self, name: str, manifest: dict[str, Any]) -> None:
         dst = self.root / "manifests" / f"{_check_name(name)}.json"
-        with self._atomic(dst) as tmp:
-            with open(tmp, "w") as out:
-                json.dump(manifest, out, sort_keys=True)
-                out.flush()
-                os.fsync(out.fileno())
+        with self._atomic(dst) as tmp, open(tmp, "w") as out:
+            json.dump(manifest, out, sort_keys=True)
+            out.flush()
+            os.fsync(out.fileno())
 
     def get_manifest(self, name: str) -> dict[str, Any]:
         try:
-            return json.loads((self.root / "manifests" / f"{_check_name(name)}.json").read_text())
+            doc: dict[str, Any] = json.loads(
+                (self.root / "manifests" / f"{_check_name(name)}.json").read_text())
+            return doc
         except FileNotFoundError as exc:
             raise RepositoryError(f"no manifest {name!r} in {self.root}") from exc
 
@@ -126,7 +126,7 @@ class PosixFsRepository:
 @contextlib.contextmanager
 def _map_boto_errors(what: str) -> Iterator[None]:
     """botocore errors become RepositoryError (LayerNotFoundError for a missing object)."""
-    from botocore.exceptions import BotoCoreError, ClientError
+    from botocore.exceptions import BotoCoreError, ClientError  # type: ignore[import-untyped]
 
     try:
         yield
@@ -151,9 +151,9 @@ class OssRepository:
             raise RepositoryConfigError(
                 "oss repository: region is required (set it explicitly, e.g. region=us-east-1)"
             )
-        import boto3
-        from boto3.s3.transfer import TransferConfig
-        from botocore.config import Config
+        import boto3  # type: ignore[import-untyped]
+        from boto3.s3.transfer import TransferConfig  # type: ignore[import-untyped]
+        from botocore.config import Config  # type: ignore[import-untyped]
 
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
@@ -208,7 +208,8 @@ class OssRepository:
             with _map_boto_errors(f"manifest {name}"):
                 r = self.s3.get_object(Bucket=self.bucket,
                                        Key=f"{self.prefix}manifests/{_check_name(name)}.json")
-                return json.loads(r["Body"].read())
+                doc: dict[str, Any] = json.loads(r["Body"].read())
+                return doc
         except LayerNotFoundError as exc:
             raise RepositoryError(f"no manifest {name!r}") from exc
 
@@ -232,14 +233,13 @@ def open_repository(spec: str) -> PosixFsRepository | OssRepository:
     `oss://BUCKET/PREFIX?endpoint=URL&region=R[&addressing_style=path]` → OssRepository
     (credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or boto3's usual chain).
     """
-    if spec.startswith("oss://") or spec.startswith("s3://"):
+    if spec.startswith(("oss://", "s3://")):
         u = urlparse(spec)
         q = {k: v[-1] for k, v in parse_qs(u.query).items()}
         return OssRepository(bucket=u.netloc, prefix=u.path, endpoint=q.get("endpoint"),
                              region=q.get("region"),
                              addressing_style=q.get("addressing_style", "path"))
-    if spec.startswith("posix_fs:"):
-        spec = spec[len("posix_fs:"):]
+    spec = spec.removeprefix("posix_fs:")
     if not spec:
         raise RepositoryConfigError("posix_fs repository: a directory is required")
     return PosixFsRepository(spec)

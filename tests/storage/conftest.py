@@ -64,7 +64,7 @@ class BlockServerProc:
             argv += ["--repo", self.repo]
         if self.cache_mib is not None:
             argv += ["--cache-dir", str(self.root / "cache"), "--cache-mib", str(self.cache_mib)]
-        self.log = open(self.root / "blockserver.log", "ab")
+        self.log = open(self.root / "blockserver.log", "ab")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(argv, cwd=REPO, stdout=self.log, stderr=self.log,
                                      start_new_session=True,
                                      env={**os.environ, **self.extra_env})
@@ -120,7 +120,7 @@ def moto_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     argv = [exe, "-H", "127.0.0.1", "-p", str(port)] if exe else [
         sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
+    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

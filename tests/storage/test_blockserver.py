@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 
 from host.storage.convert import convert_image
-from host.storage.errors import ControlError, LayerNotFoundError, StackExistsError, StackNotFoundError
+from host.storage.errors import (
+    ControlError,
+    LayerNotFoundError,
+    StackExistsError,
+    StackNotFoundError,
+)
 
 from .conftest import BlockServerProc, qemu_tool
 
@@ -23,7 +28,7 @@ def qemu_io(uri: str, *cmds: str) -> str:
     argv = [qemu_tool("qemu-io"), "-f", "raw"]
     for c in cmds:
         argv += ["-c", c]
-    r = subprocess.run(argv + [uri], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([*argv, uri], check=False, capture_output=True, text=True, timeout=120)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     assert "Pattern verification failed" not in out, out
@@ -176,7 +181,7 @@ class RawNbd:
         raw = name.encode()
         replies = self.option(7, struct.pack(">I", len(raw)) + raw + struct.pack(">H", 0))
         assert replies[-1][0] == 1, replies
-        info = [d for t, d in replies if t == 3 and d[:2] == b"\x00\x00"][0]
+        info = next(d for t, d in replies if t == 3 and d[:2] == b"\x00\x00")
         return struct.unpack(">Q", info[2:10])[0]
 
     def request(self, cmd: int, offset: int, length: int, data: bytes = b"",
