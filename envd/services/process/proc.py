@@ -18,6 +18,7 @@ import signal
 import struct
 import subprocess
 import termios
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -92,6 +93,23 @@ def _credentials(user: User) -> dict[str, object]:
     return {}
 
 
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _abandon(launch: "asyncio.Future[subprocess.Popen[bytes]]", fds: list[int]) -> None:
+    """Clean up after a spawn whose caller was cancelled while the fork was in flight."""
+    _close_all(fds)
+    if launch.cancelled() or launch.exception() is not None:
+        return
+    popen = launch.result()
+    with contextlib.suppress(OSError):
+        os.killpg(popen.pid, signal.SIGKILL)
+    threading.Thread(target=popen.wait, name=f"reap-{popen.pid}", daemon=True).start()
+
+
 class Proc:
     """A spawned process and everything it owns. Create with `await Proc.spawn(...)`."""
 
@@ -150,16 +168,23 @@ class Proc:
                     stdin_obj, stdin_fd = subprocess.DEVNULL, None
                 stdio = {"stdin": stdin_obj, "stdout": out_w, "stderr": err_w}
                 outputs, master_fd = [(out_r, "stdout"), (err_r, "stderr")], None
-            popen = await asyncio.to_thread(
+            launch = asyncio.ensure_future(asyncio.to_thread(
                 subprocess.Popen, spec.argv, env=spec.env, cwd=spec.cwd,
-                start_new_session=True, close_fds=True, **stdio, **creds)  # type: ignore[call-overload]
+                start_new_session=True, close_fds=True, **stdio, **creds))  # type: ignore[call-overload]
         except BaseException:
-            for fd in parent_fds:
-                os.close(fd)
+            _close_all(parent_fds + child_fds)
             raise
-        finally:
-            for fd in child_fds:
-                os.close(fd)
+        try:
+            # The fork runs in a thread that cannot be interrupted: on cancellation let it
+            # finish, then kill and reap whatever it started and close the fds.
+            popen = await asyncio.shield(launch)
+        except asyncio.CancelledError:
+            launch.add_done_callback(lambda f: _abandon(f, parent_fds + child_fds))
+            raise
+        except BaseException:
+            _close_all(parent_fds + child_fds)
+            raise
+        _close_all(child_fds)
         for fd in parent_fds:
             os.set_blocking(fd, False)
         fanout: Fanout[Output, ExitStatus] = Fanout()
