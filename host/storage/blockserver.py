@@ -89,11 +89,17 @@ class StackExport:
 
     async def write(self, offset: int, data: bytes | bytearray) -> None:
         async with self.lock:
-            self.stack.write(offset, data)  # appends to the page cache: does not block long
+            if (offset | len(data)) % 512:  # read-modify-write may fetch a remote chunk
+                await asyncio.to_thread(self.stack.write, offset, data)
+            else:
+                self.stack.write(offset, data)  # page-cache write: does not block long
 
     async def write_zeroes(self, offset: int, length: int) -> None:
         async with self.lock:
-            self.stack.write_zeroes(offset, length)
+            if (offset | length) % 512:
+                await asyncio.to_thread(self.stack.write_zeroes, offset, length)
+            else:
+                self.stack.write_zeroes(offset, length)
 
     async def flush(self) -> None:
         async with self.lock:
