@@ -17,6 +17,7 @@ through the same routes and nftables rules (test_qemu_tap.py shows QEMU opens th
 from __future__ import annotations
 
 import itertools
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from host.network import (
 )
 from host.network.sandbox import BRIDGE_NAME, GATEWAY_IP, GUEST_IP, GUEST_MAC
 
-from .netns_util import LoopThread, TcpServer, ip_batch, netns_exists, sh
+from .netns_util import LoopThread, TcpServer, ip_batch, netns_exists, sh, wait_until
 
 TAG = f"t{os.getpid() % 0xFFFF:04x}"
 PREFIX = f"{TAG}-"  # the managers' prefix in tests: namespaces t1234-<id>, veths t1234-<slot>
@@ -71,6 +72,16 @@ def _del_netns(name: str) -> None:
     assert not netns_exists(name), f"namespace {name} still exists"
 
 
+def _port_forwarding(netns: str, port: str) -> bool:
+    out = json.loads(sh(["bridge", "-n", netns, "-j", "link", "show", "dev", port]) or "[]")
+    return bool(out) and out[0].get("state") == "forwarding"
+
+
+def _oper_up(netns: str, dev: str) -> bool:
+    out = json.loads(sh(["ip", "-n", netns, "-j", "link", "show", "dev", dev]) or "[]")
+    return bool(out) and out[0].get("operstate") == "UP"
+
+
 @dataclass
 class World:
     loop: LoopThread
@@ -100,6 +111,11 @@ class World:
             "link set eth0 up",
             f"route add default via {GATEWAY_IP}",
         ])
+        # Fresh veths get carrier through the kernel's linkwatch (up to ~1 s later); until
+        # then the bridge port drops frames. QEMU's TAP has carrier long before a guest
+        # sends anything, so wait here rather than let first packets vanish.
+        assert wait_until(lambda: _port_forwarding(net.netns, "gport")
+                          and _oper_up(name, "eth0")), "fake guest link did not come up"
         return name
 
     def serve(self, netns: str | None, addr: str, name: str, port: int = PORT) -> TcpServer:

@@ -7,7 +7,7 @@ import pytest
 from host.network import NetworkPolicy
 
 from .conftest import HOST_UPLINK, INET_A, INET_B, METADATA, PORT, PRIVATE, World
-from .netns_util import connect, try_tcp
+from .netns_util import connect, socket_in_netns, try_tcp
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -119,3 +119,56 @@ def test_update_policy_applies_to_new_connections(world: World) -> None:
     world.loop.run(world.manager.update_policy("sbx1", NetworkPolicy()))
     assert try_tcp(guest, INET_A, PORT) == "inet-a"
     assert world.manager.get("sbx1").policy == NetworkPolicy()
+
+
+def _udp_echo(world: World, addr: str, port: int) -> None:
+    import socket
+    import threading
+
+    sock = socket_in_netns(world.inet, socket.SOCK_DGRAM)
+    sock.bind((addr, port))
+    sock.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                data, peer = sock.recvfrom(2048)
+            except TimeoutError:
+                continue
+            sock.sendto(data, peer)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+
+    class _Closer:
+        def close(self) -> None:
+            stop.set()
+            t.join(timeout=5)
+            sock.close()
+
+    world.servers.append(_Closer())  # type: ignore[arg-type]
+
+
+def _udp_roundtrip(netns: str | None, addr: str, port: int) -> bool:
+    import socket
+
+    s = socket_in_netns(netns, socket.SOCK_DGRAM)
+    s.settimeout(1.0)
+    try:
+        s.sendto(b"ping", (addr, port))
+        return s.recvfrom(2048)[0] == b"ping"
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def test_udp_follows_the_same_rules(world: World) -> None:
+    _udp_echo(world, INET_A, 5353)
+    _udp_echo(world, INET_B, 5353)
+    _, guest = world.create("sbx1", NetworkPolicy(deny_out=(INET_A,)))
+    assert _udp_roundtrip(guest, INET_B, 5353)
+    assert not _udp_roundtrip(guest, INET_A, 5353)
+    world.loop.run(world.manager.update_policy("sbx1", NetworkPolicy(allow_internet_access=False)))
+    assert not _udp_roundtrip(guest, INET_B, 5353)
