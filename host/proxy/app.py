@@ -1,12 +1,11 @@
 """The sandbox reverse proxy: a pure ASGI app (served by uvicorn) that forwards each request
 to `orchestrator.route(...)`, streaming both ways.
 
-Why ASGI + httpx rather than a raw byte relay: one client connection may carry requests
-for different sandboxes (E2B_SANDBOX_URL routes every request by headers), so the proxy has
-to understand HTTP/1.1 framing on both sides anyway; uvicorn (httptools) and httpcore (h11)
-already do, and both stream: uvicorn hands us body chunks as they arrive, httpx sends an
-async-iterator body chunk by chunk (chunked, or with the client's Content-Length), and
-`aiter_raw()` yields response bytes as soon as they are read, undecoded. Nothing is
+Why ASGI rather than a raw byte relay: one client connection may carry requests for
+different sandboxes (E2B_SANDBOX_URL routes every request by headers), so the proxy has
+to understand HTTP/1.1 framing on both sides anyway. uvicorn does the client side and
+hands us body chunks as they arrive; upstream.py (h11 over asyncio streams, pooled) sends
+them on as they come and yields response bytes as soon as they are read. Nothing is
 buffered beyond one socket read. WebSockets are relayed message by message through the
 `websockets` client after both handshakes.
 """
@@ -19,7 +18,6 @@ import hmac
 import logging
 from collections.abc import AsyncIterator
 
-import httpx
 import websockets
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from websockets.asyncio.client import ClientConnection
@@ -30,6 +28,7 @@ from host.orchestrator.model import Route
 from host.orchestrator.service import Orchestrator
 
 from . import responses
+from .upstream import Pool, UpstreamError, UpstreamUnreachable
 from .routing import ENVD_PORT, BadTarget, Target, host_name, parse_target
 
 log = logging.getLogger(__name__)
@@ -70,25 +69,12 @@ class ProxyApp:
         self.api_app = api_app
         self.auto_resume = auto_resume
         self.connect_timeout_s = connect_timeout_s
-        self._client: httpx.AsyncClient | None = None
+        self._pool = Pool(connect_timeout_s=connect_timeout_s)
 
     # --- lifecycle --------------------------------------------------------------------
 
-    def _http(self) -> httpx.AsyncClient:
-        if self._client is None:
-            self._client = httpx.AsyncClient(
-                # Streams are long-lived (Connect streams, PTYs): no read/write/pool deadline,
-                # no cap on concurrent upstream connections.
-                timeout=httpx.Timeout(None, connect=self.connect_timeout_s),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=512,
-                                    keepalive_expiry=60),
-                follow_redirects=False, trust_env=False)
-        return self._client
-
     async def aclose(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            await client.aclose()
+        await self._pool.aclose()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -167,20 +153,26 @@ class ProxyApp:
                              target: Target, route: Route) -> None:
         body_done = asyncio.Event()
         headers = [(k, v) for k, v in scope["headers"] if k not in _HOP]
+        names = {k for k, _ in headers}
+        if b"host" not in names:
+            headers.append((b"host", f"{route.host}:{route.port}".encode()))
         client = scope.get("client")
         if client:
             headers.append((b"x-forwarded-for", client[0].encode()))
-        has_body = any(k in (b"content-length", b"transfer-encoding") for k, _ in scope["headers"])
-        content = self._request_body(receive, body_done) if has_body else None
-        if content is None:
+        content = None
+        if b"content-length" in names:
+            content = self._request_body(receive, body_done)
+        elif any(k == b"transfer-encoding" for k, _ in scope["headers"]):
+            headers.append((b"transfer-encoding", b"chunked"))
+            content = self._request_body(receive, body_done)
+        else:
             body_done.set()
         query = scope.get("query_string", b"")
         raw_path = scope.get("raw_path") or scope["path"].encode()
-        url = httpx.URL(scheme="http", host=route.host, port=route.port,
-                        raw_path=raw_path + (b"?" + query if query else b""))
-        request = httpx.Request(scope["method"], url, headers=headers, content=content)
+        request = (scope["method"].encode(), raw_path + (b"?" + query if query else b""),
+                   headers, content)
 
-        work = asyncio.create_task(self._pump(request, send, target))
+        work = asyncio.create_task(self._pump(request, send, target, route))
         watcher = asyncio.create_task(self._wait_disconnect(receive, body_done))
         try:
             await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -215,34 +207,35 @@ class ProxyApp:
             if msg["type"] == "http.disconnect":
                 return
 
-    async def _pump(self, request: httpx.Request, send: Send, target: Target) -> None:
+    async def _pump(self, request: tuple, send: Send, target: Target, route: Route) -> None:
+        method, path, headers, content = request
         try:
-            upstream = await self._http().send(request, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout):
+            upstream = await self._pool.request(route.host, route.port, method, path, headers,
+                                                content)
+        except UpstreamUnreachable:
             await responses.send_json(send, 502, responses.PORT_CLOSED,
                                       sandbox_id=target.sandbox_id, port=target.port)
             return
-        except httpx.TransportError as exc:
-            if isinstance(exc.__context__, _ClientGone) or isinstance(exc, httpx.StreamError):
-                raise _ClientGone from exc
+        except UpstreamError as exc:
             await responses.send_json(send, 502, f"The sandbox closed the connection: {exc}",
                                       sandbox_id=target.sandbox_id, port=target.port)
             return
+        body = upstream.aiter_body()
         try:
-            await send({"type": "http.response.start", "status": upstream.status_code,
-                        "headers": [(k, v) for k, v in upstream.headers.raw
+            await send({"type": "http.response.start", "status": upstream.status,
+                        "headers": [(k, v) for k, v in upstream.headers
                                     if k.lower() not in _HOP]})
             try:
-                async for chunk in upstream.aiter_raw():
+                async for chunk in body:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            except httpx.TransportError as exc:
+            except UpstreamError as exc:
                 # The response has started: all we can do is cut the client off too.
                 log.info("upstream %s:%s broke mid-response: %s", target.sandbox_id,
                          target.port, exc)
                 raise _ClientGone from exc
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            await upstream.aclose()
+            await body.aclose()  # returns the connection to the pool, or closes it
 
     # --- WebSocket --------------------------------------------------------------------
 

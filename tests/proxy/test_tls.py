@@ -4,11 +4,13 @@ command over https through it, trusting the CA via SSL_CERT_FILE."""
 
 from __future__ import annotations
 
+import os
 import ssl
+import subprocess
+import sys
 
 import httpx
 import pytest
-from e2b import Sandbox
 
 from host.api import ApiKeys, build_api_app
 from host.proxy import build_proxy_app
@@ -50,13 +52,17 @@ async def test_wildcard_certificate_and_host_routing(tls_servers, orch) -> None:
                         extensions={"sni_hostname": "other.example"})
 
 
-def test_sdk_over_https(tls_servers, orch, monkeypatch) -> None:
+def test_sdk_over_https(tls_servers, orch) -> None:
+    """In a fresh interpreter: the SDK's Rust HTTP client reads SSL_CERT_FILE once, when
+    its first client is built, so earlier SDK use in this process would hide the CA."""
     api, proxy, paths = tls_servers
-    monkeypatch.setenv("SSL_CERT_FILE", str(paths.ca_cert))
-    monkeypatch.setenv("E2B_API_URL", api.url)
-    monkeypatch.setenv("E2B_SANDBOX_URL", f"https://localhost:{proxy.port}")
-    monkeypatch.setenv("E2B_API_KEY", API_KEY)
-    monkeypatch.delenv("E2B_DEBUG", raising=False)
-    sbx = Sandbox.connect(orch.add(token=None).sandbox_id)
-    result = sbx.commands.run("echo over-tls")
-    assert result.stdout.strip() == "over-tls"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
+    env.update({"SSL_CERT_FILE": str(paths.ca_cert), "E2B_API_URL": api.url,
+                "E2B_SANDBOX_URL": f"https://localhost:{proxy.port}", "E2B_API_KEY": API_KEY})
+    sid = orch.add(token=None).sandbox_id
+    code = ("from e2b import Sandbox; import sys; "
+            f"print(Sandbox.connect({sid!r}).commands.run('echo over-tls').stdout.strip())")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip() == "over-tls"

@@ -1,0 +1,184 @@
+"""A small HTTP/1.1 client for the proxy's upstream side: per-target idle connection pools
+over asyncio streams, h11 for framing, request and response bodies streamed.
+
+Why not httpx: httpcore's pool re-scans every connection for every queued request
+(O(requests x connections)); at 50 concurrent streams that cost ~10 ms per request on
+this 2-core host (67 req/s vs thousands for nginx). Here acquiring a connection is a
+list pop, and a proxy needs nothing else from a client (no redirects, cookies, decoding).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import h11
+
+_READ_SIZE = 256 * 1024
+
+
+class UpstreamError(Exception):
+    """The upstream closed or broke the connection (after we connected)."""
+
+
+class UpstreamUnreachable(UpstreamError):
+    """Nothing accepts connections on the target port (refused / connect timeout)."""
+
+
+@dataclass
+class UpstreamResponse:
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    conn: Connection
+
+    def aiter_body(self) -> AsyncIterator[bytes]:
+        return self.conn.body()
+
+
+class Connection:
+    """One keep-alive HTTP/1.1 connection to an upstream."""
+
+    def __init__(self, pool: Pool, key: tuple[str, int], reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter) -> None:
+        self.pool = pool
+        self.key = key
+        self.reader = reader
+        self.writer = writer
+        self.h11 = h11.Connection(h11.CLIENT)
+        self.idle_since = time.monotonic()
+        self.reused = False
+
+    def stale(self, expiry_s: float) -> bool:
+        return (self.reader.at_eof() or self.writer.is_closing()
+                or time.monotonic() - self.idle_since > expiry_s)
+
+    async def _send(self, event: h11.Event) -> None:
+        data = self.h11.send(event)
+        if data:
+            self.writer.write(data)
+            await self.writer.drain()
+
+    async def request(self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]],
+                      body: AsyncIterator[bytes] | None) -> UpstreamResponse:
+        try:
+            await self._send(h11.Request(method=method, target=target, headers=headers))
+            if body is not None:
+                async for chunk in body:
+                    await self._send(h11.Data(data=chunk))
+            await self._send(h11.EndOfMessage())
+            while True:
+                event = await self._next_event()
+                if isinstance(event, h11.Response):
+                    return UpstreamResponse(event.status_code, list(event.headers), self)
+                if isinstance(event, h11.InformationalResponse) and event.status_code == 101:
+                    return UpstreamResponse(101, list(event.headers), self)
+                # other 1xx (100 Continue, 103): the client side already handled those
+        except (OSError, h11.ProtocolError) as exc:
+            self.close()
+            raise UpstreamError(str(exc) or type(exc).__name__) from exc
+        except BaseException:
+            self.close()
+            raise
+
+    async def _next_event(self) -> h11.Event:
+        while True:
+            event = self.h11.next_event()
+            if event is h11.NEED_DATA:
+                data = await self.reader.read(_READ_SIZE)
+                self.h11.receive_data(data)  # b"" = EOF; h11 raises if that is premature
+                continue
+            if event is h11.PAUSED:
+                raise UpstreamError("unexpected pause in the upstream response")
+            return event  # type: ignore[return-value]
+
+    async def body(self) -> AsyncIterator[bytes]:
+        """Response body chunks as read; returns the connection to the pool at the end."""
+        done = False
+        try:
+            while True:
+                try:
+                    event = await self._next_event()
+                except (OSError, h11.ProtocolError) as exc:
+                    raise UpstreamError(str(exc) or type(exc).__name__) from exc
+                if isinstance(event, h11.Data):
+                    yield bytes(event.data)
+                elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                    done = True
+                    return
+        finally:
+            self.finish(done)
+
+    def finish(self, complete: bool) -> None:
+        if complete and self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE:
+            self.h11.start_next_cycle()
+            self.pool.release(self)
+        else:
+            self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+
+class Pool:
+    """Idle connections per (host, port); LIFO so warm connections are reused first."""
+
+    def __init__(self, *, connect_timeout_s: float = 5.0, max_idle_per_target: int = 128,
+                 idle_expiry_s: float = 60.0) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.max_idle = max_idle_per_target
+        self.idle_expiry_s = idle_expiry_s
+        self._idle: dict[tuple[str, int], list[Connection]] = {}
+        self._closed = False
+
+    async def _open(self, key: tuple[str, int]) -> Connection:
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                reader, writer = await asyncio.open_connection(key[0], key[1], limit=_READ_SIZE)
+        except (OSError, TimeoutError) as exc:
+            raise UpstreamUnreachable(f"{key[0]}:{key[1]}: {exc or 'connect timeout'}") from exc
+        return Connection(self, key, reader, writer)
+
+    def _pop_idle(self, key: tuple[str, int]) -> Connection | None:
+        idle = self._idle.get(key)
+        while idle:
+            conn = idle.pop()
+            if not conn.stale(self.idle_expiry_s):
+                conn.reused = True
+                return conn
+            conn.close()
+        return None
+
+    async def request(self, host: str, port: int, method: bytes, target: bytes,
+                      headers: list[tuple[bytes, bytes]],
+                      body: AsyncIterator[bytes] | None) -> UpstreamResponse:
+        key = (host, port)
+        conn = self._pop_idle(key)
+        if conn is not None and body is None:
+            try:
+                return await conn.request(method, target, headers, None)
+            except UpstreamError:
+                pass  # the server closed a kept-alive connection under us: retry once, fresh
+        elif conn is not None:
+            # a streamed body cannot be replayed: only use a pooled connection that is live
+            return await conn.request(method, target, headers, body)
+        conn = await self._open(key)
+        return await conn.request(method, target, headers, body)
+
+    def release(self, conn: Connection) -> None:
+        idle = self._idle.setdefault(conn.key, [])
+        if self._closed or len(idle) >= self.max_idle or conn.stale(self.idle_expiry_s):
+            conn.close()
+            return
+        conn.idle_since = time.monotonic()
+        idle.append(conn)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.close()
+        self._idle.clear()
