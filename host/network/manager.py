@@ -96,6 +96,7 @@ class NetworkManager:
         self.host = Namespace(self.config.host_netns)
         self.host_table = host_table_name(self.config.prefix)
         self._nets: dict[str, SandboxNetwork] = {}
+        self._pending: set[str] = set()
         self._lock = asyncio.Lock()
         self._restore_sysctl: dict[str, str] = {}
         self._open = False
@@ -192,9 +193,11 @@ class NetworkManager:
         policy = policy or NetworkPolicy()
         netns = self.netns_name(sandbox_id)
         async with self._lock:
-            if sandbox_id in self._nets or os.path.exists(netns_path(netns)):
+            if (sandbox_id in self._nets or sandbox_id in self._pending
+                    or os.path.exists(netns_path(netns))):
                 raise SandboxNetworkExistsError(f"sandbox {sandbox_id} already has {netns}")
             block = self.pool.allocate()
+            self._pending.add(sandbox_id)  # a concurrent create of this id must not roll us back
         net = SandboxNetwork(
             sandbox_id=sandbox_id, netns=netns, host_ifname=self.host_ifname(block.slot),
             slot=block.slot, host_ip=str(block.host_ip), address=str(block.netns_ip),
@@ -210,8 +213,10 @@ class NetworkManager:
                 log.warning("rollback of %s incomplete: %s", netns, exc)
             async with self._lock:
                 self.pool.release(block.slot)
+                self._pending.discard(sandbox_id)
             raise
         self._nets[sandbox_id] = net
+        self._pending.discard(sandbox_id)
         return net
 
     async def update_policy(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxNetwork:

@@ -180,3 +180,19 @@ def test_preexec_enters_the_namespace(world: World) -> None:
     out = subprocess.run(["ip", "-j", "link", "show"], preexec_fn=net.preexec(),
                          capture_output=True, text=True, check=True).stdout
     assert "tap0" in {link["ifname"] for link in json.loads(out)}
+
+
+def test_concurrent_create_of_the_same_id(world: World) -> None:
+    import asyncio
+
+    async def both() -> list[SandboxNetwork | BaseException]:
+        return list(await asyncio.gather(world.manager.create("dup"),
+                                         world.manager.create("dup"), return_exceptions=True))
+
+    results = world.loop.run(both())
+    nets = [r for r in results if isinstance(r, SandboxNetwork)]
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert len(nets) == 1 and len(errors) == 1
+    assert isinstance(errors[0], SandboxNetworkExistsError)
+    guest = world.attach_guest(nets[0])  # the winner is intact
+    assert try_tcp(guest, INET_A, PORT) == "inet-a"
