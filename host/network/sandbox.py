@@ -4,6 +4,17 @@ Every sandbox namespace looks the same from the inside (same guest IP, gateway, 
 TAP name), so a guest snapshot restored or forked into another sandbox keeps a valid
 network configuration and an identical QEMU command line. The host tells sandboxes apart
 by their host-reachable `address`, which the namespace DNATs to the guest.
+
+Guest kernel command line (read by the guest init; all keys optional, absent = no network):
+
+    aenv.ip=192.168.127.2/30      address/prefixlen for the NIC (the guest's only NIC)
+    aenv.gw=192.168.127.1         default gateway
+    aenv.dns=8.8.8.8,1.1.1.1      comma-separated resolvers for /etc/resolv.conf
+    aenv.mac=52:54:00:12:34:56    the NIC's MAC (to pick the NIC when there are several)
+    aenv.mtu=1500
+
+The init brings up `lo`, then the NIC with that address, MTU and a default route. Kernels
+built with CONFIG_IP_PNP can use `GuestNetConfig.kernel_ip_arg()` (`ip=...`) instead.
 """
 
 from __future__ import annotations
@@ -44,7 +55,7 @@ class GuestNetConfig:
 
     def cmdline_args(self) -> str:
         """`aenv.ip=192.168.127.2/30 aenv.gw=192.168.127.1 aenv.dns=8.8.8.8,1.1.1.1
-        aenv.mac=52:54:00:12:34:56 aenv.mtu=1500` for the guest init (see module docs)."""
+        aenv.mac=52:54:00:12:34:56 aenv.mtu=1500` for the guest init (format: module doc)."""
         parts = [f"aenv.ip={self.ip}/{self.prefixlen}", f"aenv.gw={self.gateway}"]
         if self.dns:
             parts.append(f"aenv.dns={','.join(self.dns)}")
