@@ -88,7 +88,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 await restore_base_into(src.qmp, src.pid, src.mem_path, base)
                 await src.wait_shell()
                 await src.sh(f"dd if=/dev/urandom of=/data/k bs=1M count={k} 2>/dev/null")
-                want = await src.sh("md5sum /data/k")
+                want = (await src.sh("md5sum /data/k")).split()[0]
                 snap = None
                 for i in range(args.n):
                     snap = await snapshot_incremental(src.qmp, src.pid, src.mem_path, base,
@@ -122,7 +122,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                     await restore_into(vm.qmp, vm.pid, vm.mem_path, snap, base, config_sha256=cfg)
                     await vm.wait_shell()
                     b.add(f"K{k}_incr_restore_to_shell_ms", (time.perf_counter() - vm.t_spawn) * 1e3)
-                    if i == 0 and await vm.sh("md5sum /data/k") != want:
+                    if i == 0 and (await vm.sh("md5sum /data/k")).split()[0] != want:
                         raise SystemExit("incremental restore: guest data differ")
                 finally:
                     await vm.kill()
@@ -132,7 +132,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                     await qmp_execute(vm.qmp, "cont")
                     await vm.wait_shell()
                     b.add(f"K{k}_full_restore_to_shell_ms", (time.perf_counter() - vm.t_spawn) * 1e3)
-                    if i == 0 and await vm.sh("md5sum /data/k") != want:
+                    if i == 0 and (await vm.sh("md5sum /data/k")).split()[0] != want:
                         raise SystemExit("full restore: guest data differ")
                 finally:
                     await vm.kill()

@@ -123,6 +123,8 @@ def family(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Family]:
     """A frozen 256 MiB base (booted busybox guest, 4 MiB in /data/base); parent VM gone."""
     if find_kernel() is None:
         pytest.skip("no project kernel yet: run `make kernel` (kernel/build.sh)")
+    if shutil.which("busybox") is None or shutil.which("mkfs.ext4") is None:
+        pytest.skip("busybox-static and e2fsprogs are needed for the guest root (make setup)")
     work = tmp_path_factory.mktemp("memsnap-vm")
     yield asyncio.run(_make_family(work))
     shutil.rmtree(work, ignore_errors=True)
