@@ -107,12 +107,18 @@ class _Conn:
         self.sock = sock
         self.loop = asyncio.get_running_loop()
         self.buf = bytearray()
+        self.out: list[bytes] = []  # queued replies, sent in one go
+        self.out_bytes = 0
 
     async def recv(self, n: int) -> bytearray:
         if n <= len(self.buf):
             out = self.buf[:n]
             del self.buf[:n]
             return out
+        # about to wait for the peer: everything queued must be on its way first. Batching
+        # replies this way (one send per burst of pipelined requests) matters: each send
+        # wakes the peer, which costs ~100 us on a small VM.
+        await self.flush()
         out = bytearray(n)
         got = len(self.buf)
         out[:got] = self.buf
@@ -134,7 +140,20 @@ class _Conn:
                 got += k
         return out
 
+    def queue(self, data: bytes) -> None:
+        """Send `data` soon: before the next wait for the peer or at 256 KiB queued."""
+        self.out.append(data)
+        self.out_bytes += len(data)
+
+    async def flush(self) -> None:
+        if self.out:
+            data = b"".join(self.out) if len(self.out) > 1 else self.out[0]
+            self.out.clear()
+            self.out_bytes = 0
+            await self.loop.sock_sendall(self.sock, data)
+
     async def send(self, data: bytes | bytearray | memoryview) -> None:
+        await self.flush()
         await self.loop.sock_sendall(self.sock, data)
 
     async def sendfile(self, fd: int, offset: int, count: int) -> None:
@@ -318,6 +337,7 @@ class NbdServer:
             if magic != REQUEST_MAGIC:
                 raise _Closed("bad request magic")
             if cmd == CMD_DISC:
+                await conn.flush()
                 return
             data = None
             if cmd == CMD_WRITE:
@@ -326,7 +346,7 @@ class NbdServer:
                 data = await conn.recv(length)
             err = self._check(export, cmd, offset, length)
             if err:
-                await conn.send(REPLY.pack(SIMPLE_REPLY_MAGIC, err, handle))
+                conn.queue(REPLY.pack(SIMPLE_REPLY_MAGIC, err, handle))
                 continue
             try:
                 if cmd == CMD_READ:
@@ -353,7 +373,9 @@ class NbdServer:
                 log.warning("nbd %s: cmd %d at %d+%d failed: %s", export.name, cmd, offset,
                             length, exc)
                 err = errno.EIO
-            await conn.send(REPLY.pack(SIMPLE_REPLY_MAGIC, err, handle))
+            conn.queue(REPLY.pack(SIMPLE_REPLY_MAGIC, err, handle))
+            if conn.out_bytes >= 262144:
+                await conn.flush()
 
     @staticmethod
     def _check(export: Export, cmd: int, offset: int, length: int) -> int:
@@ -379,7 +401,9 @@ class NbdServer:
                     if len(part) != n:
                         raise _Closed("layer file shorter than its index says")
                     parts.append(part)
-                await conn.send(b"".join(parts))
+                conn.queue(b"".join(parts))
+                if conn.out_bytes >= 262144:
+                    await conn.flush()
                 return
             await conn.send(header)
             for fd, off, n, _owned in pieces:
