@@ -97,7 +97,8 @@ class NetworkManager:
         self.host_table = host_table_name(self.config.prefix)
         self._nets: dict[str, SandboxNetwork] = {}
         self._pending: set[str] = set()
-        self._lock = asyncio.Lock()
+        self._lock = asyncio.Lock()  # pool, pending ids, host_allow set
+        self._policy_lock = asyncio.Lock()  # update_policy
         self._restore_sysctl: dict[str, str] = {}
         self._open = False
         self._host_allow: dict[str, list[ipaddress.IPv4Network]] = {}
@@ -222,9 +223,11 @@ class NetworkManager:
     async def update_policy(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxNetwork:
         """Replace the egress rules atomically (PUT /network). Applies to new connections;
         established ones (and replies to inbound ones) continue."""
-        net = replace(self.get(sandbox_id), policy=policy)
-        await self._apply_policy(net)
-        self._nets[sandbox_id] = net
+        # Serialised, so the rules in the kernel and the recorded policy always agree.
+        async with self._policy_lock:
+            net = replace(self.get(sandbox_id), policy=policy)
+            await self._apply_policy(net)
+            self._nets[sandbox_id] = net
         return net
 
     async def destroy(self, sandbox_id: str) -> None:

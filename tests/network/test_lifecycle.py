@@ -196,3 +196,19 @@ def test_concurrent_create_of_the_same_id(world: World) -> None:
     assert isinstance(errors[0], SandboxNetworkExistsError)
     guest = world.attach_guest(nets[0])  # the winner is intact
     assert try_tcp(guest, INET_A, PORT) == "inet-a"
+
+
+def test_concurrent_policy_updates_end_consistent(world: World) -> None:
+    import asyncio
+
+    _, guest = world.create("sbx1")
+    policies = [NetworkPolicy(deny_out=(INET_A,)), NetworkPolicy(), NetworkPolicy(
+        allow_internet_access=False)]
+
+    async def race() -> None:
+        await asyncio.gather(*(world.manager.update_policy("sbx1", p) for p in policies))
+
+    world.loop.run(race())
+    final = world.manager.get("sbx1").policy
+    assert final == policies[-1]  # updates apply in call order
+    assert try_tcp(guest, INET_A, PORT) is None
