@@ -26,8 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from host.vmm import FileDisk, QemuDriver, VmSpec  # noqa: E402
-from host.vmm.image import find_image  # noqa: E402
+from host.vmm import FileDisk, QemuDriver, VmSpec
+from host.vmm.image import find_image
 
 
 def pct(values: list[float], q: float) -> float:

@@ -1,4 +1,5 @@
-"""VMM drivers: one interface (driver.py), QEMU implementation (qemu.py)."""
+"""VMM drivers: one interface (driver.py), the QEMU driver (qemu.py), a fake for unit
+tests (fake.py), and the lookup of built kernels and images (image.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from .driver import (
     VmState,
 )
 from .errors import VmmBootTimeout, VmmError, VmmStartError, VmmStateError, VmmTimeout
+from .image import GuestImage, GuestKernel, ImageNotFound, find_image, find_kernel
 from .qemu import QemuDriver, QemuVm, booted
 
 __all__ = [
@@ -27,6 +29,9 @@ __all__ = [
     "BootTimeouts",
     "Disk",
     "FileDisk",
+    "GuestImage",
+    "GuestKernel",
+    "ImageNotFound",
     "MemoryBacking",
     "NbdDisk",
     "Network",
@@ -45,5 +50,7 @@ __all__ = [
     "VmmTimeout",
     "booted",
     "detect_accel",
+    "find_image",
+    "find_kernel",
     "host_tsc_khz",
 ]

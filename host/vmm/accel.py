@@ -99,7 +99,7 @@ def parse_tsc_khz(dmesg: str = "", cpuinfo: str = "") -> int | None:
         found = pat.findall(dmesg)
         if found:
             return round(float(found[-1]) * 1000)
-    m = re.search(r"^cpu MHz\s*:\s*([0-9.]+)", cpuinfo, re.M)
+    m = re.search(r"^cpu MHz\s*:\s*([0-9.]+)", cpuinfo, re.MULTILINE)
     if m:
         return round(float(m.group(1)) * 1000)
     return None

@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Self, runtime_checkable
 
 ENVD_PORT = 49983
 """envd's port inside the guest."""
@@ -208,7 +208,7 @@ class Vm(Protocol):
     async def aclose(self) -> None:
         """Same as kill()."""
 
-    async def __aenter__(self) -> Vm: ...
+    async def __aenter__(self) -> Self: ...
 
     async def __aexit__(self, *exc_info: object) -> None: ...
 

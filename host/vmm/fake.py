@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from pathlib import Path
+from typing import Self
 
 from .driver import BootTimeouts, VmSpec, VmState
 from .errors import VmmError, VmmStateError
@@ -93,7 +94,7 @@ class FakeVm:
     async def aclose(self) -> None:
         await self.kill()
 
-    async def __aenter__(self) -> FakeVm:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

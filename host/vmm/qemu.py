@@ -18,7 +18,7 @@ import socket
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from qemu.qmp import ExecuteError, QMPClient, QMPError
 
@@ -202,7 +202,7 @@ class QemuVm:
 
     # -- context manager --------------------------------------------------------------
 
-    async def __aenter__(self) -> QemuVm:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -277,7 +277,8 @@ class QemuVm:
         for stale in (self.files.qmp_socket,):
             stale.unlink(missing_ok=True)
         loop = asyncio.get_running_loop()
-        with open(self.stderr_log, "wb") as err:
+        err = await asyncio.to_thread(open, self.stderr_log, "wb")
+        with err:
             try:
                 self._proc = await asyncio.create_subprocess_exec(
                     *self.argv, stdin=asyncio.subprocess.DEVNULL,
@@ -370,7 +371,7 @@ class QemuVm:
 
     async def query_status(self) -> str:
         res = await self.qmp("query-status")
-        return str(res["status"])  # type: ignore[index]
+        return str(res["status"])
 
     # -- lifecycle ----------------------------------------------------------------------
 

@@ -114,16 +114,16 @@ def build_argv(
         argv += ["-initrd", str(spec.initrd)]
     if spec.memory is not None:
         share = "on" if spec.memory.shared else "off"
-        argv += ["-object", f"memory-backend-file,id=mem0,size={spec.mem_mib}M,"
-                 f"mem-path={qopt(spec.memory.path)},share={share}"]
+        argv += ["-object", (f"memory-backend-file,id=mem0,size={spec.mem_mib}M,"
+                             f"mem-path={qopt(spec.memory.path)},share={share}")]
     for i, disk in enumerate(spec.disks):
         argv += _disk_args(i, disk)
     net = spec.network
     if isinstance(net, UserNet):
         if host_port is None:
             raise ValueError("UserNet needs a concrete host_port")
-        argv += ["-netdev", f"user,id=net0,hostfwd=tcp:{net.host_addr}:{host_port}-:"
-                 f"{net.guest_port}",
+        fwd = f"tcp:{net.host_addr}:{host_port}-:{net.guest_port}"
+        argv += ["-netdev", f"user,id=net0,hostfwd={fwd}",
                  "-device", f"virtio-net-device,netdev=net0,mac={net.mac}"]
     elif isinstance(net, TapNet):
         argv += ["-netdev", f"tap,id=net0,ifname={qopt(net.tap)},script=no,downscript=no",

@@ -76,8 +76,8 @@ def test_probe_kvm_on_this_host_matches_detection() -> None:
 
 
 @pytest.mark.parametrize(("dmesg", "cpuinfo", "khz"), [
-    ("[0.0] tsc: Detected 2596.118 MHz processor\n"
-     "[1.0] tsc: Refined TSC clocksource calibration: 2596.125 MHz\n", "", 2596125),
+    (("[0.0] tsc: Detected 2596.118 MHz processor\n"
+      "[1.0] tsc: Refined TSC clocksource calibration: 2596.125 MHz\n"), "", 2596125),
     ("[0.0] tsc: Detected 2596.118 MHz processor\n", "cpu MHz\t\t: 1000.0\n", 2596118),
     ("", "model name: x\ncpu MHz\t\t: 2596.118\n", 2596118),
     ("", "", None),

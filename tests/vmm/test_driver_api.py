@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import host.vmm as vmm
+from host import vmm
 from host.vmm import BootTimeouts, QemuDriver, Vm, VmmDriver, VmSpec
 from host.vmm.errors import VmmBootTimeout, VmmError, VmmTimeout
 from host.vmm.qemu import QemuVm

@@ -54,8 +54,8 @@ def test_disks_in_order_with_escaping() -> None:
     argv = build_argv(spec, files=FILES, accel="tcg", tsc_khz=None)
     assert _opt(argv, "-drive") == [
         "id=disk0,file=/img/a,,b.ext4,if=none,format=raw,cache=writeback,readonly=on",
-        "id=disk1,file.driver=nbd,file.server.type=unix,file.server.path=/run/nbd.sock,"
-        "file.export=upper,if=none,format=raw,cache=none",
+        ("id=disk1,file.driver=nbd,file.server.type=unix,file.server.path=/run/nbd.sock,"
+         "file.export=upper,if=none,format=raw,cache=none"),
         "id=disk2,file=/img/c.qcow2,if=none,format=qcow2,cache=writeback",
     ]
     assert _opt(argv, "-device") == [

@@ -66,7 +66,7 @@ async def test_start_pause_resume_kill(run_dir: Path) -> None:
         assert await vm.query_status() == "running"
     finally:
         await vm.kill()
-    assert vm.state is VmState.KILLED and vm.pid is None
+    assert vm.state.value == "killed" and vm.pid is None
     assert not Path(f"/proc/{pid}").exists() and not work.exists()
     assert driver.vms == []
     with pytest.raises(VmmStateError):
@@ -98,7 +98,8 @@ async def test_qemu_dying_is_noticed_while_waiting(run_dir: Path) -> None:
     _assert_clean(run_dir)
 
 
-async def test_port_in_use_is_retried_with_a_new_port(run_dir: Path) -> None:
+async def test_port_in_use_is_retried_with_a_new_port(run_dir: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Occupy the port QEMU would get: a fixed port fails clearly; a picked one is retried."""
     import socket
 
@@ -112,14 +113,11 @@ async def test_port_in_use_is_retried_with_a_new_port(run_dir: Path) -> None:
         _assert_clean(run_dir)
         from host.vmm import proc as procs
 
-        picks = iter([taken, 0])
+        picks = iter([taken])
         real = procs.free_port
-        orig = procs.free_port
-        try:
-            procs.free_port = lambda host="127.0.0.1": next(picks) or real(host)  # type: ignore[assignment]
-            vm = await driver.start(_bare())
-        finally:
-            procs.free_port = orig  # type: ignore[assignment]
+        monkeypatch.setattr(procs, "free_port", lambda host="127.0.0.1": next(picks, 0)
+                            or real(host))
+        vm = await driver.start(_bare())
         async with vm:
             assert vm.envd_address[1] != taken
     _assert_clean(run_dir)
