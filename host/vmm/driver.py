@@ -235,8 +235,12 @@ class VmmDriver(Protocol):
         self, spec: VmSpec, state: Path, *, timeouts: BootTimeouts | None = None,
         resume: bool = True,
     ) -> Vm:
-        """Start a VM from a `save_state` file. `spec` must describe the same machine
-        (memory file included) as the saved VM. With resume=False the VM stays PAUSED."""
+        """Start a VM from a `save_state` file. `spec` must describe the same machine as
+        the saved VM (devices, kernel, memory size); disk paths may differ (give each
+        restored VM its own copy of the writable disk as it was at save time). A VM saved
+        with a shared memory file restores with that file as `shared=True` (it continues
+        in the file) or `shared=False` (copy-on-write: many VMs from one file). With
+        resume=False the VM stays PAUSED."""
 
     async def aclose(self) -> None:
         """Kill every VM still alive."""

@@ -413,8 +413,11 @@ class QemuVm:
 
     async def _set_ignore_shared(self) -> None:
         # With guest RAM in a share=on file, the file *is* the memory snapshot: the stream
-        # then carries device state only. Must be set the same way on both sides.
-        on = self._spec.memory is not None and self._spec.memory.shared
+        # then carries device state only. On restore it is set whenever RAM comes from a
+        # file, so a share=on snapshot can be restored copy-on-write (share=off) by many
+        # children. (QEMU never skips share=off RAM when saving: such a stream has all RAM
+        # and restores into share=off or plain RAM, not into a share=on file.)
+        on = self._spec.memory is not None
         await self.qmp("migrate-set-capabilities",
                        {"capabilities": [{"capability": "x-ignore-shared", "state": on}]})
 

@@ -177,3 +177,24 @@ async def test_start_cancelled_while_running_kills(run_dir: Path) -> None:
     await vm.kill()
     assert vm.state is VmState.KILLED
     _assert_clean(run_dir)
+
+
+async def test_shared_snapshot_restores_copy_on_write(run_dir: Path, tmp_path: Path) -> None:
+    """Saved with share=on (device state only); restored twice with share=off over the
+    same frozen memory file: the file is not modified by the children."""
+    import dataclasses
+
+    mem = tmp_path / "guest.mem"
+    spec = _bare(memory=MemoryBacking(path=mem, shared=True))
+    driver = QemuDriver(run_dir=run_dir)
+    state = tmp_path / "vm.state"
+    async with await driver.start(spec) as vm:
+        await vm.save_state(state)
+    before = mem.stat().st_mtime_ns
+    child = dataclasses.replace(spec, memory=MemoryBacking(path=mem, shared=False))
+    a, b = await driver.restore(child, state), await driver.restore(child, state)
+    async with a, b:
+        assert a.state is VmState.RUNNING and b.state is VmState.RUNNING
+        assert f"mem-path={mem},share=off" in " ".join(a.argv)
+    assert mem.stat().st_mtime_ns == before
+    _assert_clean(run_dir)
