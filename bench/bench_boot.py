@@ -3,8 +3,10 @@
 Measures, over N cold boots (p50 / p95):
   floor  QEMU process start -> QMP negotiated (what any VM costs before the guest runs)
   boot   QEMU process start -> envd GET /health answers (cold boot of the built image)
-and prints boot/floor. Samples and parameters go to JSON (--json, default
-out/bench/boot.json).
+and prints boot/floor. With --restore it also measures
+  restore  QEMU start from a full snapshot (device state + shared memory file, restored
+           copy-on-write) -> envd answers, and prints boot/restore.
+Samples and parameters go to JSON (--json, default out/bench/boot.json).
 
     .venv/bin/python bench/bench_boot.py [-n 5] [--image NAME]
     .venv/bin/python bench/bench_boot.py --kernel K --rootfs R --cmdline "..."   # any guest
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import platform
 import shutil
@@ -26,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from host.vmm import FileDisk, QemuDriver, VmSpec
+from host.vmm import FileDisk, MemoryBacking, QemuDriver, VmSpec
 from host.vmm.image import find_image
 
 
@@ -48,6 +51,39 @@ async def one_boot(driver: QemuDriver, spec: VmSpec, timeout_s: float) -> tuple[
         await vm.kill()
 
 
+async def restores(driver: QemuDriver, spec: VmSpec, n: int, scratch: Path,
+                   timeout_s: float) -> list[float]:
+    """Boot once with RAM in a shared file, snapshot, then restore n times (each with its
+    own copy of the disk as it was at save time, RAM mapped copy-on-write)."""
+    mem = scratch / "guest.mem"
+    parent = dataclasses.replace(spec, memory=MemoryBacking(path=mem, shared=True))
+    state = scratch / "vm.state"
+    vm = await driver.start(parent)
+    try:
+        await vm.wait_for_envd(timeout_s)
+        await vm.save_state(state)
+    finally:
+        await vm.kill()
+    root = spec.disks[0]
+    assert isinstance(root, FileDisk)
+    samples = []
+    for i in range(n):
+        disk = scratch / f"restore-{i}.{root.format}"
+        shutil.copyfile(root.path, disk)
+        child = dataclasses.replace(spec, disks=(dataclasses.replace(root, path=disk),),
+                                    memory=MemoryBacking(path=mem, shared=False))
+        child_vm = await driver.restore(child, state)
+        try:
+            await child_vm.wait_for_envd(timeout_s)
+            assert child_vm.started_at is not None
+            samples.append(asyncio.get_running_loop().time() - child_vm.started_at)
+        finally:
+            await child_vm.kill()
+        disk.unlink()
+        print(f"  restore {i + 1}/{n}: envd {samples[-1]:6.2f} s", flush=True)
+    return samples
+
+
 async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-n", type=int, default=5)
@@ -58,6 +94,7 @@ async def main() -> int:
     ap.add_argument("--mem-mib", type=int, default=512)
     ap.add_argument("--vcpus", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=180.0)
+    ap.add_argument("--restore", action="store_true", help="also measure snapshot restore")
     ap.add_argument("--json", type=Path, default=REPO / "out/bench/boot.json")
     args = ap.parse_args()
 
@@ -81,6 +118,7 @@ async def main() -> int:
     accel, tsc_khz = await driver.accel()
     floors: list[float] = []
     boots: list[float] = []
+    restored: list[float] = []
     try:
         for i in range(args.n):
             floor, boot = await one_boot(driver, spec, args.timeout)
@@ -88,6 +126,10 @@ async def main() -> int:
             boots.append(boot)
             print(f"  boot {i + 1}/{args.n}: qmp {floor * 1000:7.1f} ms   envd {boot:6.2f} s",
                   flush=True)
+        if args.restore:
+            if scratch is None:
+                scratch = Path(tempfile.mkdtemp(prefix="bench-boot-"))
+            restored = await restores(driver, spec, args.n, scratch, args.timeout)
     finally:
         await driver.aclose()
         if scratch is not None:
@@ -100,6 +142,11 @@ async def main() -> int:
     print(f"  cold boot (start -> envd ok)  p50 {b50 * 1000:8.1f} ms   p95 "
           f"{pct(boots, 95) * 1000:8.1f} ms")
     print(f"  cold boot / floor  median {b50 / f50:.1f}x")
+    r50 = statistics.median(restored) if restored else None
+    if r50 is not None:
+        print(f"  restore (start -> envd ok)    p50 {r50 * 1000:8.1f} ms   p95 "
+              f"{pct(restored, 95) * 1000:8.1f} ms")
+        print(f"  cold boot / restore  median {b50 / r50:.1f}x")
 
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
@@ -108,6 +155,7 @@ async def main() -> int:
         "host": platform.node(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "floor_s": floors, "boot_s": boots,
         "floor_p50_s": f50, "boot_p50_s": b50, "ratio_p50": b50 / f50,
+        "restore_s": restored, "restore_p50_s": r50,
     }, indent=2) + "\n")
     print(f"  samples: {args.json}")
     return 0
