@@ -63,7 +63,7 @@ def stop_envd(proc: subprocess.Popen[bytes]) -> None:
 
 def pct(samples: list[float], q: float) -> float:
     ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def measure(fn, n: int, warmup: int) -> list[float]:

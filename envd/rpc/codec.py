@@ -13,7 +13,7 @@ from connectrpc.errors import ConnectError
 class StrictCodec:
     """Wraps a connectrpc codec: a decode failure becomes ConnectError(INVALID_ARGUMENT)."""
 
-    def __init__(self, inner: Codec) -> None:
+    def __init__(self, inner: Codec[Any, Any]) -> None:
         self._inner = inner
 
     def name(self) -> str:

@@ -1,4 +1,9 @@
-"""A real envd on 127.0.0.1:49983 for SDK tests (`E2B_DEBUG=true` reaches it).
+"""A real envd for SDK tests, reached by the e2b SDKs in debug mode (`E2B_DEBUG=true`).
+
+The daemon listens on 127.0.0.1:49983 (the SDKs' debug-mode default) when that port is
+free. When it is taken (another suite running in parallel on this machine), it listens
+on a free port instead and `sdk_env` / `sdk_environ` point the SDKs at it with
+`E2B_SANDBOX_URL`, so parallel suites never share (or kill) each other's daemon.
 
 Runs the unfrozen daemon (`python -m envd`) by default; set ENVD_BIN=out/envd to run
 the same tests against the frozen executable.
@@ -8,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,18 +22,33 @@ from pathlib import Path
 import httpx
 import pytest
 
-ENVD_PORT = 49983
+ENVD_PORT = 49983  # the SDKs' debug-mode envd port
 ENVD_URL = f"http://127.0.0.1:{ENVD_PORT}"
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _wait_healthy(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"envd exited early with {proc.returncode}")
         try:
-            if httpx.get(f"{ENVD_URL}/health", timeout=0.5).status_code == 204:
+            if httpx.get(f"{url}/health", timeout=0.5).status_code == 204:
                 return
         except httpx.TransportError:
             pass
@@ -37,13 +58,19 @@ def _wait_healthy(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
 
 @pytest.fixture(scope="session")
 def envd_process():
-    """The envd process (session-scoped). Yields the Popen object."""
+    """The envd process (session-scoped), owned by this session. Yields the Popen object;
+    its URL is `proc.url`. Killed (process group) at the end of the session."""
     binary = os.environ.get("ENVD_BIN")
+    port = ENVD_PORT if _port_is_free(ENVD_PORT) else _free_port()
     argv = [binary] if binary else [sys.executable, "-m", "envd"]
-    argv += ["--host", "127.0.0.1", "--port", str(ENVD_PORT), "--default-user", "user"]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--default-user", "user"]
     proc = subprocess.Popen(argv, cwd=REPO, start_new_session=True)
+    proc.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
     try:
-        _wait_healthy(proc)
+        _wait_healthy(proc, proc.url)  # type: ignore[attr-defined]
+        time.sleep(0.1)
+        if proc.poll() is not None:  # lost a bind race: someone else answered /health
+            raise RuntimeError(f"envd exited early with {proc.returncode}")
         yield proc
     finally:
         if proc.poll() is None:
@@ -57,14 +84,23 @@ def envd_process():
 
 @pytest.fixture(scope="session")
 def envd_url(envd_process) -> str:
-    return ENVD_URL
+    return envd_process.url
+
+
+def sdk_environ(envd_url: str) -> dict[str, str]:
+    """Environment variables that point an e2b SDK (Python or JS) at `envd_url`."""
+    env = {"E2B_DEBUG": "true", "E2B_API_KEY": "x"}
+    if envd_url != ENVD_URL:
+        env["E2B_SANDBOX_URL"] = envd_url
+    return env
 
 
 @pytest.fixture
 def sdk_env(envd_url, monkeypatch):
-    """Point the e2b SDK at the local envd in debug mode."""
-    monkeypatch.setenv("E2B_DEBUG", "true")
+    """Point the e2b SDK at this session's envd in debug mode."""
     monkeypatch.delenv("E2B_SANDBOX_URL", raising=False)
+    for key, value in sdk_environ(envd_url).items():
+        monkeypatch.setenv(key, value)
     return envd_url
 
 
@@ -95,7 +131,7 @@ class InProcessEnvd:
             timeout_graceful_shutdown=5, lifespan="on"))
         self._thread = threading.Thread(target=self._server.run, name="envd-inprocess", daemon=True)
 
-    def start(self) -> "InProcessEnvd":
+    def start(self) -> InProcessEnvd:
         self._thread.start()
         deadline = time.monotonic() + 20
         while not self._server.started:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import sdk_environ
+
 JS_DIR = Path(__file__).resolve().parents[1] / "js"
 
 pytestmark = pytest.mark.js
@@ -18,10 +20,10 @@ pytestmark = pytest.mark.js
 @pytest.mark.skipif(not (JS_DIR / "node_modules" / "e2b").is_dir(),
                     reason="npm e2b SDK not installed in tests/js")
 def test_js_sdk_process(envd_url):
-    env = {**os.environ, "E2B_DEBUG": "true", "E2B_API_KEY": "x"}
-    env.pop("E2B_SANDBOX_URL", None)
+    env = {k: v for k, v in os.environ.items() if k != "E2B_SANDBOX_URL"}
+    env.update(sdk_environ(envd_url))
     proc = subprocess.run(["node", "process.mjs"], cwd=JS_DIR, env=env, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, check=False)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     for name in ("run", "stream", "exit code", "background + sendStdin + closeStdin",
                  "list + connect + kill", "timeout", "pty"):

@@ -1,4 +1,4 @@
-"""process.Process through the unmodified e2b Python SDK (sync), E2B_DEBUG → :49983."""
+"""process.Process through the unmodified e2b Python SDK (sync), E2B_DEBUG → the session envd."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from e2b import (
 
 @pytest.fixture
 def sbx(sdk_env):
-    sandbox = Sandbox.create()  # debug mode: no API call, envd at localhost:49983
+    sandbox = Sandbox.create()  # debug mode: no API call, envd from sdk_env
     before = {p.pid for p in sandbox.commands.list()}
     yield sandbox
     for info in sandbox.commands.list():  # kill whatever a failing test left behind

@@ -1,4 +1,4 @@
-"""process.Process through the e2b Python SDK's AsyncSandbox (E2B_DEBUG → :49983)."""
+"""process.Process through the e2b Python SDK's AsyncSandbox (E2B_DEBUG → the session envd)."""
 
 from __future__ import annotations
 

@@ -45,9 +45,8 @@ def test_error_messages():
 
 
 def test_map_errors_context_manager():
-    with pytest.raises(ConnectError) as info:
-        with rpc.map_errors():
-            raise FileExistsError(errno.EEXIST, "File exists", "/y")
+    with pytest.raises(ConnectError) as info, rpc.map_errors():
+        raise FileExistsError(errno.EEXIST, "File exists", "/y")
     assert info.value.code is Code.ALREADY_EXISTS
 
 

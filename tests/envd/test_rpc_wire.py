@@ -104,7 +104,7 @@ def test_unknown_pid_is_not_found(envd_url):
 
 def test_unknown_user_is_unauthenticated(envd_url):
     auth = "Basic " + base64.b64encode(b"nosuchuser:").decode()
-    r, frames = start(envd_url, {"cmd": "/bin/true"}, headers={"authorization": auth})
+    _, frames = start(envd_url, {"cmd": "/bin/true"}, headers={"authorization": auth})
     (flags, payload), = frames
     assert flags == 2
     assert json.loads(payload)["error"] == {"code": "unauthenticated",
@@ -114,7 +114,7 @@ def test_unknown_user_is_unauthenticated(envd_url):
 def test_bad_cwd_is_invalid_argument(envd_url):
     _, frames = start(envd_url, {"cmd": "/bin/true", "cwd": "/definitely/not/here"})
     (flags, payload), = frames
-    assert json.loads(payload)["error"]["code"] == "invalid_argument"
+    assert flags == 2 and json.loads(payload)["error"]["code"] == "invalid_argument"
 
 
 def test_keepalives_follow_start_on_idle_stream(envd_url):
@@ -234,13 +234,13 @@ def _wait_gone(url: str, pid: int, timeout_s: float = 5.0) -> None:
 def test_disconnect_neither_kills_nor_blocks_the_process(envd_url, tmp_path):
     marker = tmp_path / "done"
     script = f"head -c 20000000 /dev/zero; echo ok > {marker}"
-    with httpx.Client(timeout=30) as client:
-        with client.stream("POST", f"{envd_url}/process.Process/Start",
-                           headers={**STREAM_HEADERS, "authorization": ROOT},  # tmp_path is 0700
-                           content=envelope({"process": {"cmd": "/bin/sh", "args": ["-c", script]},
-                                             "stdin": False})) as r:
-            pid = json.loads(next(r.iter_bytes())[5:])["event"]["start"]["pid"]
-        # The reader left after the start event; 20 MB of output must not stall the process.
+    with httpx.Client(timeout=30) as client, client.stream(
+            "POST", f"{envd_url}/process.Process/Start",
+            headers={**STREAM_HEADERS, "authorization": ROOT},  # tmp_path is 0700
+            content=envelope({"process": {"cmd": "/bin/sh", "args": ["-c", script]},
+                              "stdin": False})) as r:
+        pid = json.loads(next(r.iter_bytes())[5:])["event"]["start"]["pid"]
+    # The reader left after the start event; 20 MB of output must not stall the process.
     deadline = time.monotonic() + 15
     while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.05)

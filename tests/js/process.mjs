@@ -1,4 +1,4 @@
-// Drives envd's process.Process with the official e2b JS SDK (E2B_DEBUG=true → :49983).
+// Drives envd's process.Process with the official e2b JS SDK (E2B_DEBUG=true; E2B_SANDBOX_URL when not on :49983).
 // Run from pytest (tests/envd/test_process_js.py); prints one line per passed check and
 // exits non-zero on the first failure.
 import assert from 'node:assert/strict'

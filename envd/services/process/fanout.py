@@ -29,7 +29,7 @@ class SubscriberDropped(Exception):
 class Subscription(Generic[Item, End]):
     """One reader's view of a process's output: items in order, then the end value."""
 
-    def __init__(self, fanout: "Fanout[Item, End]", max_items: int) -> None:
+    def __init__(self, fanout: Fanout[Item, End], max_items: int) -> None:
         self._fanout = fanout
         self._items: deque[Item] = deque()
         self._max_items = max_items

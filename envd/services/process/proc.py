@@ -21,6 +21,7 @@ import termios
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ...users import User
 from .fanout import Fanout, Subscription
@@ -47,7 +48,7 @@ class ExitStatus:
     error: str | None
 
     @classmethod
-    def from_returncode(cls, rc: int) -> "ExitStatus":
+    def from_returncode(cls, rc: int) -> ExitStatus:
         if rc >= 0:
             status = f"exit status {rc}"
             return cls(rc, True, status, status if rc else None)
@@ -84,7 +85,7 @@ def _acquire_controlling_tty() -> None:  # runs in the child, after setsid()
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
-def _credentials(user: User) -> dict[str, object]:
+def _credentials(user: User) -> dict[str, Any]:
     if os.geteuid() == 0:
         return {"user": user.uid, "group": user.gid,
                 "extra_groups": os.getgrouplist(user.name, user.gid)}
@@ -93,13 +94,21 @@ def _credentials(user: User) -> dict[str, object]:
     return {}
 
 
+def _popen(spec: SpawnSpec, stdio: dict[str, Any], creds: dict[str, Any],
+           ) -> subprocess.Popen[bytes]:
+    # Own session (setsid): the process group can be signalled as a whole, and a PTY
+    # child can take its terminal as controlling tty.
+    return subprocess.Popen(spec.argv, env=spec.env, cwd=spec.cwd, start_new_session=True,
+                            close_fds=True, **stdio, **creds)
+
+
 def _close_all(fds: list[int]) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)
 
 
-def _abandon(launch: "asyncio.Future[subprocess.Popen[bytes]]", fds: list[int]) -> None:
+def _abandon(launch: asyncio.Future[subprocess.Popen[bytes]], fds: list[int]) -> None:
     """Clean up after a spawn whose caller was cancelled while the fork was in flight."""
     _close_all(fds)
     if launch.cancelled() or launch.exception() is not None:
@@ -135,8 +144,8 @@ class Proc:
 
     # -- lifecycle ------------------------------------------------------------
     @classmethod
-    async def spawn(cls, spec: SpawnSpec, *, on_exit: Callable[["Proc"], None] | None = None,
-                    ) -> tuple["Proc", Subscription[Output, ExitStatus]]:
+    async def spawn(cls, spec: SpawnSpec, *, on_exit: Callable[[Proc], None] | None = None,
+                    ) -> tuple[Proc, Subscription[Output, ExitStatus]]:
         """Start the process; returns it with a first subscription that misses no output.
 
         `on_exit` runs once the process was reaped and its end value published.
@@ -150,7 +159,7 @@ class Proc:
                 parent_fds.append(master)
                 child_fds.append(slave)
                 _set_winsize(master, *spec.pty_size)
-                stdio: dict[str, object] = {"stdin": slave, "stdout": slave, "stderr": slave,
+                stdio: dict[str, Any] = {"stdin": slave, "stdout": slave, "stderr": slave,
                                             "preexec_fn": _acquire_controlling_tty}
                 outputs, stdin_fd, master_fd = [(master, "pty")], master, master
             else:
@@ -168,9 +177,7 @@ class Proc:
                     stdin_obj, stdin_fd = subprocess.DEVNULL, None
                 stdio = {"stdin": stdin_obj, "stdout": out_w, "stderr": err_w}
                 outputs, master_fd = [(out_r, "stdout"), (err_r, "stderr")], None
-            launch = asyncio.ensure_future(asyncio.to_thread(
-                subprocess.Popen, spec.argv, env=spec.env, cwd=spec.cwd,
-                start_new_session=True, close_fds=True, **stdio, **creds))  # type: ignore[call-overload]
+            launch = asyncio.ensure_future(asyncio.to_thread(_popen, spec, stdio, creds))
         except BaseException:
             _close_all(parent_fds + child_fds)
             raise
@@ -313,7 +320,12 @@ class Proc:
         loop = asyncio.get_running_loop()
         try:
             fut: asyncio.Future[None] = loop.create_future()
-            loop.add_reader(pidfd, lambda: fut.done() or fut.set_result(None))
+
+            def exited() -> None:
+                if not fut.done():
+                    fut.set_result(None)
+
+            loop.add_reader(pidfd, exited)
             try:
                 await fut
             finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import signal as signals
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
@@ -41,7 +41,7 @@ def process_errors() -> Iterator[None]:
 
 def _event(**kw: Any) -> pb.ProcessEvent:
     ((field, value),) = kw.items()
-    return pb.ProcessEvent(event=Oneof(field, value))
+    return pb.ProcessEvent(event=cast(Any, Oneof(field, value)))
 
 
 def start_event(pid: int) -> pb.ProcessEvent:
@@ -61,7 +61,7 @@ def end_event(status: ExitStatus) -> pb.ProcessEvent:
 
 
 def data_event(kind: str, data: bytes) -> pb.ProcessEvent:
-    return _event(data=pb.ProcessEvent.DataEvent(output=Oneof(kind, data)))
+    return _event(data=pb.ProcessEvent.DataEvent(output=cast(Any, Oneof(kind, data))))
 
 
 async def process_events(sub: Subscription[Output, ExitStatus]) -> AsyncIterator[pb.ProcessEvent]:
@@ -83,9 +83,9 @@ class ProcessService(Process):
 
     def _select(self, selector: pb.ProcessSelector | None) -> Proc:
         match selector.selector if selector is not None else None:
-            case Oneof(field="pid", value=pid):
+            case Oneof(field="pid", value=int(pid)):
                 return self.table.by_pid(pid)
-            case Oneof(field="tag", value=tag):
+            case Oneof(field="tag", value=str(tag)):
                 return self.table.by_tag(tag)
         raise ConnectError(Code.INVALID_ARGUMENT, "process selector (pid or tag) is required")
 
@@ -143,9 +143,9 @@ class ProcessService(Process):
         with process_errors():
             async for message in request:
                 match message.event:
-                    case Oneof(field="start", value=start):
+                    case Oneof(field="start", value=pb.StreamInputRequest.StartEvent() as start):
                         proc = self._select(start.process)
-                    case Oneof(field="data", value=data):
+                    case Oneof(field="data", value=pb.StreamInputRequest.DataEvent() as data):
                         if proc is None:
                             raise ConnectError(Code.FAILED_PRECONDITION,
                                                "the first StreamInput message must be start")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from .proc import Output, ExitStatus, Proc, SpawnSpec
 from .fanout import Subscription
+from .proc import ExitStatus, Output, Proc, SpawnSpec
 
 
 class ProcessNotFound(LookupError):

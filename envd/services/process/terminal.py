@@ -20,14 +20,15 @@ import json
 import signal
 from typing import TYPE_CHECKING, Any
 
+from connectrpc.errors import ConnectError
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
 
 from ...auth import AuthError, basic_auth_user, token_matches
 from ...users import UnknownUserError, User
+from .fanout import Subscription
 from .launch import process_env, resolve_cwd
 from .proc import ExitStatus, Output, Proc, SpawnSpec
-from .fanout import Subscription
 
 if TYPE_CHECKING:
     from .service import ProcessService
@@ -54,7 +55,7 @@ def _int_param(ws: WebSocket, name: str, default: int) -> int:
     return value
 
 
-def terminal_spec(ws: WebSocket, service: "ProcessService") -> SpawnSpec:
+def terminal_spec(ws: WebSocket, service: ProcessService) -> SpawnSpec:
     defaults = service.defaults
     try:
         name = (ws.query_params.get("user")
@@ -68,8 +69,8 @@ def terminal_spec(ws: WebSocket, service: "ProcessService") -> SpawnSpec:
                                        "LC_ALL": "C.UTF-8"})
     try:
         cwd = resolve_cwd(ws.query_params.get("cwd"), user, defaults)
-    except Exception as exc:
-        raise TerminalRequestError(str(exc)) from None
+    except ConnectError as exc:
+        raise TerminalRequestError(exc.message) from None
     size = (_int_param(ws, "cols", 80), _int_param(ws, "rows", 24))
     return SpawnSpec(argv=argv, env=env, cwd=cwd, user=user, pty_size=size,
                      tag=ws.query_params.get("tag") or None)
@@ -107,7 +108,7 @@ async def _pump_input(ws: WebSocket, proc: Proc) -> None:
             return
 
 
-def terminal_route(service: "ProcessService") -> WebSocketRoute:
+def terminal_route(service: ProcessService) -> WebSocketRoute:
     async def terminal(ws: WebSocket) -> None:
         presented = ws.headers.get("x-access-token") or ws.query_params.get("access_token")
         await ws.accept()
