@@ -139,7 +139,10 @@ class Stack:
         old = self.upper
         digest = old.seal(user_tag=user_tag)
         path = layer_path_for(digest, old.dir / DATA_FILE)
-        blob = FileBlob(path)
+        # the layer keeps the upper's fd: a read that resolved pieces on it before the seal
+        # may still be sending from it, so it must stay open (and mean the same file)
+        blob = FileBlob(path, fd=old.data_fd)
+        old.data_fd = -1
         trailer = HeaderTrailer.unpack(blob.pread(blob.size - SPACE, SPACE), what=str(path))
         layer = SealedLayer(blob, trailer, old.index, digest=digest)
         new = Upper.create(new_upper_dir, old.virtual_size, parent_uuid=old.info.uuid)
