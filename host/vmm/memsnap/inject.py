@@ -37,7 +37,7 @@ def inject_chain(pid: int, vma: Vma, chain: DiffChain) -> int:
     try:
         for f, pages in per_file.values():
             pages.sort()
-            addr, holder = buffer_address(f.mmap)  # type: ignore[arg-type]
+            addr, holder = buffer_address(f.mmap)
             holders.append(holder)
             start_p, start_i, n = pages[0][0], pages[0][1], 0
             for p, i in pages:

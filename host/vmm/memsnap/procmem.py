@@ -8,6 +8,7 @@ fails only when no progress is made.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 from collections.abc import Sequence
 
@@ -38,9 +39,9 @@ for _name in ("process_vm_readv", "process_vm_writev"):
 Segment = tuple[int, int, int]
 
 
-def buffer_address(buf: bytearray | memoryview) -> tuple[int, object]:
+def buffer_address(buf: bytearray | memoryview | mmap.mmap) -> tuple[int, object]:
     """Address of a writable buffer plus the ctypes object that pins it (keep it alive)."""
-    n = len(buf) if not isinstance(buf, memoryview) else buf.nbytes
+    n = buf.nbytes if isinstance(buf, memoryview) else len(buf)
     if n == 0:
         return 0, None
     holder = (ctypes.c_char * n).from_buffer(buf)

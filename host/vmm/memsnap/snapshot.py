@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import mmap
 import os
 import time
 from collections.abc import Sequence
@@ -24,13 +25,13 @@ from pathlib import Path
 from typing import Any, Self
 
 from .base import BaseImage, verify_base
-from .capture import capture_private
+from .capture import Capture, alloc_buffer, capture_private
 from .chain import DiffChain, write_delta
 from .devstate import load_device_state, qmp_execute, save_device_state, splice, write_atomic
 from .diff import DiffKind, write_diff
 from .errors import CorruptSnapshotError, MemSnapError, SnapshotMismatchError
 from .inject import inject_chain
-from .pagemap import find_vma
+from .pagemap import find_vma, scan_private
 
 SNAPSHOT_MANIFEST = "snapshot.json"
 
@@ -117,9 +118,20 @@ async def snapshot_incremental(
     d.mkdir(parents=True, exist_ok=True)
     if parent is not None and (parent.base_sha256, parent.config_sha256) != (base.sha256, config_sha256):
         raise SnapshotMismatchError(f"parent snapshot {parent.dir} belongs to another base or configuration")
+    t_call = time.perf_counter()
     status = (await qmp_execute(qmp, "query-status"))["status"]
     was_running = status == "running"
     xen = d / ".devices.xen"
+    vma = find_vma(pid, mem_path)
+
+    def _prepare() -> mmap.mmap:
+        # Pre-fault the copy buffer while the guest still runs (sized from a scan now, with
+        # slack for pages dirtied until the stop): allocation must not count as downtime.
+        n0 = sum(c for _, c in scan_private(pid, vma, method=scan_method))
+        return alloc_buffer(n0 + max(1024, n0 // 8))
+
+    buf: mmap.mmap | None = await asyncio.to_thread(_prepare)
+    cap: Capture | None = None
     t0 = time.perf_counter()
     resumed = False
     try:
@@ -127,8 +139,8 @@ async def snapshot_incremental(
         t_stop = time.perf_counter()
         await save_device_state(qmp, xen)
         t_dev = time.perf_counter()
-        vma = find_vma(pid, mem_path)
-        cap = capture_private(pid, vma, method=scan_method)
+        captured = capture_private(pid, vma, method=scan_method, buffer=buf)
+        cap, buf = captured, None
         t_cap = time.perf_counter()
         if resume and was_running:
             await qmp_execute(qmp, "cont")
@@ -138,16 +150,16 @@ async def snapshot_incremental(
         def _write() -> tuple[Any, ...]:
             diff_path = d / "mem.diff"
             if parent is None or len(parent.diffs) + 1 > max_chain:
-                hdr = write_diff(diff_path, indexes=cap.indexes, data=cap.data, page_size=cap.page_size,
-                                 mem_pages=cap.mem_pages, base_sha256=base.sha256,
+                hdr = write_diff(diff_path, indexes=captured.indexes, data=captured.data, page_size=captured.page_size,
+                                 mem_pages=captured.mem_pages, base_sha256=base.sha256,
                                  config_sha256=config_sha256, kind=DiffKind.CUMULATIVE, fsync=fsync)
                 chain_paths: tuple[Path, ...] = ()
                 chain_digests: tuple[bytes, ...] = ()
             else:
                 with parent.open_chain(verify=False) as pchain:
-                    if pchain.mem_pages != cap.mem_pages:
+                    if pchain.mem_pages != captured.mem_pages:
                         raise SnapshotMismatchError("parent snapshot has another RAM size")
-                    hdr = write_delta(diff_path, pchain, cap.indexes, cap.data,
+                    hdr = write_delta(diff_path, pchain, captured.indexes, captured.data,
                                       base_path=base.mem_path, fsync=fsync)
                 chain_paths, chain_digests = parent.diffs, parent.digests
             devstate = d / "devstate.bin"
@@ -161,6 +173,10 @@ async def snapshot_incremental(
             await asyncio.to_thread(_write))
     finally:
         xen.unlink(missing_ok=True)
+        if cap is not None:
+            captured.close()
+        if buf is not None:
+            buf.close()
         if resume and was_running and not resumed:
             await qmp_execute(qmp, "cont")
     t_end = time.perf_counter()
@@ -168,10 +184,12 @@ async def snapshot_incremental(
         d, base.sha256, config_sha256, (*chain_paths, diff_path.resolve()), (*chain_digests, digest),
         devstate, dev_sha,
         {
-            "downtime_ms": (t_cont - t0) * 1e3, "total_ms": (t_end - t0) * 1e3,
+            "downtime_ms": (t_cont - t0) * 1e3, "total_ms": (t_end - t_call) * 1e3,
+            "prepare_ms": (t0 - t_call) * 1e3,
             "stop_ms": (t_stop - t0) * 1e3, "devstate_ms": (t_dev - t_stop) * 1e3,
-            "capture_ms": (t_cap - t_dev) * 1e3, "scan_ms": cap.timings_ms["scan"], "readv_ms": cap.timings_ms["readv"],
-            "captured_pages": cap.count, "diff_pages": count, "runs": cap.n_runs,
+            "capture_ms": (t_cap - t_dev) * 1e3, "scan_ms": captured.timings_ms["scan"],
+            "readv_ms": captured.timings_ms["readv"],
+            "captured_pages": captured.count, "diff_pages": count, "runs": captured.n_runs,
             "chain_len": len(chain_paths) + 1,
         },
     )
@@ -213,7 +231,7 @@ async def restore_into(
     verify_base(base)
 
     def _open() -> DiffChain:
-        chain = snapshot.open_chain(verify=True)
+        chain = snapshot.open_chain(verify=False)  # structure now, page checksums below
         try:
             dev = snapshot.devstate.read_bytes()
         except OSError as exc:
@@ -231,7 +249,23 @@ async def restore_into(
         if status != "inmigrate":
             raise MemSnapError(f"VM {pid} is {status!r}: restore needs a QEMU started with -incoming defer")
         vma = find_vma(pid, mem_path)
-        pages = await asyncio.to_thread(inject_chain, pid, vma, chain)
+
+        def _verify() -> None:
+            for f in chain.files:
+                f.verify()
+
+        # Check the page checksums while injecting (two threads: hashlib and the syscall both
+        # drop the GIL). A bad diff raises before the device state is loaded or the guest
+        # runs; the half-written VM is then killed by the caller.
+        results = await asyncio.gather(asyncio.to_thread(_verify),
+                                       asyncio.to_thread(inject_chain, pid, vma, chain),
+                                       return_exceptions=True)
+        verified, injected = results
+        if isinstance(verified, BaseException):
+            raise verified
+        if isinstance(injected, BaseException):
+            raise injected
+        pages = injected
     finally:
         chain.close()
     t_inject = time.perf_counter()

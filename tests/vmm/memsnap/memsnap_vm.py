@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from qemu.qmp import QMPClient
+from qemu.qmp import ConnectError, QMPClient
 
 from host.vmm.memsnap import config_digest
 
@@ -165,7 +165,7 @@ class Vm:
                     try:
                         await vm.qmp.connect(str(workdir / "qmp.sock"))
                         break
-                    except (OSError, ConnectionError):
+                    except (OSError, ConnectError):  # socket file exists before listen()
                         pass
                 if time.monotonic() > deadline:
                     raise TimeoutError("QMP socket did not come up")
