@@ -463,7 +463,8 @@ def build_server(args: argparse.Namespace) -> BlockServer:
     )
     cache = None
     if args.cache_dir:
-        cache = ChunkCache(args.cache_dir, capacity_bytes=args.cache_mib << 20)
+        cache = ChunkCache(args.cache_dir, capacity_bytes=args.cache_mib << 20,
+                           high=args.cache_high, low=args.cache_low)
     return BlockServer(socket_dir=args.socket_dir, state_dir=args.state_dir, repository=repo,
                        cache=cache)
 
@@ -489,6 +490,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="posix_fs:/DIR or oss://BUCKET/PREFIX?endpoint=URL&region=R")
     p.add_argument("--cache-dir", default=None, help="chunk cache for remote layers")
     p.add_argument("--cache-mib", type=int, default=10240, help="chunk cache capacity")
+    p.add_argument("--cache-high", type=float, default=0.95,
+                   help="evict when the cache is this full (fraction of --cache-mib)")
+    p.add_argument("--cache-low", type=float, default=0.70, help="...down to this fraction")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

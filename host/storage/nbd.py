@@ -360,6 +360,10 @@ class NbdServer:
                         await export.flush()
                 elif cmd == CMD_FLUSH:
                     await export.flush()
+                elif cmd == CMD_CACHE:  # prefetch: pulls remote chunks into the cache
+                    for fd, _o, _n, owned in await export.read_pieces(offset, length):
+                        if owned and fd is not None:
+                            os.close(fd)
                 elif cmd in (CMD_TRIM, CMD_WRITE_ZEROES):
                     await export.write_zeroes(offset, length)
                     if flags & CMD_FLAG_FUA:

@@ -19,7 +19,7 @@ from host.storage.repository import OssRepository, PosixFsRepository, open_repos
 from host.storage.stack import Stack
 
 from .conftest import BlockServerProc, qemu_tool
-from .test_blockserver import _ext4_image
+from .test_blockserver import RawNbd, _ext4_image
 
 MiB = 1 << 20
 
@@ -146,6 +146,14 @@ def test_block_server_serves_oss_layers_through_small_cache(
     try:
         info = bs.client.create("remote", [digest])
         assert info.virtual_size == vsize
+        # NBD_CMD_CACHE prefetches the chunks behind a range into the cache
+        before = {p.name for p in (bs.root / "cache").rglob("*") if p.is_file()}
+        n = RawNbd(bs.nbd_socket)
+        n.go("remote")
+        assert n.request(5, 0, 32 * MiB) == (0, b"")
+        n.close()
+        after = {p.name for p in (bs.root / "cache").rglob("*") if p.is_file()}
+        assert after - before
         for _ in range(2):
             subprocess.run([qemu_img, "compare", "-f", "raw", "-F", "raw", str(img),
                             info.nbd_uri], check=True, timeout=300)
