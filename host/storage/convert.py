@@ -1,10 +1,13 @@
 """Convert a raw disk image (e.g. an ext4 rootfs) into one sealed LSMT layer.
 
-    python -m host.storage.convert IMAGE OUT [--repo SPEC] [--user-tag TEXT]
+    python -m host.storage.convert IMAGE OUT [--base BASE_IMAGE] [--repo SPEC] [--user-tag TEXT]
 
 OUT is a file, or a directory that receives `<hex>.lsmt`. All-zero 4 KiB blocks (and
 holes of sparse files, found with SEEK_DATA/SEEK_HOLE) are skipped: they read as zeros
-from an unmapped extent. Prints {"digest": ..., "path": ..., "virtual_size": ...}.
+from an unmapped extent. With --base, the layer holds only the blocks where IMAGE differs
+from BASE_IMAGE: a delta to stack on BASE_IMAGE's layer (this is how the rootfs that
+`make image` builds as base.ext4 + in-place layers becomes LSMT layers).
+Prints {"digest": ..., "path": ..., "virtual_size": ...}.
 """
 
 from __future__ import annotations
@@ -39,9 +42,24 @@ def _data_regions(fd: int, size: int):  # type: ignore[no-untyped-def]
         pos = end
 
 
+def _merge_regions(*lists: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(r for lst in lists for r in lst):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
 def convert_image(src: str | os.PathLike[str], dest: str | os.PathLike[str], *,
-                  user_tag: bytes = b"", parent_uuid: str = "") -> tuple[Path, str, int]:
-    """Write IMAGE as a sealed layer; returns (path, digest, virtual_size)."""
+                  base: str | os.PathLike[str] | None = None, user_tag: bytes = b"",
+                  parent_uuid: str = "") -> tuple[Path, str, int]:
+    """Write IMAGE as a sealed layer; returns (path, digest, virtual_size).
+
+    With `base` (the image of the layers below), only the 4 KiB blocks where IMAGE differs
+    from `base` go into the layer: changed blocks as data, blocks IMAGE zeroed as zeroed
+    extents. Stacked on a layer of `base`, the result reads exactly as IMAGE."""
     src = Path(src)
     size = src.stat().st_size
     vsize = -(-size // SECTOR) * SECTOR
@@ -49,19 +67,31 @@ def convert_image(src: str | os.PathLike[str], dest: str | os.PathLike[str], *,
     out = dest / f".converting-{os.getpid()}.lsmt" if dest.is_dir() else dest
     writer = LayerWriter(out, vsize, user_tag=user_tag, parent_uuid=parent_uuid)
     fd = os.open(src, os.O_RDONLY)
+    bfd = os.open(base, os.O_RDONLY) if base is not None else -1
     try:
-        for start, end in _data_regions(fd, size):
+        regions = list(_data_regions(fd, size))
+        if bfd >= 0:
+            bsize = os.fstat(bfd).st_size
+            regions = _merge_regions(regions, [(a, min(b, size))
+                                               for a, b in _data_regions(bfd, bsize) if a < size])
+        for start, end in regions:
             pos = start // BLOCK * BLOCK
             while pos < end:
                 n = min(CHUNK, end - pos)
                 chunk = os.pread(fd, n, pos)
                 if len(chunk) < n:
                     raise OSError(f"{src}: short read at {pos}")
-                if chunk != _ZERO_CHUNK[:n]:
-                    _write_nonzero_runs(writer, pos, chunk)
+                below = _ZERO_CHUNK[:n]
+                if bfd >= 0:
+                    below = os.pread(bfd, n, pos)
+                    below += bytes(n - len(below))
+                if chunk != below:
+                    _write_changed_runs(writer, pos, chunk, below)
                 pos += n
     finally:
         os.close(fd)
+        if bfd >= 0:
+            os.close(bfd)
     digest = writer.finish()
     if dest.is_dir():
         final = dest / f"{digest.split(':')[1]}.lsmt"
@@ -70,21 +100,33 @@ def convert_image(src: str | os.PathLike[str], dest: str | os.PathLike[str], *,
     return out, digest, vsize
 
 
-def _write_nonzero_runs(writer: LayerWriter, base: int, chunk: bytes) -> None:
-    run_start = -1
+def _write_changed_runs(writer: LayerWriter, base: int, chunk: bytes, below: bytes) -> None:
+    """Data runs for blocks that differ from `below` and are not zero; zeroed extents for
+    blocks that became zero (only possible over a non-zero `below`)."""
     view = memoryview(chunk)
+    run_start, run_kind = -1, ""
+
+    def emit(end: int) -> None:
+        if run_kind == "data":
+            data = bytes(view[run_start:end])
+            data += bytes(-len(data) % SECTOR)  # the image's last partial sector
+            writer.write(base + run_start, data)
+        elif run_kind == "zero":
+            length = end - run_start
+            writer.zero(base + run_start, -(-length // SECTOR) * SECTOR)
+
     for i in range(0, len(chunk), BLOCK):
         block = view[i:i + BLOCK]
-        zero = block == _ZERO_BLOCK[:len(block)]
-        if not zero and run_start < 0:
-            run_start = i
-        elif zero and run_start >= 0:
-            writer.write(base + run_start, bytes(view[run_start:i]))
-            run_start = -1
-    if run_start >= 0:
-        data = bytes(view[run_start:])
-        data += bytes(-len(data) % SECTOR)  # the image's last partial sector
-        writer.write(base + run_start, data)
+        if block == below[i:i + BLOCK]:
+            kind = ""
+        elif block == _ZERO_BLOCK[:len(block)]:
+            kind = "zero"
+        else:
+            kind = "data"
+        if kind != run_kind:
+            emit(i)
+            run_start, run_kind = i, kind
+    emit(len(chunk))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -93,9 +135,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("image")
     p.add_argument("out", help="output file, or a directory for <hex>.lsmt")
     p.add_argument("--repo", help="also upload to this repository (posix_fs:/DIR or oss://...)")
+    p.add_argument("--base", help="image of the layers below: write only the blocks that differ")
+    p.add_argument("--parent-uuid", default="", help="uuid of the layer below (for the header)")
     p.add_argument("--user-tag", default="", help="commit message stored in the trailer")
     args = p.parse_args(argv)
-    path, digest, vsize = convert_image(args.image, args.out, user_tag=args.user_tag.encode())
+    path, digest, vsize = convert_image(args.image, args.out, base=args.base,
+                                        user_tag=args.user_tag.encode(),
+                                        parent_uuid=args.parent_uuid)
     if args.repo:
         open_repository(args.repo).put_layer(digest, path)
     assert digest == digest_of_file(path)

@@ -299,3 +299,29 @@ def test_in_place_rewrite_then_seal_keeps_digest_honest(tmp_path: Path) -> None:
     assert st.read(0, 16384) == b"a" * 4096 + b"b" * 8192 + b"a" * 4096
     st.close()
     layer.close()
+
+
+def test_convert_delta_over_base_image(tmp_path: Path) -> None:
+    base = bytearray(os.urandom(2 << 20))
+    base[1 << 20:(1 << 20) + 65536] = bytes(65536)
+    top = bytearray(base)
+    top[4096:8192] = b"n" * 4096  # changed block
+    top[65536:131072] = bytes(65536)  # blocks zeroed over data
+    top[(1 << 20) + 4096:(1 << 20) + 8192] = b"m" * 4096  # data where base had zeros
+    top += b"tail" * 1024  # grew by 4 KiB
+    (tmp_path / "base.img").write_bytes(base)
+    (tmp_path / "top.img").write_bytes(top)
+    out = tmp_path / "l"
+    out.mkdir()
+    bpath, bdigest, _ = convert_image(tmp_path / "base.img", out)
+    blayer = SealedLayer.open_path(bpath, digest=bdigest)
+    tpath, tdigest, tsize = convert_image(tmp_path / "top.img", out, base=tmp_path / "base.img",
+                                          parent_uuid=blayer.uuid)
+    assert tpath.stat().st_size < 64 * 1024  # only the delta
+    tlayer = SealedLayer.open_path(tpath, digest=tdigest)
+    assert tlayer.trailer.parent_uuid == blayer.uuid
+    st = Stack("d", [blayer, tlayer], Upper.create(tmp_path / "u", tsize))
+    assert st.read(0, tsize) == bytes(top)
+    st.close()
+    blayer.close()
+    tlayer.close()
