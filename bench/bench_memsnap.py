@@ -91,8 +91,10 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 want = (await src.sh("md5sum /data/k")).split()[0]
                 snap = None
                 for i in range(args.n):
+                    # one directory per K, overwritten like the full snapshot's file: both
+                    # then recycle page cache instead of faulting in fresh host memory
                     snap = await snapshot_incremental(src.qmp, src.pid, src.mem_path, base,
-                                                      work / f"inc{k}-{i}", config_sha256=cfg)
+                                                      work / f"inc{k}", config_sha256=cfg)
                     b.add(f"K{k}_incr_snapshot_downtime_ms", snap.stats["downtime_ms"])
                     b.add(f"K{k}_incr_snapshot_total_ms", snap.stats["total_ms"])
                     b.add(f"K{k}_incr_diff_mib", snap.diff.stat().st_size / MIB)

@@ -32,6 +32,7 @@ import os
 import struct
 import sys
 import tempfile
+import threading
 import zlib
 from array import array
 from collections.abc import Iterator
@@ -124,23 +125,31 @@ def write_diff(
         idx.byteswap()
     index_bytes = idx.tobytes()
     h = hashlib.sha256(index_bytes)
-    h.update(data)
-    header = DiffHeader(
-        page_size, len(idx), mem_pages, DiffKind(kind), base_sha256, config_sha256,
-        parent_digest, h.digest(),
-    )
-    head = _pack_header(header)
+    # Hash in a second thread while this one writes (both drop the GIL); the header, which
+    # holds the digest, is written last.
+    hasher = threading.Thread(target=h.update, args=(data,), name="memsnap-diff-hash")
+    hasher.start()
+    data_offset = _data_offset(len(idx))
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(head)
-            f.write(index_bytes)
-            f.write(bytes(header.data_offset - HEADER_SIZE - len(index_bytes)))
-            f.write(data)
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(bytes(HEADER_SIZE))
+                f.write(index_bytes)
+                f.write(bytes(data_offset - HEADER_SIZE - len(index_bytes)))
+                f.write(data)
+                f.flush()
+                hasher.join()
+                header = DiffHeader(
+                    page_size, len(idx), mem_pages, DiffKind(kind), base_sha256, config_sha256,
+                    parent_digest, h.digest(),
+                )
+                os.pwrite(f.fileno(), _pack_header(header), 0)
+                if fsync:
+                    os.fsync(f.fileno())
+        finally:
+            hasher.join()
         os.rename(tmp, path)
     except BaseException:
         try:
