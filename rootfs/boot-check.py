@@ -33,7 +33,7 @@ import urllib.request
 
 def host_tsc_khz() -> int:
     try:
-        out = subprocess.run(["dmesg"], capture_output=True, text=True).stdout
+        out = subprocess.run(["dmesg"], capture_output=True, text=True, check=False).stdout
         m = re.search(r"tsc: Refined TSC clocksource calibration: ([0-9.]+) MHz", out) or \
             re.search(r"tsc: Detected ([0-9.]+) MHz", out)
         if m:
@@ -67,7 +67,7 @@ def run_via_sdk(url: str, cmds: list[tuple[str, str]]) -> list[str]:
     os.environ["E2B_DEBUG"] = "true"
     os.environ["E2B_SANDBOX_URL"] = url
     os.environ.setdefault("E2B_API_KEY", "e2b_" + "0" * 40)
-    from e2b import Sandbox  # noqa: PLC0415
+    from e2b import Sandbox
 
     sbx = Sandbox.create()
     outs = []
@@ -88,7 +88,8 @@ def main() -> int:
     a = ap.parse_args()
 
     cache = os.environ.get("AENV_CACHE", "/var/cache/aenv")
-    man = json.load(open(os.path.join(cache, "images", a.image, "manifest.json")))
+    with open(os.path.join(cache, "images", a.image, "manifest.json")) as f:
+        man = json.load(f)
     if not man.get("kernel"):
         print("manifest has no kernel: run make kernel, then make image", file=sys.stderr)
         return 2
@@ -132,11 +133,10 @@ def main() -> int:
         for line in run_via_sdk(url, cmds):
             print(line)
         # power off through init: SIGTERM to PID 1 (as root)
-        subprocess.run  # noqa: B018
         try:
             run_via_sdk(url, [("root", "kill -TERM 1")])
-        except Exception:  # noqa: BLE001 - the connection may drop while powering off
-            pass
+        except Exception as e:  # noqa: BLE001 - the connection may drop while powering off
+            print(f"(kill -TERM 1: {type(e).__name__}, expected while powering off)")
         t_off = time.monotonic()
         qemu.wait(timeout=30)
         print(f"poweroff: qemu exited with {qemu.returncode} {time.monotonic() - t_off:.2f}s "
@@ -146,7 +146,10 @@ def main() -> int:
         if qemu.poll() is None:
             qemu.kill()
             qemu.wait()
-        text = open(console, errors="replace").read() if os.path.exists(console) else ""
+        text = ""
+        if os.path.exists(console):
+            with open(console, errors="replace") as f:
+                text = f.read()
         if a.keep_console or not ok:
             print("---- console ----\n" + text[-6000:])
         else:

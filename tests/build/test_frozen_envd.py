@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -54,7 +55,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def test_is_static(frozen_envd):
-    r = subprocess.run(["ldd", str(frozen_envd)], capture_output=True, text=True)
+    r = subprocess.run(["ldd", str(frozen_envd)], capture_output=True, text=True, check=False)
     assert "not a dynamic executable" in (r.stdout + r.stderr), r.stdout + r.stderr
 
 
@@ -114,9 +115,22 @@ def test_envd_suite_passes_against_frozen_binary(frozen_envd):
         pytest.skip(f"port {SDK_PORT} is busy (an envd from this session?); run "
                     f"`ENVD_BIN=out/envd pytest tests/envd` on its own")
     env = dict(os.environ, ENVD_BIN=str(frozen_envd))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        "tests/envd"], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=560)
+
+    def pytest_run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rf", "-p",
+                               "no:cacheprovider", *args], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=560, check=False)
+
+    r = pytest_run("tests/envd")
     tail = (r.stdout + r.stderr)[-4000:]
     print(tail)
+    if r.returncode == 1:
+        # timing-sensitive envd tests can flake on a loaded 2-core host: rerun only the
+        # failures once, in isolation; a real freezing defect fails again.
+        failed = re.findall(r"^FAILED (\S+::\S+)", r.stdout, re.MULTILINE)
+        assert failed, tail
+        print(f"rerunning {len(failed)} failed test(s) once: {failed}")
+        r = pytest_run(*failed)
+        tail = (r.stdout + r.stderr)[-4000:]
+        print(tail)
     assert r.returncode == 0, tail
