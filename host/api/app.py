@@ -33,7 +33,7 @@ async def openapi(request: Request) -> Response:
 
 async def http_error(request: Request, exc: Exception) -> Response:
     """Starlette's own 404/405 (unknown route, wrong method) as E2B error bodies."""
-    assert isinstance(exc, HTTPException)  # noqa: S101 - registered for HTTPException only
+    assert isinstance(exc, HTTPException)
     resp = error_response(exc.status_code, str(exc.detail))
     resp.headers.update(exc.headers or {})
     return resp

@@ -13,8 +13,14 @@ import logging
 
 from starlette.responses import JSONResponse
 
-from host.orchestrator.errors import (InvalidRequest, OperationFailed, OrchestratorError,
-                                      SandboxNotFound, SnapshotNotFound, StateConflict)
+from host.orchestrator.errors import (
+    InvalidRequest,
+    OperationFailed,
+    OrchestratorError,
+    SandboxNotFound,
+    SnapshotNotFound,
+    StateConflict,
+)
 
 log = logging.getLogger(__name__)
 

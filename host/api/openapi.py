@@ -179,7 +179,7 @@ def _op(op_id: str, responses: J, *, params: list[J] | None = None, body: J | No
 
 
 def _paths() -> J:
-    arr = lambda name: {"type": "array", "items": _ref(name)}  # noqa: E731
+    arr = lambda name: {"type": "array", "items": _ref(name)}
     limit = _q("limit", {"type": "integer", "format": "int32", "minimum": 1,
                          "maximum": MAX_LIST_LIMIT, "default": MAX_LIST_LIMIT})
     list_v2_params = [

@@ -268,7 +268,7 @@ def decode_cursor(token: str | None) -> tuple[float, str] | None:
         raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
         key, ident = json.loads(raw)
         if isinstance(key, bool) or not isinstance(key, (int, float)) or not isinstance(ident, str):
-            raise ValueError("bad cursor shape")
+            raise TypeError("bad cursor shape")
     except (binascii.Error, ValueError, TypeError) as exc:
         raise bad_request("invalid 'nextToken'") from exc
     return float(key), ident

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
-from host.orchestrator.model import (ForkResult, LogLine, Metric, NetworkConfig, SandboxInfo,
-                                     SnapshotInfo)
+from host.orchestrator.model import (
+    ForkResult,
+    LogLine,
+    Metric,
+    NetworkConfig,
+    SandboxInfo,
+    SnapshotInfo,
+)
 
 
 def rfc3339(ts: float) -> str:
-    return datetime.fromtimestamp(ts, timezone.utc).isoformat().replace("+00:00", "Z")
+    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
 
 
 def sandbox(info: SandboxInfo, domain: str | None, *, with_token: bool = True) -> dict[str, Any]:

@@ -28,8 +28,8 @@ from host.orchestrator.model import Route
 from host.orchestrator.service import Orchestrator
 
 from . import responses
-from .upstream import Pool, UpstreamError, UpstreamUnreachable
 from .routing import ENVD_PORT, BadTarget, Target, host_name, parse_target
+from .upstream import Pool, UpstreamError, UpstreamUnreachable
 
 log = logging.getLogger(__name__)
 
@@ -182,9 +182,9 @@ class ProxyApp:
                 if not task.done():
                     task.cancel()
             await asyncio.gather(work, watcher, return_exceptions=True)
-        if work.done() and not work.cancelled() and (exc := work.exception()) is not None:
-            if not isinstance(exc, _ClientGone):
-                raise exc
+        exc = work.exception() if work.done() and not work.cancelled() else None
+        if exc is not None and not isinstance(exc, _ClientGone):
+            raise exc
 
     @staticmethod
     async def _request_body(receive: Receive, done: asyncio.Event) -> AsyncIterator[bytes]:
@@ -267,7 +267,7 @@ class ProxyApp:
                 uri, additional_headers=headers, subprotocols=scope.get("subprotocols") or None,
                 open_timeout=self.connect_timeout_s, max_size=None, compression=None,
                 user_agent_header=None, ping_interval=None)
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             await self._deny_websocket(scope, receive, send, 502, responses.PORT_CLOSED,
                                        target.sandbox_id, target.port)
             return

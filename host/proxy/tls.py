@@ -52,11 +52,11 @@ def _load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivate
         cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
         key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
         if (isinstance(key, ec.EllipticCurvePrivateKey)
-                and cert.not_valid_after_utc - _RENEW_BEFORE > dt.datetime.now(dt.timezone.utc)):
+                and cert.not_valid_after_utc - _RENEW_BEFORE > dt.datetime.now(dt.UTC)):
             return cert, key
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "aenv local CA")])
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - dt.timedelta(hours=1))
@@ -100,11 +100,11 @@ def ensure_certificates(directory: Path | str, domain: str,
     if paths.cert.exists() and paths.key.exists():
         leaf = x509.load_pem_x509_certificate(paths.cert.read_bytes())
         san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        fresh = leaf.not_valid_after_utc - _RENEW_BEFORE > dt.datetime.now(dt.timezone.utc)
+        fresh = leaf.not_valid_after_utc - _RENEW_BEFORE > dt.datetime.now(dt.UTC)
         if fresh and set(san) == set(wanted) and leaf.issuer == ca_cert.subject:
             return paths
     key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     leaf = (x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"*.{domain}")]))
             .issuer_name(ca_cert.subject).public_key(key.public_key())

@@ -13,10 +13,23 @@ import string
 import time
 from collections.abc import Sequence
 
-from host.orchestrator.errors import (OrchestratorError, SandboxNotFound, SnapshotNotFound,
-                                      StateConflict)
-from host.orchestrator.model import (CreateRequest, ForkResult, ListFilter, LogLine, Metric,
-                                     NetworkConfig, Route, SandboxInfo, SnapshotInfo)
+from host.orchestrator.errors import (
+    OrchestratorError,
+    SandboxNotFound,
+    SnapshotNotFound,
+    StateConflict,
+)
+from host.orchestrator.model import (
+    CreateRequest,
+    ForkResult,
+    ListFilter,
+    LogLine,
+    Metric,
+    NetworkConfig,
+    Route,
+    SandboxInfo,
+    SnapshotInfo,
+)
 from host.orchestrator.states import SandboxState
 
 _ALNUM = string.ascii_lowercase + string.digits

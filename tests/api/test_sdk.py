@@ -6,7 +6,8 @@ purpose); once the VM-backed orchestrator lands the same calls become end-to-end
 from __future__ import annotations
 
 import pytest
-from e2b import Sandbox, SandboxQuery, SandboxState as SdkState
+from e2b import Sandbox, SandboxQuery
+from e2b import SandboxState as SdkState
 from e2b.exceptions import AuthenticationException, NotFoundException
 
 from host.orchestrator.states import SandboxState

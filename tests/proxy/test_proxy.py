@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import threading
-import time
 
 import httpx
 import pytest
