@@ -98,6 +98,10 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                     b.add(f"K{k}_incr_snapshot_downtime_ms", snap.stats["downtime_ms"])
                     b.add(f"K{k}_incr_snapshot_total_ms", snap.stats["total_ms"])
                     b.add(f"K{k}_incr_diff_mib", snap.diff.stat().st_size / MIB)
+                    for part in ("prepare", "readv"):
+                        b.add(f"K{k}_incr_part_{part}_ms", snap.stats[f"{part}_ms"])
+                    b.add(f"K{k}_incr_part_write_ms", snap.stats["total_ms"] - snap.stats["prepare_ms"]
+                          - snap.stats["downtime_ms"])
                     await src.sh("true")
                 full = work / f"full{k}.mig"
                 for i in range(args.n):

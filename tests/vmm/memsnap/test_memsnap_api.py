@@ -1,0 +1,119 @@
+"""The high-level API (snapshot_incremental / restore_into) host-only: helper processes stand
+in for QEMU's RAM mapping and a fake QMP client records the command sequence."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import PAGE, Child, make_base
+from test_memsnap_devstate import template, xen
+
+from host.vmm.memsnap import (
+    BaseImage,
+    CorruptSnapshotError,
+    MemSnapError,
+    MemSnapshot,
+    restore_into,
+    snapshot_incremental,
+)
+
+CFG = hashlib.sha256(b"cfg").digest()
+
+
+class FakeQmp:
+    """Answers the QMP commands memsnap sends; records them in ``log``."""
+
+    def __init__(self, status: str) -> None:
+        self.status = status
+        self.log: list[str] = []
+
+    async def execute(self, cmd: str, args: dict[str, Any] | None = None) -> Any:
+        self.log.append(cmd)
+        if cmd == "query-status":
+            return {"status": self.status}
+        if cmd == "stop":
+            self.status = "paused"
+        elif cmd == "cont":
+            self.status = "running"
+        elif cmd == "xen-save-devices-state":
+            assert args is not None
+            Path(args["filename"]).write_bytes(xen())
+        elif cmd == "migrate-incoming":
+            self.status = "paused"
+        elif cmd == "query-migrate":
+            return {"status": "completed"}
+        return {}
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> BaseImage:
+    d = tmp_path / "base"
+    d.mkdir()
+    mem = make_base(d / "base.mem", 1024, list(range(0, 1024, 5)))
+    (d / "base.dev").write_bytes(template())
+    sha = hashlib.sha256(mem.read_bytes()).digest()
+    (d / "base.json").write_text(json.dumps(
+        {"mem": "base.mem", "template": "base.dev", "sha256": sha.hex(), "size": 1024 * PAGE}))
+    return BaseImage.load(d)
+
+
+async def test_snapshot_chain_and_restore(base: BaseImage, tmp_path: Path, children: list[Child]) -> None:
+    src = Child(base.mem_path)
+    children.append(src)
+    rng = random.Random(5)
+    qmp = FakeQmp("running")
+    src.write("one", sorted(rng.sample(range(1024), 100)))
+    s1 = await snapshot_incremental(qmp, src.pid, base.mem_path, base, tmp_path / "s1", config_sha256=CFG)
+    assert qmp.log == ["query-status", "stop", "xen-save-devices-state", "cont"]
+    assert qmp.status == "running" and s1.stats["diff_pages"] == 100
+    assert s1.stats["downtime_ms"] <= s1.stats["total_ms"]
+    sha1 = src.sha()
+
+    src.write("two", sorted(rng.sample(range(1024), 30)))
+    s2 = await snapshot_incremental(FakeQmp("running"), src.pid, base.mem_path, base, tmp_path / "s2",
+                                    config_sha256=CFG, parent=s1)
+    assert len(s2.diffs) == 2 and s2.stats["diff_pages"] == 30  # content delta only
+    sha2 = src.sha()
+    src.write("three", [7])
+    s3 = await snapshot_incremental(FakeQmp("paused"), src.pid, base.mem_path, base, tmp_path / "s3",
+                                    config_sha256=CFG, parent=s2, max_chain=2)
+    assert len(s3.diffs) == 1  # compacted: a cumulative diff instead of a third level
+    assert s3.stats["diff_pages"] == s3.stats["captured_pages"]
+    sha3 = src.sha()
+
+    for snap, want in ((s1, sha1), (MemSnapshot.load(tmp_path / "s2"), sha2), (s3, sha3)):
+        dst = Child(base.mem_path)
+        children.append(dst)
+        q = FakeQmp("inmigrate")
+        st = await restore_into(q, dst.pid, base.mem_path, snap, base, config_sha256=CFG)
+        assert q.log[0] == "query-status" and q.log[-1] == "cont" and "migrate-incoming" in q.log
+        assert dst.sha() == want and st.pages > 0
+
+
+async def test_restore_refuses_bad_input_before_touching_the_vm(
+    base: BaseImage, tmp_path: Path, children: list[Child]
+) -> None:
+    src = Child(base.mem_path)
+    dst = Child(base.mem_path)
+    children += [src, dst]
+    src.write("x", [1, 2, 3])
+    snap = await snapshot_incremental(FakeQmp("running"), src.pid, base.mem_path, base, tmp_path / "s",
+                                      config_sha256=CFG)
+    before = dst.sha()
+    with pytest.raises(MemSnapError, match="-incoming defer"):
+        await restore_into(FakeQmp("running"), dst.pid, base.mem_path, snap, base)
+    raw = bytearray(snap.devstate.read_bytes())
+    raw[20] ^= 1
+    snap.devstate.write_bytes(bytes(raw))
+    q = FakeQmp("inmigrate")
+    with pytest.raises(CorruptSnapshotError, match="device state checksum"):
+        await restore_into(q, dst.pid, base.mem_path, snap, base)
+    assert q.log == [] and dst.sha() == before
+    (tmp_path / "s" / "snapshot.json").write_text("{")
+    with pytest.raises(CorruptSnapshotError, match="manifest"):
+        MemSnapshot.load(tmp_path / "s")
