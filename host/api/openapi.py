@@ -164,6 +164,10 @@ _NEXT: J = {"X-Next-Token": {"description": "cursor of the next page (absent on 
                              "schema": _STR}}
 
 
+def arr(name: str) -> J:
+    return {"type": "array", "items": _ref(name)}
+
+
 def _q(name: str, schema: J) -> J:
     return {"name": name, "in": "query", "required": False, "schema": schema}
 
@@ -179,7 +183,6 @@ def _op(op_id: str, responses: J, *, params: list[J] | None = None, body: J | No
 
 
 def _paths() -> J:
-    arr = lambda name: {"type": "array", "items": _ref(name)}
     limit = _q("limit", {"type": "integer", "format": "int32", "minimum": 1,
                          "maximum": MAX_LIST_LIMIT, "default": MAX_LIST_LIMIT})
     list_v2_params = [

@@ -47,6 +47,10 @@ _WS_HANDSHAKE = frozenset({b"host", b"upgrade", b"connection", b"sec-websocket-k
                            b"sec-websocket-protocol", b"content-length"})
 
 
+# (method, target, headers, streamed body or None) of one forwarded request
+_Forward = tuple[bytes, bytes, list[tuple[bytes, bytes]], AsyncIterator[bytes] | None]
+
+
 class _ClientGone(Exception):
     """The client disconnected while we were reading its body."""
 
@@ -54,7 +58,7 @@ class _ClientGone(Exception):
 def _header(scope: Scope, name: bytes) -> str | None:
     for k, v in scope["headers"]:
         if k == name:
-            return v.decode("latin-1")
+            return bytes(v).decode("latin-1")
     return None
 
 
@@ -207,7 +211,7 @@ class ProxyApp:
             if msg["type"] == "http.disconnect":
                 return
 
-    async def _pump(self, request: tuple, send: Send, target: Target, route: Route) -> None:
+    async def _pump(self, request: _Forward, send: Send, target: Target, route: Route) -> None:
         method, path, headers, content = request
         try:
             upstream = await self._pool.request(route.host, route.port, method, path, headers,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 import h11
@@ -34,7 +34,7 @@ class UpstreamResponse:
     headers: list[tuple[bytes, bytes]]
     conn: Connection
 
-    def aiter_body(self) -> AsyncIterator[bytes]:
+    def aiter_body(self) -> AsyncGenerator[bytes, None]:
         return self.conn.body()
 
 
@@ -94,7 +94,7 @@ class Connection:
                 raise UpstreamError("unexpected pause in the upstream response")
             return event  # type: ignore[return-value]
 
-    async def body(self) -> AsyncIterator[bytes]:
+    async def body(self) -> AsyncGenerator[bytes, None]:
         """Response body chunks as read; returns the connection to the pool at the end."""
         done = False
         try:
