@@ -10,8 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PAGE, Child, make_base
-from test_memsnap_devstate import template, xen
 
 from host.vmm.memsnap import (
     BaseImage,
@@ -21,6 +19,9 @@ from host.vmm.memsnap import (
     restore_into,
     snapshot_incremental,
 )
+
+from .memsnap_helpers import PAGE, Child, make_base
+from .test_memsnap_devstate import template, xen
 
 CFG = hashlib.sha256(b"cfg").digest()
 

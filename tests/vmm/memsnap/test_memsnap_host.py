@@ -7,7 +7,6 @@ import random
 from pathlib import Path
 
 import pytest
-from conftest import PAGE, Child, page_pattern
 
 from host.vmm.memsnap import (
     DiffChain,
@@ -21,6 +20,8 @@ from host.vmm.memsnap import (
     write_diff,
 )
 from host.vmm.memsnap.pagemap import runs_to_indexes
+
+from .memsnap_helpers import PAGE, Child, page_pattern
 
 
 def _pages(runs: list[tuple[int, int]]) -> list[int]:

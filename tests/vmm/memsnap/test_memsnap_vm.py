@@ -18,7 +18,6 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
-from memsnap_vm import Vm, VmShape, build_rootfs, find_kernel, make_sparse, smaps_rollup
 
 from host.vmm.memsnap import (
     BaseImage,
@@ -34,6 +33,8 @@ from host.vmm.memsnap import (
     snapshot_incremental,
 )
 from host.vmm.memsnap.procmem import buffer_address, transfer
+
+from .memsnap_vm import Vm, VmShape, build_rootfs, find_kernel, make_sparse, smaps_rollup
 
 pytestmark = [pytest.mark.vm, pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None,
                                                  reason="qemu-system-x86_64 not installed")]
