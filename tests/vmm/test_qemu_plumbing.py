@@ -198,3 +198,71 @@ async def test_shared_snapshot_restores_copy_on_write(run_dir: Path, tmp_path: P
         assert f"mem-path={mem},share=off" in " ".join(a.argv)
     assert mem.stat().st_mtime_ns == before
     _assert_clean(run_dir)
+
+
+async def test_disks_file_and_nbd_attach_with_flags(run_dir: Path, tmp_path: Path) -> None:
+    """The drive options are accepted by real QEMU: a read-only file disk and a
+    writable NBD export over a unix socket (qemu-nbd as the server)."""
+    import subprocess
+
+    from host.vmm import FileDisk, NbdDisk
+
+    if shutil.which("qemu-nbd") is None:
+        pytest.skip("qemu-nbd not installed")
+    ro, rw = tmp_path / "ro.img", tmp_path / "rw.img"
+    for p in (ro, rw):
+        with open(p, "wb") as f:
+            f.truncate(16 * 1024 * 1024)
+    sock = tmp_path / "nbd.sock"
+    nbd = subprocess.Popen(["qemu-nbd", "--persistent", "--shared=4", "-f", "raw",
+                            f"--socket={sock}", "--export-name=upper", str(rw)],
+                           start_new_session=True)
+    try:
+        for _ in range(200):
+            if sock.exists():
+                break
+            await asyncio.sleep(0.01)
+        spec = _bare(disks=(FileDisk(path=ro, read_only=True, serial="base"),
+                            NbdDisk(socket=sock, export="upper")), network=None)
+        async with await QemuDriver(run_dir=run_dir).start(spec) as vm:
+            blocks = {b["device"]: b for b in await vm.qmp("query-block")}
+            assert blocks["disk0"]["inserted"]["ro"] is True
+            assert blocks["disk1"]["inserted"]["ro"] is False
+            assert "nbd" in blocks["disk1"]["inserted"]["file"]
+            with pytest.raises(VmmStateError):
+                _ = vm.envd_address  # no network
+    finally:
+        nbd.terminate()
+        nbd.wait(10)
+    _assert_clean(run_dir)
+
+
+async def test_tap_in_network_namespace(run_dir: Path) -> None:
+    """TapNet: QEMU runs inside the namespace (`ip netns exec`) on a TAP made there;
+    the pid is QEMU's own and killing it leaves nothing."""
+    import subprocess
+    import uuid
+
+    from host.vmm import TapNet
+
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2")
+    ns = f"aenv-vmmtest-{uuid.uuid4().hex[:6]}"
+    try:
+        subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
+        subprocess.run(["ip", "-n", ns, "tuntap", "add", "tap0", "mode", "tap"], check=True,
+                       capture_output=True)
+    except (subprocess.CalledProcessError, OSError) as exc:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        pytest.skip(f"cannot create a netns with a tap here: {exc}")
+    try:
+        spec = _bare(network=TapNet(tap="tap0", guest_ip="10.200.0.2", netns=ns))
+        async with await QemuDriver(run_dir=run_dir).start(spec) as vm:
+            assert vm.argv[:4] == ["ip", "netns", "exec", ns]
+            assert vm.pid is not None
+            assert Path(f"/proc/{vm.pid}/exe").resolve().name.startswith("qemu-system")
+            assert os.readlink(f"/proc/{vm.pid}/ns/net") != os.readlink("/proc/self/ns/net")
+            assert vm.envd_url == "http://10.200.0.2:49983"
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    _assert_clean(run_dir)
