@@ -125,7 +125,10 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             for i in range(args.n):
                 vm = await b.spawn(base.mem_path)
                 try:
-                    await restore_into(vm.qmp, vm.pid, vm.mem_path, snap, base, config_sha256=cfg)
+                    st = await restore_into(vm.qmp, vm.pid, vm.mem_path, snap, base,
+                                            config_sha256=cfg)
+                    b.add(f"K{k}_incr_restore_part_inject_ms", st.inject_ms)
+                    b.add(f"K{k}_incr_restore_part_load_ms", st.load_ms)
                     await vm.wait_shell()
                     b.add(f"K{k}_incr_restore_to_shell_ms", (time.perf_counter() - vm.t_spawn) * 1e3)
                     if i == 0 and (await vm.sh("md5sum /data/k")).split()[0] != want:

@@ -214,7 +214,7 @@ async def test_children_share_the_base(family: Family) -> None:
         private = [capture_private(vm.pid, find_vma(vm.pid, vm.mem_path)).count for vm in kids]
         print(f"\n4 children: PSS sum {pss / 1024:.1f} MiB, one child's RSS {rss / 1024:.1f} MiB, "
               f"private guest pages {private}")
-        assert pss < 0.6 * 4 * rss, stats
+        assert pss < 0.7 * 4 * rss, stats  # measured ~0.5: base pages are shared
         assert all(n * 4096 < 8 * MIB for n in private)
 
 
