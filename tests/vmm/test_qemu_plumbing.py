@@ -10,15 +10,21 @@ import asyncio
 import os
 import shutil
 import signal
+import subprocess
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from host.vmm import (
     BootTimeouts,
+    FileDisk,
     MemoryBacking,
+    NbdDisk,
     QemuDriver,
+    TapNet,
     UserNet,
     VmmBootTimeout,
     VmmStartError,
@@ -200,13 +206,10 @@ async def test_shared_snapshot_restores_copy_on_write(run_dir: Path, tmp_path: P
     _assert_clean(run_dir)
 
 
-async def test_disks_file_and_nbd_attach_with_flags(run_dir: Path, tmp_path: Path) -> None:
-    """The drive options are accepted by real QEMU: a read-only file disk and a
-    writable NBD export over a unix socket (qemu-nbd as the server)."""
-    import subprocess
 
-    from host.vmm import FileDisk, NbdDisk
-
+@pytest.fixture
+def nbd_export(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """(read-only image, NBD unix socket of a writable export "upper") via qemu-nbd."""
     if shutil.which("qemu-nbd") is None:
         pytest.skip("qemu-nbd not installed")
     ro, rw = tmp_path / "ro.img", tmp_path / "rw.img"
@@ -218,33 +221,35 @@ async def test_disks_file_and_nbd_attach_with_flags(run_dir: Path, tmp_path: Pat
                             f"--socket={sock}", "--export-name=upper", str(rw)],
                            start_new_session=True)
     try:
-        for _ in range(200):
-            if sock.exists():
-                break
-            await asyncio.sleep(0.01)
-        spec = _bare(disks=(FileDisk(path=ro, read_only=True, serial="base"),
-                            NbdDisk(socket=sock, export="upper")), network=None)
-        async with await QemuDriver(run_dir=run_dir).start(spec) as vm:
-            blocks = {b["device"]: b for b in await vm.qmp("query-block")}
-            assert blocks["disk0"]["inserted"]["ro"] is True
-            assert blocks["disk1"]["inserted"]["ro"] is False
-            assert "nbd" in blocks["disk1"]["inserted"]["file"]
-            with pytest.raises(VmmStateError):
-                _ = vm.envd_address  # no network
+        deadline = time.monotonic() + 5
+        while not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        yield ro, sock
     finally:
         nbd.terminate()
         nbd.wait(10)
+
+
+async def test_disks_file_and_nbd_attach_with_flags(run_dir: Path,
+                                                   nbd_export: tuple[Path, Path]) -> None:
+    """The drive options are accepted by real QEMU: a read-only file disk and a
+    writable NBD export over a unix socket."""
+    ro, sock = nbd_export
+    spec = _bare(disks=(FileDisk(path=ro, read_only=True, serial="base"),
+                        NbdDisk(socket=sock, export="upper")), network=None)
+    async with await QemuDriver(run_dir=run_dir).start(spec) as vm:
+        blocks = {b["device"]: b for b in await vm.qmp("query-block")}
+        assert blocks["disk0"]["inserted"]["ro"] is True
+        assert blocks["disk1"]["inserted"]["ro"] is False
+        assert "nbd" in blocks["disk1"]["inserted"]["file"]
+        with pytest.raises(VmmStateError):
+            _ = vm.envd_address  # no network
     _assert_clean(run_dir)
 
 
-async def test_tap_in_network_namespace(run_dir: Path) -> None:
-    """TapNet: QEMU runs inside the namespace (`ip netns exec`) on a TAP made there;
-    the pid is QEMU's own and killing it leaves nothing."""
-    import subprocess
-    import uuid
-
-    from host.vmm import TapNet
-
+@pytest.fixture
+def netns_with_tap() -> Iterator[str]:
+    """A fresh network namespace holding a TAP device `tap0`; deleted afterwards."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("needs root and iproute2")
     ns = f"aenv-vmmtest-{uuid.uuid4().hex[:6]}"
@@ -253,16 +258,23 @@ async def test_tap_in_network_namespace(run_dir: Path) -> None:
         subprocess.run(["ip", "-n", ns, "tuntap", "add", "tap0", "mode", "tap"], check=True,
                        capture_output=True)
     except (subprocess.CalledProcessError, OSError) as exc:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
         pytest.skip(f"cannot create a netns with a tap here: {exc}")
     try:
-        spec = _bare(network=TapNet(tap="tap0", guest_ip="10.200.0.2", netns=ns))
-        async with await QemuDriver(run_dir=run_dir).start(spec) as vm:
-            assert vm.argv[:4] == ["ip", "netns", "exec", ns]
-            assert vm.pid is not None
-            assert Path(f"/proc/{vm.pid}/exe").resolve().name.startswith("qemu-system")
-            assert os.readlink(f"/proc/{vm.pid}/ns/net") != os.readlink("/proc/self/ns/net")
-            assert vm.envd_url == "http://10.200.0.2:49983"
+        yield ns
     finally:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+
+
+async def test_tap_in_network_namespace(run_dir: Path, netns_with_tap: str) -> None:
+    """TapNet: QEMU runs inside the namespace (`ip netns exec`) on a TAP made there;
+    the pid is QEMU's own and killing it leaves nothing."""
+    ns = netns_with_tap
+    spec = _bare(network=TapNet(tap="tap0", guest_ip="10.200.0.2", netns=ns))
+    async with await QemuDriver(run_dir=run_dir).start(spec) as vm:
+        assert vm.argv[:4] == ["ip", "netns", "exec", ns]
+        assert vm.pid is not None
+        assert Path(f"/proc/{vm.pid}/exe").resolve().name.startswith("qemu-system")
+        assert os.readlink(f"/proc/{vm.pid}/ns/net") != os.readlink("/proc/self/ns/net")
+        assert vm.envd_url == "http://10.200.0.2:49983"
     _assert_clean(run_dir)
