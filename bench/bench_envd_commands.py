@@ -61,6 +61,23 @@ def stop_envd(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+def raw_start(port: int):
+    """One Process.Start of /bin/true over a kept-alive HTTP/1.1 connection, read to the end."""
+    import httpx
+
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+    payload = json.dumps({"process": {"cmd": "/bin/true"}, "stdin": False}).encode()
+    body = b"\x00" + len(payload).to_bytes(4, "big") + payload
+    headers = {"content-type": "application/connect+json", "connect-protocol-version": "1"}
+
+    def run() -> None:
+        r = client.post("/process.Process/Start", content=body, headers=headers)
+        if not r.content.endswith(b"\x02\x00\x00\x00\x02{}"):
+            raise RuntimeError(f"unexpected Start response: {r.content[-80:]!r}")
+
+    return run
+
+
 def pct(samples: list[float], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -101,21 +118,31 @@ def main() -> int:
 
         sbx = Sandbox.create()
         via_envd = measure(lambda: sbx.commands.run("true"), args.n, args.warmup)
+        # Without the login shell: what envd itself adds to a bare exec of /bin/true.
+        raw_envd = measure(raw_start(port), args.n, args.warmup)
     finally:
         stop_envd(envd)
     local = measure(lambda: subprocess.run(["/bin/bash", "-l", "-c", "true"], check=True),
                     args.n, args.warmup)
+    raw_local = measure(lambda: subprocess.run(["/bin/true"], check=True), args.n, args.warmup)
 
     print(f"commands.run('true') round trip, {platform.node()} ({os.cpu_count()} cpus)")
     a = summary("envd (Python SDK, sync)", via_envd)
     b = summary("local bash -l -c true", local)
     ratio50, ratio99 = a["p50_ms"] / b["p50_ms"], a["p99_ms"] / b["p99_ms"]
     print(f"envd/local ratio: p50 {ratio50:.2f}x  p99 {ratio99:.2f}x")
+    c = summary("envd raw Start /bin/true", raw_envd)
+    d = summary("local /bin/true", raw_local)
+    print(f"raw envd/local ratio: p50 {c['p50_ms'] / d['p50_ms']:.2f}x  "
+          f"p99 {c['p99_ms'] / d['p99_ms']:.2f}x  (envd overhead p50 "
+          f"{c['p50_ms'] - d['p50_ms']:.2f} ms)")
     if args.json:
         args.json.write_text(json.dumps({
             "params": {"n": args.n, "warmup": args.warmup, "cpus": os.cpu_count()},
             "envd": a, "local": b, "ratio_p50": ratio50, "ratio_p99": ratio99,
-            "samples_ms": {"envd": via_envd, "local": local}}, indent=2))
+            "raw_envd": c, "raw_local": d,
+            "samples_ms": {"envd": via_envd, "local": local, "raw_envd": raw_envd,
+                           "raw_local": raw_local}}, indent=2))
     return 0
 
 

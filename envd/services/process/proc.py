@@ -86,9 +86,17 @@ def _acquire_controlling_tty() -> None:  # runs in the child, after setsid()
 
 
 def _credentials(user: User) -> dict[str, Any]:
+    """Popen arguments that switch to `user` (setgid, initgroups, setuid).
+
+    Empty when we already run with exactly those credentials: asking Popen for a switch
+    rules out its vfork fast path.
+    """
+    groups = os.getgrouplist(user.name, user.gid)
+    if (user.uid, user.gid) == (os.geteuid(), os.getegid()) and \
+            sorted(set(groups)) == sorted(set(os.getgroups()) | {os.getegid()}):
+        return {}
     if os.geteuid() == 0:
-        return {"user": user.uid, "group": user.gid,
-                "extra_groups": os.getgrouplist(user.name, user.gid)}
+        return {"user": user.uid, "group": user.gid, "extra_groups": groups}
     if user.uid != os.geteuid():
         raise PermissionError(errno.EPERM, f"envd is not root, cannot run as {user.name!r}")
     return {}
