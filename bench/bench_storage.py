@@ -58,15 +58,15 @@ def run_bench(target: str, args: list[str]) -> float:
     return float(m.group(1))
 
 
-def wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 20) -> None:
+def wait_for(path: Path, proc: subprocess.Popen[bytes], timeout_s: float = 20) -> None:
     deadline = time.monotonic() + timeout_s
     while not path.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{proc.args[0]} did not create {path}")
+            raise RuntimeError(f"{proc.args!r} did not create {path}")
         time.sleep(0.05)
 
 
-def stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -89,7 +89,7 @@ def main() -> None:
     a = ap.parse_args()
     size = a.size_mib * MiB
     work = Path(tempfile.mkdtemp(prefix="bench-storage-", dir="/var/tmp"))
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen[bytes]] = []
     try:
         img = work / "disk.raw"
         with open(img, "wb") as f:

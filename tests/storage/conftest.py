@@ -21,7 +21,7 @@ from host.storage.control import SyncBlockServerClient
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _kill(proc: subprocess.Popen, *, graceful: bool = True) -> None:
+def _kill(proc: subprocess.Popen[bytes], *, graceful: bool = True) -> None:
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGTERM if graceful else signal.SIGKILL)
@@ -39,7 +39,7 @@ class BlockServerProc:
     repo: str | None = None
     cache_mib: int | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen[bytes] | None = None
 
     @property
     def socket_dir(self) -> Path:

@@ -185,7 +185,8 @@ class RawNbd:
         replies = self.option(7, struct.pack(">I", len(raw)) + raw + struct.pack(">H", 0))
         assert replies[-1][0] == 1, replies
         info = next(d for t, d in replies if t == 3 and d[:2] == b"\x00\x00")
-        return struct.unpack(">Q", info[2:10])[0]
+        size: int = struct.unpack(">Q", info[2:10])[0]
+        return size
 
     def request(self, cmd: int, offset: int, length: int, data: bytes = b"",
                 handle: int = 7) -> tuple[int, bytes]:

@@ -10,7 +10,9 @@ import struct
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,7 +29,7 @@ MAGIC1 = bytes([0x65, 0x7E, 0x63, 0xD2, 0x94, 0x44, 0x08, 0x4C,
                 0xA2, 0xD2, 0xC8, 0xEC, 0x4F, 0xCF, 0xAE, 0x8A])
 
 
-def parse_ht(buf: bytes) -> dict:
+def parse_ht(buf: bytes) -> dict[str, Any]:
     assert len(buf) == 4096
     f = {
         "magic0": buf[0:8],
@@ -141,7 +143,8 @@ def _good_layer(tmp_path: Path) -> bytes:
      "runs past the trailer"),
 ], ids=["truncated", "cut-one-byte", "no-trailer", "bad-header-magic", "bad-trailer-magic",
         "index-size-too-big"])
-def test_bad_layer_files_raise_layer_format_error(tmp_path: Path, damage, message) -> None:
+def test_bad_layer_files_raise_layer_format_error(
+        tmp_path: Path, damage: Callable[[bytes], bytes], message: str) -> None:
     bad = tmp_path / "bad.lsmt"
     bad.write_bytes(damage(_good_layer(tmp_path)))
     with pytest.raises(LayerFormatError, match=message):

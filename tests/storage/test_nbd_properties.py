@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import struct
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -45,7 +46,8 @@ def shared_blockserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Blo
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(ops, min_size=1, max_size=25))
-def test_nbd_requests_match_flat_reference(shared_blockserver: BlockServerProc, program) -> None:
+def test_nbd_requests_match_flat_reference(shared_blockserver: BlockServerProc,
+                                           program: list[Any]) -> None:
     bs = shared_blockserver
     name = f"p{next(_names)}"
     bs.client.create(name, virtual_size=VSIZE)

@@ -7,8 +7,9 @@ import os
 import subprocess
 import uuid
 from pathlib import Path
+from typing import Any
 
-import boto3
+import boto3  # type: ignore[import-untyped]
 import pytest
 
 from host.storage.cache import ChunkCache
@@ -32,7 +33,7 @@ def bucket(moto_endpoint: str, s3_env: dict[str, str]) -> str:
     return name
 
 
-def _repo(moto_endpoint: str, bucket: str, **kw) -> OssRepository:
+def _repo(moto_endpoint: str, bucket: str, **kw: Any) -> OssRepository:
     return OssRepository(bucket=bucket, region="us-east-1", endpoint=moto_endpoint,
                          prefix="aenv/test", **kw)
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from host.storage.blob import FileBlob
 from host.storage.lsmt import SealedLayer, Upper, digest_of_file
 from host.storage.stack import Stack
 
@@ -18,7 +21,7 @@ VSIZE = 64 * 1024
 _counter = itertools.count()
 
 
-def _placer(root: Path):
+def _placer(root: Path) -> Callable[[str, Path], Path]:
     def place(digest: str, src: Path) -> Path:
         dst = root / "layers" / (digest.split(":")[1] + ".lsmt")
         dst.parent.mkdir(exist_ok=True)
@@ -26,6 +29,12 @@ def _placer(root: Path):
         return dst
 
     return place
+
+
+def _path(layer: SealedLayer) -> Path:
+    blob = layer.blob
+    assert isinstance(blob, FileBlob)
+    return blob.path
 
 
 ranges = st.tuples(st.integers(0, VSIZE - 1), st.integers(1, 9000)).map(
@@ -43,7 +52,7 @@ ops = st.one_of(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(ops, min_size=1, max_size=40))
-def test_stack_matches_flat_reference(tmp_path: Path, program) -> None:
+def test_stack_matches_flat_reference(tmp_path: Path, program: list[Any]) -> None:
     root = tmp_path / f"run{next(_counter)}"
     root.mkdir()
     place = _placer(root)
@@ -76,7 +85,7 @@ def test_stack_matches_flat_reference(tmp_path: Path, program) -> None:
                 # flush, drop the process state, reopen layers from disk and the upper from
                 # its journal: the stack must rebuild the same merged view
                 stack.flush()
-                layers = [SealedLayer.open_path(layer.blob.path, digest=layer.digest)
+                layers = [SealedLayer.open_path(_path(layer), digest=layer.digest)
                           for layer in stack.layers]
                 upper_dir = stack.upper.dir
                 stack.upper.close()
@@ -86,8 +95,8 @@ def test_stack_matches_flat_reference(tmp_path: Path, program) -> None:
         for stack, ref in zip(stacks, refs):
             assert stack.read(0, VSIZE) == bytes(ref)
             for layer in stack.layers:  # every sealed layer re-parses from disk
-                SealedLayer.open_path(layer.blob.path).close()
-                assert digest_of_file(layer.blob.path) == layer.digest  # content-addressed
+                SealedLayer.open_path(_path(layer)).close()
+                assert digest_of_file(_path(layer)) == layer.digest  # content-addressed
     finally:
         for stack in stacks:
             stack.close()

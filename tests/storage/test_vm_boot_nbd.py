@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,11 +31,11 @@ pytestmark = [pytest.mark.vm, pytest.mark.slow]
 CACHE = Path(os.environ.get("AENV_CACHE", "/var/cache/aenv"))
 
 
-def _manifest() -> dict:
+def _manifest() -> dict[str, Any]:
     path = CACHE / "images" / "default" / "manifest.json"
     if not path.exists():
         pytest.skip(f"no image manifest at {path}: run `make kernel image`")
-    man = json.loads(path.read_text())
+    man: dict[str, Any] = json.loads(path.read_text())
     if not man.get("kernel") or not Path(man["kernel"]["vmlinux"]).exists():
         pytest.skip("image manifest has no kernel: run `make kernel image`")
     if shutil.which("qemu-system-x86_64") is None:
@@ -67,7 +68,7 @@ def _health(url: str) -> int | None:
         return None
 
 
-def _boot(man: dict, info: StackInfo, work: Path, timeout_s: float = 240) -> float:
+def _boot(man: dict[str, Any], info: StackInfo, work: Path, timeout_s: float = 240) -> float:
     """Boot, wait for envd /health == 204, power off; returns seconds to health."""
     port = free_port()
     console = work / f"console-{info.name}.log"
