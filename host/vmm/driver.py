@@ -19,6 +19,7 @@ Typical use::
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, Self, runtime_checkable
@@ -220,7 +221,7 @@ class VmmDriver(Protocol):
     name: str
 
     @property
-    def vms(self) -> list[Vm]:
+    def vms(self) -> Sequence[Vm]:
         """VMs started by this driver that have not been killed."""
 
     async def start(self, spec: VmSpec, *, timeouts: BootTimeouts | None = None) -> Vm:
