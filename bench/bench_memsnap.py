@@ -26,9 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "vmm" / "memsnap")]
-
-from memsnap_vm import Vm, VmShape, build_rootfs, find_kernel, make_sparse
+sys.path.insert(0, str(ROOT))
 
 from host.vmm.memsnap import (
     freeze_base,
@@ -38,6 +36,7 @@ from host.vmm.memsnap import (
     snapshot_incremental,
 )
 from host.vmm.memsnap.devstate import qmp_execute, wait_migration
+from tests.vmm.memsnap.memsnap_vm import Vm, VmShape, build_rootfs, find_kernel, make_sparse
 
 MIB = 1 << 20
 

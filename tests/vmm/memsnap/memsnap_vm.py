@@ -145,6 +145,7 @@ class Vm:
         self._w: asyncio.StreamWriter | None = None
         self._n = 0
         self.timings: dict[str, float] = {}
+        self.t_spawn = 0.0  # perf_counter() at Popen
 
     @classmethod
     async def start(cls, shape: VmShape, workdir: Path, *, mem_path: Path, share: bool,

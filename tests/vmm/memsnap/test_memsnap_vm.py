@@ -32,6 +32,7 @@ from host.vmm.memsnap import (
     restore_into,
     snapshot_incremental,
 )
+from host.vmm.memsnap.devstate import qmp_execute
 from host.vmm.memsnap.procmem import buffer_address, transfer
 
 from .memsnap_vm import Vm, VmShape, build_rootfs, find_kernel, make_sparse, smaps_rollup
@@ -58,7 +59,8 @@ class Pool:
     """Spawns children of one family; ``close()`` kills every VM it made."""
 
     def __init__(self, fam: Family) -> None:
-        self.fam, self.vms = fam, []
+        self.fam = fam
+        self.vms: list[Vm] = []
 
     async def spawn(self) -> Vm:
         vm = await Vm.start(self.fam.shape, self.fam.work / f"vm{next(_vm_ids)}",
@@ -144,7 +146,7 @@ async def test_incremental_snapshot_restore_and_two_level_chain(family: Family, 
         # ~K MiB (+ guest noise: page cache, slab, hot kernel pages), not the 256 MiB of RAM
         assert k <= diff_mib <= k + 12, s1.stats
         assert s1.stats["downtime_ms"] < s1.stats["total_ms"]
-        assert (await a.qmp.execute("query-status"))["status"] == "running"
+        assert (await qmp_execute(a.qmp, "query-status"))["status"] == "running"
         await a.sh("true")  # the source keeps running after the snapshot
         await a.kill()
 
@@ -264,4 +266,4 @@ async def test_qemu_streams_without_a_guest_kernel(tmp_path: Path) -> None:
             want = pages[i * 4096 : (i + 1) * 4096]
             assert ca.data[ia.index(pg) * 4096 :][:4096] == want
             assert cb.data[ib.index(pg) * 4096 :][:4096] == want
-        assert (await b.qmp.execute("query-status"))["status"] == "running"
+        assert (await qmp_execute(b.qmp, "query-status"))["status"] == "running"
