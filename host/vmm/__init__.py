@@ -21,6 +21,7 @@ from .driver import (
 )
 from .errors import VmmBootTimeout, VmmError, VmmStartError, VmmStateError, VmmTimeout
 from .image import GuestImage, GuestKernel, ImageNotFound, find_image, find_kernel
+from .pick import pick_driver
 from .qemu import QemuDriver, QemuVm, booted
 
 __all__ = [
@@ -53,4 +54,5 @@ __all__ = [
     "find_image",
     "find_kernel",
     "host_tsc_khz",
+    "pick_driver",
 ]

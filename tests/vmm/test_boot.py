@@ -7,6 +7,7 @@ down and checks that no QEMU process or work file is left.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -45,6 +46,10 @@ async def vm(guest_image: GuestImage, run_dir: Path,
     try:
         yield booted
     finally:
+        # keep the console for post-mortems: the VM's work dir goes away with it
+        results = tmp_path_factory.mktemp("results")
+        shutil.copyfile(booted.serial_log, results / "test-boot.serial.log")
+        print(f"\nserial console of the module VM: {results / 'test-boot.serial.log'}")
         await driver.aclose()
 
 
