@@ -257,7 +257,7 @@ class _Upload:
     def __init__(self, user: User, metadata: dict[str, str] | None) -> None:
         self.user = user
         self.metadata = metadata
-        self.files: list[tuple[str, PendingFile]] = []  # (raw path, pending)
+        self.files: list[tuple[str, PendingFile]] = []  # (resolved requested path, pending)
         self._buf = bytearray()
 
     @property
@@ -267,13 +267,13 @@ class _Upload:
     async def start(self, raw_path: str) -> None:
         await self.flush()
         destination = resolve(raw_path, self.user)
-        if any(p.destination == destination for _, p in self.files):
+        if any(requested == destination for requested, _ in self.files):
             raise HTTPError(400, f"destination '{destination}' appears more than once")
         try:
             pending = await run_as(self.user, PendingFile.open, destination)
         except OSError as exc:
             raise _os_http_error(exc, raw_path) from None
-        self.files.append((raw_path, pending))
+        self.files.append((destination, pending))
 
     async def write(self, data: bytes) -> None:
         self._buf += data
@@ -294,13 +294,13 @@ class _Upload:
     async def commit(self) -> list[dict[str, Any]]:
         await self.flush()
         results = []
-        for raw_path, pending in self.files:
+        for requested, pending in self.files:
             try:
                 await run_as(self.user, pending.commit, self.metadata)
             except OSError as exc:
-                raise _os_http_error(exc, raw_path) from None
-            info: dict[str, Any] = {"path": pending.destination,
-                                    "name": os.path.basename(pending.destination),
+                raise _os_http_error(exc, requested) from None
+            # Report the path as requested (a symlink stays the reported path).
+            info: dict[str, Any] = {"path": requested, "name": os.path.basename(requested),
                                     "type": "file"}
             if self.metadata:
                 info["metadata"] = dict(self.metadata)

@@ -327,3 +327,39 @@ def test_large_roundtrip_checksum(sbx, home_dir, envd_url):
         for chunk in r.iter_raw():
             h2.update(inflater.decompress(chunk))
     assert inflater.eof and h2.hexdigest() == digest
+
+
+def test_upload_through_symlink_keeps_the_link(sbx, home_dir):
+    real = home_dir / "real.txt"
+    real.write_text("old")
+    os.chown(real, USER.pw_uid, USER.pw_gid)
+    os.symlink(real, home_dir / "link.txt")
+    info = sbx.files.write(str(home_dir / "link.txt"), "new")
+    assert info.path == str(home_dir / "link.txt")
+    assert (home_dir / "link.txt").is_symlink() and real.read_text() == "new"
+
+
+async def test_async_sdk_files(sdk_env, home_dir):
+    from e2b import AsyncSandbox
+
+    sbx = await AsyncSandbox.create()
+    target = str(home_dir / "a" / "async.txt")
+    await sbx.files.write(target, "hello async", metadata={"k": "v"})
+    assert await sbx.files.read(target) == "hello async"
+    assert await sbx.files.read(target, format="bytes") == bytearray(b"hello async")
+    stream = await sbx.files.read(target, format="stream")
+    assert b"".join([chunk async for chunk in stream]) == b"hello async"
+    await sbx.files.write(str(home_dir / "gz.txt"), "z" * 10000, gzip=True)
+    assert await sbx.files.read(str(home_dir / "gz.txt"), gzip=True) == "z" * 10000
+    await sbx.files.write_files([{"path": str(home_dir / "m1"), "data": b"1"},
+                                 {"path": str(home_dir / "m2"), "data": "2"}])
+    assert {e.name for e in await sbx.files.list(str(home_dir))} == {"a", "gz.txt", "m1", "m2"}
+    assert (await sbx.files.get_info(target)).metadata == {"k": "v"}
+    assert await sbx.files.make_dir(str(home_dir / "d")) is True
+    assert await sbx.files.make_dir(str(home_dir / "d")) is False
+    moved = await sbx.files.rename(str(home_dir / "m1"), str(home_dir / "d" / "m1"))
+    assert moved.path == str(home_dir / "d" / "m1")
+    await sbx.files.remove(str(home_dir / "d"))
+    assert not await sbx.files.exists(str(home_dir / "d"))
+    with pytest.raises(FileNotFoundException):
+        await sbx.files.read(str(home_dir / "nope"))

@@ -37,9 +37,12 @@ class PendingFile:
 
     @classmethod
     def open(cls, destination: str) -> "PendingFile":
-        parent, base = os.path.split(destination)
-        if not base:
+        """Start an upload to `destination`; a symlink there is written through, not replaced."""
+        if not os.path.basename(destination):
             raise IsADirectoryError(errno.EISDIR, "path is a directory", destination)
+        if os.path.islink(destination):
+            destination = os.path.realpath(destination)
+        parent, base = os.path.split(destination)
         make_dirs(parent)
         mode = 0o644
         replaced = False
