@@ -1,0 +1,100 @@
+"""The contract between the orchestrator and the node's sandbox runtime.
+
+The orchestrator owns state (store.py), TTLs, tokens and the E2B semantics; the runtime
+owns machines: it composes the VMM driver (host/vmm), memory snapshots
+(host/vmm/memsnap), the block server (host/storage) and network namespaces
+(host/network) into whole-sandbox operations. Data flows one way: orchestrator →
+runtime → {vmm, storage, network}. The runtime never touches the state store; what it
+needs to re-attach to a live VM after a host-service restart it returns as
+`Placement.facts`, which the orchestrator persists and hands back to `adopt()`.
+
+The implementation is `host.runtime.NodeRuntime`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .model import NetworkConfig
+
+
+@dataclass(frozen=True)
+class MachineSpec:
+    cpu_count: int = 1
+    memory_mb: int = 512
+    disk_mb: int = 2048
+    image: str = "default"            # name of a `make image` build
+
+
+@dataclass(frozen=True)
+class SnapshotRef:
+    """A complete, durable snapshot in the repository (memory + devices + disk layers).
+
+    Everything needed to restore it is in the repository under `snapshot_id`; `facts`
+    carries what the runtime wants back (layer digests, memory chain ids, ...).
+    """
+
+    snapshot_id: str
+    machine: MachineSpec
+    created_at: float
+    parent_id: str | None = None
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A live sandbox VM on this node."""
+
+    sandbox_id: str
+    envd_host: str                    # address the host (and proxy) reaches the guest at
+    envd_port: int                    # envd's port at that address
+    facts: dict[str, Any] = field(default_factory=dict)  # JSON-serializable; for adopt()
+
+    def address(self, port: int) -> tuple[str, int]:
+        """(host, port) for a guest port; user-mode networking forwards envd only."""
+        ...
+
+
+class SandboxRuntime(Protocol):
+    async def build_template(self, template_id: str, machine: MachineSpec) -> SnapshotRef:
+        """Cold-boot `machine.image`, wait for envd, snapshot it as a template."""
+        ...
+
+    async def start(self, sandbox_id: str, snapshot: SnapshotRef,
+                    network: NetworkConfig) -> Placement:
+        """Restore `snapshot` as sandbox `sandbox_id` with a fresh writable disk layer and
+        its own network; returns once envd answers /health. Raises on failure and leaves
+        nothing behind."""
+        ...
+
+    async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool) -> SnapshotRef:
+        """Snapshot a running sandbox, complete and durable before returning. stop=True is
+        pause: the VM, its network and its local runtime files are released. stop=False:
+        the VM continues (fork, named snapshots)."""
+        ...
+
+    async def kill(self, sandbox_id: str) -> None:
+        """Stop the VM and release everything it held. Idempotent."""
+        ...
+
+    async def adopt(self, sandbox_id: str, facts: dict[str, Any]) -> Placement | None:
+        """After a host-service restart: re-attach to a still-running VM, or return None
+        (and release its leftovers) when it is gone."""
+        ...
+
+    async def reap_orphans(self, known: set[str]) -> list[str]:
+        """Kill VMs and release networks/stacks of sandboxes not in `known`."""
+        ...
+
+    async def update_network(self, sandbox_id: str, network: NetworkConfig) -> None: ...
+
+    async def delete_snapshot(self, snapshot_id: str) -> None: ...
+
+    async def console_log(self, sandbox_id: str, limit: int = 1000) -> list[str]:
+        """The tail of the guest's serial console."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release node resources; running VMs are left running (for adoption)."""
+        ...
