@@ -52,8 +52,12 @@ class Placement:
     facts: dict[str, Any] = field(default_factory=dict)  # JSON-serializable; for adopt()
 
     def address(self, port: int) -> tuple[str, int]:
-        """(host, port) for a guest port; user-mode networking forwards envd only."""
-        ...
+        """(host, port) for a guest port. With namespaced networking every guest port
+        is reachable at envd_host; user-mode networking forwards envd's port only."""
+        forwards = self.facts.get("port_forwards")
+        if forwards is not None:
+            return (self.envd_host, int(forwards[str(port)]))
+        return (self.envd_host, port)
 
 
 class SandboxRuntime(Protocol):

@@ -150,6 +150,7 @@ class Gates:
     def __init__(self) -> None:
         self.first_chunk_seen = threading.Event()   # upstream got the first upload chunk
         self.client_got_first = threading.Event()   # client got the first download chunk
+        self.download_ended = threading.Event()     # upstream stopped sending (done or cut)
 
 
 @pytest.fixture
@@ -165,8 +166,11 @@ def streaming_upstream():
             if not await asyncio.to_thread(gates.client_got_first.wait, 10):
                 raise RuntimeError("client never saw the first chunk")
             block = b"x" * 65536
-            for _ in range(size // len(block)):
-                yield block
+            try:
+                for _ in range(size // len(block)):
+                    yield block
+            finally:
+                gates.download_ended.set()
         return StreamingResponse(gen(), media_type="application/octet-stream")
 
     async def upload(request: Request) -> JSONResponse:
@@ -230,10 +234,33 @@ async def test_client_disconnect_releases_the_stream(proxy_url, orch, streaming_
     port, gates = streaming_upstream
     sid = orch.add().sandbox_id
     async with httpx.AsyncClient(base_url=proxy_url, timeout=10) as c:
-        async with c.stream("GET", "/download?size=1073741824", headers=host(port, sid)) as resp:
+        async with c.stream("GET", "/download?size=68719476736", headers=host(port, sid)) as resp:
             async for _ in resp.aiter_raw():
                 gates.client_got_first.set()
                 break
+    # the proxy dropped its upstream connection: the 64 GiB generator was stopped early
+    assert await asyncio.to_thread(gates.download_ended.wait, 10)
     # the proxy still answers promptly afterwards
     async with httpx.AsyncClient(base_url=proxy_url, timeout=10) as c:
         assert (await c.get("/health", headers=host(ENVD, orch.add().sandbox_id))).status_code == 204
+
+
+async def test_upstream_breaking_mid_response_cuts_the_client(proxy_url, orch) -> None:
+    async def broken(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly ten b")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(broken, "127.0.0.1", 0)
+    async with server:
+        port = server.sockets[0].getsockname()[1]
+        sid = orch.add().sandbox_id
+        async with httpx.AsyncClient(base_url=proxy_url, timeout=10) as c:
+            with pytest.raises(httpx.RemoteProtocolError):
+                await c.get("/", headers=host(port, sid))
+            # and a response that never starts is a 502 with the port
+            server.close()
+        async with httpx.AsyncClient(base_url=proxy_url, timeout=10) as c:
+            resp = await c.get("/", headers=host(port, sid))
+            assert resp.status_code == 502 and resp.json()["port"] == port

@@ -46,10 +46,12 @@ async def vm(guest_image: GuestImage, run_dir: Path,
     try:
         yield booted
     finally:
-        # keep the console for post-mortems: the VM's work dir goes away with it
-        results = tmp_path_factory.mktemp("results")
-        shutil.copyfile(booted.serial_log, results / "test-boot.serial.log")
-        print(f"\nserial console of the module VM: {results / 'test-boot.serial.log'}")
+        # keep the console for post-mortems (the VM's work dir goes away with it), unless
+        # test_shutdown_leaves_nothing already killed the VM
+        if booted.serial_log.exists():
+            saved = tmp_path_factory.mktemp("results") / "test-boot.serial.log"
+            shutil.copyfile(booted.serial_log, saved)
+            print(f"\nserial console of the module VM: {saved}")
         await driver.aclose()
 
 

@@ -16,6 +16,8 @@ from host.vmm.memsnap import (
     CorruptSnapshotError,
     MemSnapError,
     MemSnapshot,
+    flatten_base,
+    restore_base_into,
     restore_into,
     snapshot_incremental,
 )
@@ -118,3 +120,26 @@ async def test_restore_refuses_bad_input_before_touching_the_vm(
     (tmp_path / "s" / "snapshot.json").write_text("{")
     with pytest.raises(CorruptSnapshotError, match="manifest"):
         MemSnapshot.load(tmp_path / "s")
+
+
+async def test_flatten_into_a_new_base(base: BaseImage, tmp_path: Path, children: list[Child]) -> None:
+    src = Child(base.mem_path)
+    children.append(src)
+    src.write("f", list(range(100, 400)))
+    snap = await snapshot_incremental(FakeQmp("running"), src.pid, base.mem_path, base, tmp_path / "s",
+                                      config_sha256=CFG)
+    new = flatten_base(snap, base, tmp_path / "base2")
+    assert new.sha256 != base.sha256 and BaseImage.load(tmp_path / "base2") == new
+    assert new.mem_path.stat().st_mode & 0o777 == 0o444
+    assert new.template_path.read_bytes() == snap.devstate.read_bytes()
+    kid = Child(new.mem_path)
+    children.append(kid)
+    q = FakeQmp("inmigrate")
+    await restore_base_into(q, kid.pid, new.mem_path, new)
+    assert q.log[-1] == "cont" and kid.sha() == src.sha()
+    # diffs against the new base start empty again
+    s2 = await snapshot_incremental(FakeQmp("running"), kid.pid, new.mem_path, new, tmp_path / "s2",
+                                    config_sha256=CFG)
+    assert s2.stats["diff_pages"] == 0
+    with pytest.raises(MemSnapError, match="does not belong"):
+        flatten_base(s2, base, tmp_path / "base3")
