@@ -27,6 +27,7 @@ from host.vmm.memsnap import (
     SnapshotMismatchError,
     capture_private,
     find_vma,
+    flatten_base,
     freeze_base,
     restore_base_into,
     restore_into,
@@ -267,3 +268,29 @@ async def test_qemu_streams_without_a_guest_kernel(tmp_path: Path) -> None:
             assert ca.data[ia.index(pg) * 4096 :][:4096] == want
             assert cb.data[ib.index(pg) * 4096 :][:4096] == want
         assert (await qmp_execute(b.qmp, "query-status"))["status"] == "running"
+
+
+async def test_flattened_base_resumes_the_snapshot_and_takes_new_diffs(
+    family: Family, tmp_path: Path
+) -> None:
+    async with pool(family) as p:
+        a = await p.from_base()
+        await a.sh("dd if=/dev/urandom of=/data/k bs=1M count=8 2>/dev/null")
+        sums = md5s(await a.sh("md5sum /data/k /data/base"))
+        snap = await snapshot_incremental(a.qmp, a.pid, a.mem_path, family.base, tmp_path / "s",
+                                          config_sha256=family.cfg)
+        await a.kill()
+        new = await asyncio.to_thread(flatten_base, snap, family.base, tmp_path / "base2")
+        fam2 = Family(family.shape, new, family.base_md5, family.work)
+        async with pool(fam2) as p2:
+            b = await p2.from_base()
+            assert md5s(await b.sh("md5sum /data/k /data/base")) == sums
+            await b.sh("dd if=/dev/urandom of=/data/k2 bs=1M count=2 2>/dev/null")
+            sums2 = md5s(await b.sh("md5sum /data/k /data/k2"))
+            s2 = await snapshot_incremental(b.qmp, b.pid, b.mem_path, new, tmp_path / "s2",
+                                            config_sha256=family.cfg)
+            print(f"\ndiff on the flattened base: {s2.diff.stat().st_size / MIB:.1f} MiB")
+            assert s2.diff.stat().st_size < (2 + 6) * MIB, s2.stats  # 2 MiB + noise, not 8 again
+            await b.kill()
+            c = await p2.restored(s2)
+            assert md5s(await c.sh("md5sum /data/k /data/k2")) == sums2
