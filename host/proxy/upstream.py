@@ -75,11 +75,13 @@ class Connection:
                     return UpstreamResponse(event.status_code, list(event.headers), self)
                 if isinstance(event, h11.InformationalResponse) and event.status_code == 101:
                     return UpstreamResponse(101, list(event.headers), self)
+                if isinstance(event, h11.ConnectionClosed):
+                    raise UpstreamError("the upstream closed the connection before responding")
                 # other 1xx (100 Continue, 103): the client side already handled those
         except (OSError, h11.ProtocolError) as exc:
             self.close()
             raise UpstreamError(str(exc) or type(exc).__name__) from exc
-        except BaseException:
+        except BaseException:  # UpstreamError, cancellation, a failing request body
             self.close()
             raise
 
