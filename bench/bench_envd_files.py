@@ -126,7 +126,7 @@ def timed_download(client: httpx.Client, url: str, path: Path) -> float:
 def summary(samples_s: list[float], size_mib: int) -> dict[str, float]:
     rates = sorted(size_mib / s for s in samples_s)
     # p95 of throughput = the rate 95% of runs reach or beat (low tail), nearest rank
-    low_idx = max(0, int(round(0.05 * (len(rates) - 1))))
+    low_idx = max(0, round(0.05 * (len(rates) - 1)))
     return {"n": len(rates), "median_mib_s": statistics.median(rates),
             "p95_mib_s": rates[low_idx]}
 
@@ -143,8 +143,7 @@ def main() -> int:
     os.chown(work, user.pw_uid, user.pw_gid)
     src = work / "src.bin"
     with open(src, "wb") as f:
-        for _ in range(args.size_mib):
-            f.write(os.urandom(CHUNK))
+        f.writelines(os.urandom(CHUNK) for _ in range(args.size_mib))
     os.chown(src, user.pw_uid, user.pw_gid)
 
     servers: list[Server] = []

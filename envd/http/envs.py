@@ -6,9 +6,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..state import Defaults
+from .errors import Endpoint
 
 
-def envs_endpoint(defaults: Defaults):  # type: ignore[no-untyped-def]
+def envs_endpoint(defaults: Defaults) -> Endpoint:
     async def envs(request: Request) -> Response:
         return JSONResponse(dict(defaults.env_vars))
 

@@ -25,9 +25,15 @@ from ..auth import require_file_access
 from ..services.filesystem import PendingFile, resolve, run_as, run_blocking
 from ..state import Defaults
 from ..users import User
-from .errors import HTTPError, json_errors, os_error_message, os_error_status
-from .multipart import MultipartError, MultipartParser, PartData, PartEnd, PartStart, \
-    parse_header_params
+from .errors import Endpoint, HTTPError, json_errors, os_error_message, os_error_status
+from .multipart import (
+    MultipartError,
+    MultipartParser,
+    PartData,
+    PartEnd,
+    PartStart,
+    parse_header_params,
+)
 
 READ_CHUNK = 1024 * 1024
 # Request body bytes gathered before one trip to the writer thread.
@@ -170,7 +176,7 @@ class FileStreamResponse(Response):
             os.close(self.fd)
 
 
-def download_endpoint(defaults: Defaults):  # type: ignore[no-untyped-def]
+def download_endpoint(defaults: Defaults) -> Endpoint:
     @json_errors
     async def download(request: Request) -> Response:
         user, raw_path, _ = _user_and_path(defaults, request, "read")
@@ -362,7 +368,7 @@ async def _drain(body: AsyncIterator[bytes], limit: int) -> None:
                 return
 
 
-def upload_endpoint(defaults: Defaults):  # type: ignore[no-untyped-def]
+def upload_endpoint(defaults: Defaults) -> Endpoint:
     @json_errors
     async def upload(request: Request) -> Response:
         user, raw_path, _ = _user_and_path(defaults, request, "write")

@@ -23,7 +23,7 @@ from starlette.responses import Response
 from ..auth import require_token
 from ..state import Defaults
 from ..users import UnknownUserError, User
-from .errors import HTTPError, json_errors
+from .errors import Endpoint, HTTPError, json_errors
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def _str_field(data: dict[str, Any], key: str) -> str | None:
     return value
 
 
-def init_endpoint(defaults: Defaults):  # type: ignore[no-untyped-def]
+def init_endpoint(defaults: Defaults) -> Endpoint:
     @json_errors
     async def init(request: Request) -> Response:
         require_token(defaults, request.headers.get("x-access-token"))

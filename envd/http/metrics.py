@@ -6,7 +6,7 @@ import asyncio
 import time
 from typing import Any
 
-import psutil
+import psutil  # type: ignore[import-untyped]
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 

@@ -268,8 +268,8 @@ def test_aborted_upload_leaves_old_content(envd_url, home_dir, kind):
     else:
         part = (f'--bnd\r\nContent-Disposition: form-data; name="file"; filename="{path}"\r\n'
                 "Content-Type: application/octet-stream\r\n\r\n").encode()
-        head = ("POST /files HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
-                "Content-Type: multipart/form-data; boundary=bnd\r\n\r\n").encode()
+        head = (b"POST /files HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                b"Content-Type: multipart/form-data; boundary=bnd\r\n\r\n")
         head += f"{len(part):x}\r\n".encode() + part + b"\r\n"
         _raw_upload_then_hang_up(envd_url, head, 8 * len(mib),
                                  f"{len(mib):x}\r\n".encode() + mib + b"\r\n")
@@ -284,8 +284,9 @@ def tiny_fs(home_dir):
     """A 1 MiB tmpfs mounted inside home_dir, writable by `user` (skips if mount fails)."""
     mnt = home_dir / "tiny"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=1m,uid={USER.pw_uid},"
-                        f"gid={USER.pw_gid}", "tmpfs", str(mnt)], capture_output=True)
+    options = f"size=1m,uid={USER.pw_uid},gid={USER.pw_gid}"
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)],
+                       capture_output=True, check=False)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs: {r.stderr.decode().strip()}")
     try:
@@ -307,8 +308,7 @@ def test_large_roundtrip_checksum(sbx, home_dir, envd_url):
     size = 40 * 1024 * 1024
     src = home_dir / "src.bin"
     with open(src, "wb") as f:
-        for _ in range(size // (1024 * 1024)):
-            f.write(os.urandom(1024 * 1024))
+        f.writelines(os.urandom(1024 * 1024) for _ in range(size // (1024 * 1024)))
     digest = hashlib.sha256(src.read_bytes()).hexdigest()
     with open(src, "rb") as f:
         sbx.files.write(str(home_dir / "dst.bin"), f)

@@ -272,13 +272,14 @@ def test_watch_dir_stream_ends_on_disconnect(envd_instance, home_dir):
     envd_url, proc = envd_instance
     pid = proc.pid
     before = _inotify_fds(pid)
-    with httpx.Client(timeout=10) as client:
-        with client.stream("POST", f"{envd_url}/filesystem.Filesystem/WatchDir",
-                           headers={**STREAM, "Keepalive-Ping-Interval": "50"},
-                           content=envelope({"path": str(home_dir)})) as r:
-            chunks = r.iter_raw()  # keep a reference: a collected iterator closes the response
-            assert read_envelopes(next(chunks))[0] == (0, {"start": {}})
-            assert _inotify_fds(pid) == before + 1
+    with httpx.Client(timeout=10) as client, client.stream(
+        "POST", f"{envd_url}/filesystem.Filesystem/WatchDir",
+        headers={**STREAM, "Keepalive-Ping-Interval": "50"},
+        content=envelope({"path": str(home_dir)}),
+    ) as r:
+        chunks = r.iter_raw()  # keep a reference: a collected iterator closes the response
+        assert read_envelopes(next(chunks))[0] == (0, {"start": {}})
+        assert _inotify_fds(pid) == before + 1
     # The client left with the watch idle: envd must notice well before the 50 s keepalive.
     deadline = time.monotonic() + 3
     while _inotify_fds(pid) > before and time.monotonic() < deadline:

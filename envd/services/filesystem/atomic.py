@@ -36,7 +36,7 @@ class PendingFile:
         self.size = 0
 
     @classmethod
-    def open(cls, destination: str) -> "PendingFile":
+    def open(cls, destination: str) -> PendingFile:
         """Start an upload to `destination`; a symlink there is written through, not replaced."""
         if not os.path.basename(destination):
             raise IsADirectoryError(errno.EISDIR, "path is a directory", destination)

@@ -119,7 +119,7 @@ class DirWatch:
 
     @classmethod
     async def open(cls, root: str, *, recursive: bool, include_entry: bool, user: User,
-                   allow_network_mounts: bool) -> "DirWatch":
+                   allow_network_mounts: bool) -> DirWatch:
         """Start watching `root` as `user`. Raises FileNotFoundError, NotADirectoryError,
         PermissionError or NetworkMountError."""
         loop = asyncio.get_running_loop()
@@ -131,7 +131,7 @@ class DirWatch:
             if not allow_network_mounts and is_network_mount(root):
                 raise NetworkMountError(errno.EINVAL, "watching network mounts is not allowed "
                                         "(set allow_network_mounts)", root)
-            fd = _libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+            fd: int = _libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
             if fd < 0:
                 err = ctypes.get_errno()
                 raise WatchError(err, f"inotify_init1: {os.strerror(err)}")
