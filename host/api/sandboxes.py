@@ -17,7 +17,6 @@ from starlette.responses import JSONResponse, Response
 
 from host.orchestrator.model import ListFilter, SandboxInfo
 from host.orchestrator.service import Orchestrator
-from host.orchestrator.states import SandboxState
 
 from . import parse, serialize
 from .errors import ApiError, bad_request, response_for
@@ -111,7 +110,7 @@ async def list_v2(request: Request) -> Response:
 
 @handler
 async def list_v1(request: Request) -> Response:
-    flt = ListFilter(states=frozenset({SandboxState.RUNNING}),
+    flt = ListFilter(states=parse.states_filter("running"),
                      metadata=parse.metadata_filter(request.query_params.get("metadata")))
     items = await orch(request).list(flt)
     items = sorted(items, key=lambda i: (i.started_at, i.sandbox_id), reverse=True)
