@@ -22,7 +22,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, Self, runtime_checkable
+from typing import Any, Protocol, Self, runtime_checkable
 
 ENVD_PORT = 49983
 """envd's port inside the guest."""
@@ -149,6 +149,7 @@ class VmState(enum.Enum):
     RUNNING = "running"
     PAUSED = "paused"  # vCPUs stopped (pause, or after save_state / an incoming restore)
     KILLED = "killed"  # process gone, files removed; terminal
+    DETACHED = "detached"  # handle released, VM left running (adopt it again); terminal
 
 
 # ---------------------------------------------------------------------------------------
@@ -209,6 +210,14 @@ class Vm(Protocol):
     async def aclose(self) -> None:
         """Same as kill()."""
 
+    def facts(self) -> dict[str, Any]:
+        """JSON-serializable facts (pid, sockets, work dir, port, ...) from which
+        `VmmDriver.adopt()` re-attaches to this VM after a host-service restart."""
+
+    async def detach(self) -> None:
+        """Release this handle (control connection) but leave the VM running, e.g. on a
+        host-service shutdown; the state becomes DETACHED. Adopt it again later."""
+
     async def __aenter__(self) -> Self: ...
 
     async def __aexit__(self, *exc_info: object) -> None: ...
@@ -242,6 +251,13 @@ class VmmDriver(Protocol):
         with a shared memory file restores with that file as `shared=True` (it continues
         in the file) or `shared=False` (copy-on-write: many VMs from one file). With
         resume=False the VM stays PAUSED."""
+
+    async def adopt(self, spec: VmSpec, facts: dict[str, Any], *,
+                    timeouts: BootTimeouts | None = None) -> Vm | None:
+        """Re-attach to a VM started earlier (possibly by another process) from its
+        `facts()`; None when that VM is gone (its leftover files are then removed).
+        VMs meant to outlive the host service must be started by a driver that does not
+        tie them to its own lifetime (QemuDriver(die_with_parent=False))."""
 
     async def aclose(self) -> None:
         """Kill every VM still alive."""

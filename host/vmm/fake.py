@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 from .driver import BootTimeouts, VmSpec, VmState
 from .errors import VmmError, VmmStateError
@@ -38,7 +38,8 @@ class FakeVm:
 
     @property
     def pid(self) -> int | None:
-        return None if self._state in (VmState.CREATED, VmState.KILLED) else self._pid
+        dead = (VmState.CREATED, VmState.KILLED, VmState.DETACHED)
+        return None if self._state in dead else self._pid
 
     @property
     def work_dir(self) -> Path:
@@ -84,7 +85,7 @@ class FakeVm:
         self.saved_to.append(Path(dest))
 
     async def kill(self) -> None:
-        if self._state is VmState.KILLED:
+        if self._state in (VmState.KILLED, VmState.DETACHED):
             return
         self._driver.calls.append(("kill", self._spec.name))
         self._state = VmState.KILLED
@@ -93,6 +94,17 @@ class FakeVm:
 
     async def aclose(self) -> None:
         await self.kill()
+
+    def facts(self) -> dict[str, Any]:
+        return {"driver": "fake", "name": self._spec.name, "pid": self._pid,
+                "paused": self._state is VmState.PAUSED}
+
+    async def detach(self) -> None:
+        self._require(VmState.RUNNING, VmState.PAUSED)
+        self._driver.calls.append(("detach", self._spec.name))
+        self._driver._detached[self._pid] = self
+        self._state = VmState.DETACHED
+        self._driver._vms.remove(self)
 
     async def __aenter__(self) -> Self:
         return self
@@ -112,6 +124,7 @@ class FakeDriver:
         self.delay_s = delay_s
         self.calls: list[tuple[str, str]] = []
         self._vms: list[FakeVm] = []
+        self._detached: dict[int, FakeVm] = {}
 
     @property
     def vms(self) -> list[FakeVm]:
@@ -150,6 +163,19 @@ class FakeDriver:
             raise VmmError(f"{spec.name}: saved state not found: {state}")
         return await self._launch("restore", spec,
                                   VmState.RUNNING if resume else VmState.PAUSED)
+
+    async def adopt(self, spec: VmSpec, facts: dict[str, Any], *,
+                    timeouts: BootTimeouts | None = None) -> FakeVm | None:
+        """Adopts VMs detached from this same FakeDriver (a pretend restart)."""
+        old = self._detached.pop(int(facts.get("pid", -1)), None)
+        self.calls.append(("adopt", spec.name))
+        if old is None:
+            return None
+        vm = FakeVm(self, spec)
+        vm._pid = old._pid
+        vm._state = VmState.PAUSED if facts.get("paused") else VmState.RUNNING
+        self._vms.append(vm)
+        return vm
 
     async def aclose(self) -> None:
         for vm in self.vms:

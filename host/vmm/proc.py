@@ -10,8 +10,65 @@ import signal
 import socket
 from collections import deque
 from pathlib import Path
+from typing import Protocol
 
 _PR_SET_PDEATHSIG = 1
+
+
+class ProcessHandle(Protocol):
+    """What the drivers need of a VMM process: asyncio's Process, or `AdoptedProcess`."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+
+def start_time(pid: int) -> int | None:
+    """The process start time (clock ticks since boot, /proc/PID/stat field 22): with the
+    pid it identifies a process across pid reuse. None if the process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X"):  # zombie/dead: gone for our purposes
+        return None
+    return int(fields[19])
+
+
+class AdoptedProcess:
+    """A VMM process this host service did not spawn (re-attached after a restart).
+
+    It is not our child, so there is no exit status: `returncode` is -1 once it is gone,
+    found by polling /proc (the pid plus its start time, so a reused pid is not mistaken
+    for it).
+    """
+
+    POLL_S = 0.02
+
+    def __init__(self, pid: int, started: int) -> None:
+        self._pid = pid
+        self._started = started
+        self._rc: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    @property
+    def returncode(self) -> int | None:
+        if self._rc is None and start_time(self._pid) != self._started:
+            self._rc = -1
+        return self._rc
+
+    async def wait(self) -> int:
+        while (rc := self.returncode) is None:
+            await asyncio.sleep(self.POLL_S)
+        return rc
 
 
 def die_with_parent() -> None:
@@ -66,7 +123,7 @@ def signal_group(pgid: int, sig: int) -> None:
             raise
 
 
-async def terminate(proc: asyncio.subprocess.Process, *, grace_s: float, kill_s: float = 5.0,
+async def terminate(proc: ProcessHandle, *, grace_s: float, kill_s: float = 5.0,
                     already_asked: bool = False) -> bool:
     """Stop `proc` (leader of its own session) and reap it.
 

@@ -104,6 +104,11 @@ class QemuDriver:
         await vm._start(state_file=Path(state), resume=resume)
         return vm
 
+    async def adopt(self, spec: VmSpec, facts: dict[str, Any], *,
+                    timeouts: BootTimeouts | None = None) -> QemuVm | None:
+        vm = QemuVm(self, spec, timeouts or BootTimeouts())
+        return vm if await vm._adopt(facts) else None
+
     async def aclose(self) -> None:
         errors: list[BaseException] = []
         for vm in reversed(self.vms):
@@ -127,7 +132,7 @@ class QemuVm:
         self._spec = spec
         self.timeouts = timeouts
         self._state = VmState.CREATED
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: procs.ProcessHandle | None = None
         self._qmp: QMPClient | None = None
         self._work_dir: Path | None = None
         self._owns_work_dir = False
@@ -477,8 +482,9 @@ class QemuVm:
     # -- teardown -----------------------------------------------------------------------
 
     async def kill(self) -> None:
-        """Idempotent; shielded, so a cancelled caller cannot leave a half-killed VM."""
-        if self._state is VmState.KILLED and self._kill_task is None:
+        """Idempotent; shielded, so a cancelled caller cannot leave a half-killed VM.
+        A no-op after detach(): the VM then belongs to whoever adopts it."""
+        if self._state in (VmState.KILLED, VmState.DETACHED) and self._kill_task is None:
             return
         if self._kill_task is None:
             self._kill_task = asyncio.ensure_future(self._kill())
@@ -513,6 +519,64 @@ class QemuVm:
         if not gone:
             raise VmmError(f"{self._spec.name}: QEMU pid {proc.pid if proc else '?'} "
                            "survived SIGKILL")
+
+    # -- detach / adopt -------------------------------------------------------------------
+
+    def facts(self) -> dict[str, Any]:
+        self._require(VmState.RUNNING, VmState.PAUSED)
+        assert self._proc is not None and self._work_dir is not None
+        return {
+            "driver": "qemu",
+            "name": self._spec.name,
+            "pid": self._proc.pid,
+            "pid_start": procs.start_time(self._proc.pid),
+            "work_dir": str(self._work_dir),
+            "owns_work_dir": self._owns_work_dir,
+            "host_port": self._host_port,
+            "accel": self.accel,
+            "argv": list(self.argv),
+        }
+
+    async def detach(self) -> None:
+        self._require(VmState.RUNNING, VmState.PAUSED)
+        if self._qmp is not None:
+            with contextlib.suppress(Exception):
+                await self._qmp.disconnect()
+        self._qmp = None
+        self._proc = None
+        self._state = VmState.DETACHED
+        self._driver._forget(self)
+
+    async def _adopt(self, facts: dict[str, Any]) -> bool:
+        """Re-attach to the QEMU described by `facts`; False (leftovers removed) when it
+        is gone. A live QEMU that does not answer QMP is killed and VmmError raised."""
+        if facts.get("driver") != "qemu":
+            raise VmmError(f"{self._spec.name}: facts are not from the QEMU driver: {facts}")
+        self._work_dir = Path(facts["work_dir"])
+        self._owns_work_dir = bool(facts.get("owns_work_dir"))
+        self._host_port = facts.get("host_port")
+        self.accel = facts.get("accel")
+        self.argv = list(facts.get("argv", []))
+        pid, started = int(facts["pid"]), facts.get("pid_start")
+        if started is None or procs.start_time(pid) != started:
+            self._remove_files()
+            self._state = VmState.KILLED
+            return False
+        self._proc = procs.AdoptedProcess(pid, int(started))
+        self._state = VmState.STARTING
+        self._driver._vms.append(self)
+        try:
+            self.started_at = asyncio.get_running_loop().time()
+            await self._connect_qmp()
+            status = await self.query_status()
+        except BaseException:
+            gone = self._proc.returncode is not None
+            await self.kill()
+            if gone:
+                return False
+            raise
+        self._state = VmState.PAUSED if status in ("paused", "postmigrate") else VmState.RUNNING
+        return True
 
     def _remove_files(self) -> None:
         if self._work_dir is None:
