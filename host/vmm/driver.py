@@ -177,6 +177,9 @@ class Vm(Protocol):
     def serial_log(self) -> Path:
         """File receiving the guest serial console (ttyS0)."""
 
+    def serial_tail(self, lines: int = 30) -> str:
+        """The last `lines` lines of the guest serial console ('' before start)."""
+
     @property
     def envd_address(self) -> tuple[str, int]:
         """(host, port) at which envd is reachable from this host."""

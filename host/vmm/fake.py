@@ -49,6 +49,9 @@ class FakeVm:
     def serial_log(self) -> Path:
         return self.work_dir / "serial.log"
 
+    def serial_tail(self, lines: int = 30) -> str:
+        return ""
+
     @property
     def envd_address(self) -> tuple[str, int]:
         host, _, port = self._driver.envd_url.removeprefix("http://").partition(":")
