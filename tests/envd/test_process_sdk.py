@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -193,3 +194,43 @@ def test_pty_exit_code(sbx):
     with pytest.raises(CommandExitException) as info:
         pty.wait()
     assert info.value.exit_code == 5
+
+
+def _children(ppid: int) -> list[tuple[int, str]]:
+    """(pid, state) of every process whose parent is `ppid` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[1]) == ppid:
+            out.append((int(entry), fields[0]))
+    return out
+
+
+def test_killed_processes_are_reaped_with_their_group(sbx, envd_process):
+    handles = [sbx.commands.run("sleep 313.7 & sleep 313.7; echo never", background=True)
+               for _ in range(3)]
+    for handle in handles:
+        assert sbx.commands.kill(handle.pid) is True
+    for handle in handles:
+        wait_not_listed(sbx, handle.pid)
+    children = dict(_children(envd_process.pid))
+    assert not [pid for pid, state in children.items() if state == "Z"], children
+    assert not set(children) & {h.pid for h in handles}
+    # The whole process group died, background `sleep` included.
+    leftover = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p) == "sleep 313.7"]
+    assert not leftover
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
