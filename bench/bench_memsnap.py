@@ -29,6 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from host.vmm.memsnap import (
+    BaseImage,
+    MemSnapshot,
     freeze_base,
     load_device_state,
     restore_base_into,
@@ -62,6 +64,36 @@ class Bench:
         return vm
 
 
+async def incr_sample(b: Bench, src: Vm, base: BaseImage, dest: Path, k: int, cfg: bytes) -> MemSnapshot:
+    # one directory per K, overwritten like the full snapshot's file: both then recycle page
+    # cache instead of faulting in fresh host memory
+    snap = await snapshot_incremental(src.qmp, src.pid, src.mem_path, base, dest, config_sha256=cfg)
+    b.add(f"K{k}_incr_snapshot_downtime_ms", snap.stats["downtime_ms"])
+    b.add(f"K{k}_incr_snapshot_total_ms", snap.stats["total_ms"])
+    b.add(f"K{k}_incr_diff_mib", snap.diff.stat().st_size / MIB)
+    for part in ("prepare", "readv"):
+        b.add(f"K{k}_incr_part_{part}_ms", snap.stats[f"{part}_ms"])
+    b.add(f"K{k}_incr_part_write_ms",
+          snap.stats["total_ms"] - snap.stats["prepare_ms"] - snap.stats["downtime_ms"])
+    return snap
+
+
+async def full_sample(b: Bench, src: Vm, full: Path, k: int) -> None:
+    t0 = time.perf_counter()
+    await qmp_execute(src.qmp, "stop")
+    await qmp_execute(src.qmp, "migrate", {"uri": f"exec:cat > {full}"})
+    await wait_migration(src.qmp)
+    fd = os.open(full, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    t1 = time.perf_counter()
+    await qmp_execute(src.qmp, "cont")
+    # the guest is stopped until the stream is written: downtime == total
+    b.add(f"K{k}_full_snapshot_downtime_ms", (time.perf_counter() - t0) * 1e3)
+    b.add(f"K{k}_full_snapshot_total_ms", (t1 - t0) * 1e3)
+    b.add(f"K{k}_full_mib", full.stat().st_size / MIB)
+
+
 async def run(args: argparse.Namespace) -> dict[str, object]:
     kernel = find_kernel()
     if kernel is None:
@@ -89,34 +121,19 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 await src.sh(f"dd if=/dev/urandom of=/data/k bs=1M count={k} 2>/dev/null")
                 want = (await src.sh("md5sum /data/k")).split()[0]
                 snap = None
-                for i in range(args.n):
-                    # one directory per K, overwritten like the full snapshot's file: both
-                    # then recycle page cache instead of faulting in fresh host memory
-                    snap = await snapshot_incremental(src.qmp, src.pid, src.mem_path, base,
-                                                      work / f"inc{k}", config_sha256=cfg)
-                    b.add(f"K{k}_incr_snapshot_downtime_ms", snap.stats["downtime_ms"])
-                    b.add(f"K{k}_incr_snapshot_total_ms", snap.stats["total_ms"])
-                    b.add(f"K{k}_incr_diff_mib", snap.diff.stat().st_size / MIB)
-                    for part in ("prepare", "readv"):
-                        b.add(f"K{k}_incr_part_{part}_ms", snap.stats[f"{part}_ms"])
-                    b.add(f"K{k}_incr_part_write_ms", snap.stats["total_ms"] - snap.stats["prepare_ms"]
-                          - snap.stats["downtime_ms"])
-                    await src.sh("true")
                 full = work / f"full{k}.mig"
+
+                # A and B interleaved, alternating which goes first, so load drift on a shared
+                # host hits both alike
                 for i in range(args.n):
-                    t0 = time.perf_counter()
-                    await qmp_execute(src.qmp, "stop")
-                    await qmp_execute(src.qmp, "migrate", {"uri": f"exec:cat > {full}"})
-                    await wait_migration(src.qmp)
-                    fd = os.open(full, os.O_RDONLY)
-                    os.fsync(fd)
-                    os.close(fd)
-                    t1 = time.perf_counter()
-                    await qmp_execute(src.qmp, "cont")
-                    # the guest is stopped until the stream is written: downtime == total
-                    b.add(f"K{k}_full_snapshot_downtime_ms", (time.perf_counter() - t0) * 1e3)
-                    b.add(f"K{k}_full_snapshot_total_ms", (t1 - t0) * 1e3)
-                    b.add(f"K{k}_full_mib", full.stat().st_size / MIB)
+                    if i % 2:
+                        await full_sample(b, src, full, k)
+                        await src.sh("true")
+                        snap = await incr_sample(b, src, base, work / f"inc{k}", k, cfg)
+                    else:
+                        snap = await incr_sample(b, src, base, work / f"inc{k}", k, cfg)
+                        await src.sh("true")
+                        await full_sample(b, src, full, k)
                     await src.sh("true")
             finally:
                 await src.kill()
