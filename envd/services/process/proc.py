@@ -142,6 +142,7 @@ class Proc:
         self._stdin_fd = stdin_fd
         self._master_fd = master_fd
         self._write_lock = asyncio.Lock()
+        self._open_fds = {fd for fd, _ in outputs} | ({stdin_fd} if stdin_fd is not None else set())
         self._exit_seen = False
         self._wakeups: set[asyncio.Future[None]] = set()
         self._kill_timer: asyncio.TimerHandle | None = None
@@ -276,7 +277,25 @@ class Proc:
             raise ProcessStateError("cannot close stdin of a PTY process; send Ctrl+D (0x04)")
         fd, self._stdin_fd = self._stdin_fd, None
         if fd is not None:
-            os.close(fd)
+            self._release_fds({fd})
+
+    def _release_fds(self, fds: set[int]) -> None:
+        """Unregister `fds` from the loop, wake their waiters, then close them.
+
+        Unregistering first matters: a closed fd number can be reused at once.
+        """
+        loop = asyncio.get_running_loop()
+        fds = fds & self._open_fds
+        self._open_fds -= fds
+        for fd in fds:
+            loop.remove_reader(fd)
+            loop.remove_writer(fd)
+        for fut in list(self._wakeups):
+            if not fut.done():
+                fut.set_result(None)
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     # -- internals --------------------------------------------------------------
     async def _wait_fd(self, fd: int, *, writable: bool = False,
@@ -299,7 +318,8 @@ class Proc:
             return False
         finally:
             self._wakeups.discard(fut)
-            (loop.remove_writer if writable else loop.remove_reader)(fd)
+            if fd in self._open_fds:  # else _release_fds already unregistered it
+                (loop.remove_writer if writable else loop.remove_reader)(fd)
 
     async def _pump(self, fd: int, kind: str) -> None:
         while True:
@@ -368,9 +388,7 @@ class Proc:
             if self._stdin_fd is not None:
                 fds.add(self._stdin_fd)
             self._stdin_fd = None
-            for fd in fds:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            self._release_fds(fds)
             self.exit_status = status or ExitStatus(-1, False, "unknown", "envd stopped waiting")
             self.fanout.close(self.exit_status)
             self.done.set()
