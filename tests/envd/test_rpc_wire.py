@@ -246,3 +246,27 @@ def test_disconnect_neither_kills_nor_blocks_the_process(envd_url, tmp_path):
         time.sleep(0.05)
     assert marker.exists(), "process blocked on its output after the client left"
     _wait_gone(envd_url, pid)
+
+
+def test_close_stdin_releases_a_blocked_writer(envd_url):
+    import threading
+
+    with httpx.Client(timeout=30) as client, client.stream(
+            "POST", f"{envd_url}/process.Process/Start", headers=STREAM_HEADERS,
+            content=envelope({"process": {"cmd": "sleep", "args": ["30"]}})) as r:
+        chunks = r.iter_bytes()
+        pid = json.loads(next(chunks)[5:])["event"]["start"]["pid"]
+    try:
+        data = base64.b64encode(b"x" * (4 << 20)).decode()
+        result: list[httpx.Response] = []
+        writer = threading.Thread(target=lambda: result.append(unary(
+            envd_url, "SendInput", {"process": {"pid": pid}, "input": {"stdin": data}})))
+        writer.start()
+        time.sleep(0.5)
+        assert writer.is_alive()  # blocked: nobody reads the pipe
+        assert unary(envd_url, "CloseStdin", {"process": {"pid": pid}}).status_code == 200
+        writer.join(5)
+        assert not writer.is_alive()
+        assert result[0].json()["code"] == "failed_precondition"
+    finally:
+        kill(envd_url, pid)
