@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from host.vmm.memsnap import (
     BaseImage,
+    CaptureBuffer,
     MemSnapshot,
     freeze_base,
     load_device_state,
@@ -64,10 +65,12 @@ class Bench:
         return vm
 
 
-async def incr_sample(b: Bench, src: Vm, base: BaseImage, dest: Path, k: int, cfg: bytes) -> MemSnapshot:
+async def incr_sample(b: Bench, src: Vm, base: BaseImage, dest: Path, k: int, cfg: bytes,
+                      buf: CaptureBuffer) -> MemSnapshot:
     # one directory per K, overwritten like the full snapshot's file: both then recycle page
-    # cache instead of faulting in fresh host memory
-    snap = await snapshot_incremental(src.qmp, src.pid, src.mem_path, base, dest, config_sha256=cfg)
+    # cache instead of faulting in fresh host memory; one copy buffer per VM, as in the driver
+    snap = await snapshot_incremental(src.qmp, src.pid, src.mem_path, base, dest,
+                                      config_sha256=cfg, buffer=buf)
     b.add(f"K{k}_incr_snapshot_downtime_ms", snap.stats["downtime_ms"])
     b.add(f"K{k}_incr_snapshot_total_ms", snap.stats["total_ms"])
     b.add(f"K{k}_incr_diff_mib", snap.diff.stat().st_size / MIB)
@@ -115,6 +118,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
 
         for k in args.k:
             src = await b.spawn(base.mem_path)
+            buf = CaptureBuffer()
             try:
                 await restore_base_into(src.qmp, src.pid, src.mem_path, base)
                 await src.wait_shell()
@@ -129,13 +133,14 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                     if i % 2:
                         await full_sample(b, src, full, k)
                         await src.sh("true")
-                        snap = await incr_sample(b, src, base, work / f"inc{k}", k, cfg)
+                        snap = await incr_sample(b, src, base, work / f"inc{k}", k, cfg, buf)
                     else:
-                        snap = await incr_sample(b, src, base, work / f"inc{k}", k, cfg)
+                        snap = await incr_sample(b, src, base, work / f"inc{k}", k, cfg, buf)
                         await src.sh("true")
                         await full_sample(b, src, full, k)
                     await src.sh("true")
             finally:
+                buf.close()
                 await src.kill()
             assert snap is not None
             for i in range(args.n):

@@ -9,7 +9,7 @@ inject, device-state splicing) are exported for the driver and tests.
 from __future__ import annotations
 
 from .base import BaseImage, copy_sparse_hashing, freeze_base, hash_file, verify_base
-from .capture import Capture, capture_private
+from .capture import Capture, CaptureBuffer, capture_private
 from .chain import DiffChain, compact, delta_pages, write_cumulative, write_delta
 from .devstate import (
     check_device_stream,
@@ -49,6 +49,7 @@ __all__ = [
     "PAGE_SIZE",
     "BaseImage",
     "Capture",
+    "CaptureBuffer",
     "CorruptSnapshotError",
     "DiffChain",
     "DiffFile",

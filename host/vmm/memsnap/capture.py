@@ -27,6 +27,7 @@ class Capture:
     n_runs: int = 0
     timings_ms: dict[str, float] = field(default_factory=dict)
     buffer: mmap.mmap | None = None
+    owns_buffer: bool = True
 
     @property
     def count(self) -> int:
@@ -39,7 +40,7 @@ class Capture:
     def close(self) -> None:
         """Release the page buffer (the capture's data is unusable afterwards)."""
         self.data.release()
-        if self.buffer is not None:
+        if self.buffer is not None and self.owns_buffer:
             self.buffer.close()
 
 
@@ -56,11 +57,11 @@ def alloc_buffer(n_pages: int, *, populate: bool = True) -> mmap.mmap:
 
 
 def capture_private(pid: int, vma: Vma, *, method: str = "auto",
-                    buffer: mmap.mmap | None = None) -> Capture:
+                    buffer: mmap.mmap | None = None, owned: bool = True) -> Capture:
     """Scan ``vma`` of ``pid`` for private pages and copy them out with process_vm_readv.
 
-    The pages land in ``buffer`` if it is large enough (it then belongs to the Capture), else
-    in a new anonymous mapping. Call ``Capture.close()`` when done."""
+    The pages land in ``buffer`` if it is large enough, else in a new anonymous mapping.
+    ``owned``: the Capture takes ``buffer`` over (closes it). Call ``Capture.close()``."""
     if vma.shared:
         raise MemSnapError(
             f"{vma.path} is mapped shared (share=on) in pid {pid}: its pages are not copy-on-write "
@@ -71,9 +72,9 @@ def capture_private(pid: int, vma: Vma, *, method: str = "auto",
     t1 = time.perf_counter()
     n = sum(c for _, c in runs)
     if buffer is None or len(buffer) < n * PAGE_SIZE:
-        if buffer is not None:
+        if buffer is not None and owned:
             buffer.close()
-        buffer = alloc_buffer(n, populate=False)
+        buffer, owned = alloc_buffer(n, populate=False), True
     addr, holder = buffer_address(buffer)
     segments = []
     off = 0
@@ -84,7 +85,8 @@ def capture_private(pid: int, vma: Vma, *, method: str = "auto",
         transfer(pid, segments, write=False)
     except BaseException:
         del holder
-        buffer.close()
+        if owned:
+            buffer.close()
         raise
     del holder
     t2 = time.perf_counter()
@@ -94,5 +96,25 @@ def capture_private(pid: int, vma: Vma, *, method: str = "auto",
         idx.extend(range(base + first, base + first + cnt))
     return Capture(
         idx, memoryview(buffer)[: n * PAGE_SIZE], PAGE_SIZE, vma.first_page + vma.n_pages,
-        len(runs), {"scan": (t1 - t0) * 1e3, "readv": (t2 - t1) * 1e3}, buffer,
+        len(runs), {"scan": (t1 - t0) * 1e3, "readv": (t2 - t1) * 1e3}, buffer, owned,
     )
+
+
+class CaptureBuffer:
+    """A pre-faulted copy buffer reused by every snapshot of one VM (owned by the VM object,
+    which calls ``close()``): repeated snapshots then pay no allocation at all."""
+
+    def __init__(self) -> None:
+        self._mm: mmap.mmap | None = None
+
+    def reserve(self, n_pages: int) -> mmap.mmap:
+        """A buffer of at least ``n_pages`` pages (grown with 25 % slack when too small)."""
+        if self._mm is None or len(self._mm) < n_pages * PAGE_SIZE:
+            self.close()
+            self._mm = alloc_buffer(n_pages + n_pages // 4)
+        return self._mm
+
+    def close(self) -> None:
+        if self._mm is not None:
+            self._mm.close()  # BufferError while a Capture still uses it: close that first
+            self._mm = None

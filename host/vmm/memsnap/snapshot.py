@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from .base import BASE_MANIFEST, BaseImage, copy_sparse_hashing, hash_file, verify_base
-from .capture import Capture, alloc_buffer, capture_private
+from .capture import Capture, CaptureBuffer, alloc_buffer, capture_private
 from .chain import DiffChain, write_delta
 from .devstate import load_device_state, qmp_execute, save_device_state, splice, write_atomic
 from .diff import DiffKind, write_diff
@@ -106,13 +106,15 @@ async def snapshot_incremental(
     resume: bool = True,
     fsync: bool = True,
     scan_method: str = "auto",
+    buffer: CaptureBuffer | None = None,
 ) -> MemSnapshot:
     """Snapshot the child VM ``pid`` (QMP ``qmp``) whose RAM maps ``mem_path`` (= the base file).
 
     With ``parent``, writes a content delta on top of the parent's chain, unless the chain
     would exceed ``max_chain`` diffs: then a cumulative diff (the capture is always cumulative,
     so this compaction costs nothing extra). ``resume`` continues a guest that was running.
-    ``stats`` holds ``downtime_ms`` (stop -> cont) and ``total_ms``.
+    ``stats`` holds ``downtime_ms`` (stop -> cont) and ``total_ms``. ``buffer``: reuse the
+    copy buffer of earlier snapshots of this VM (else one is allocated and freed per call).
     """
     d = Path(dest_dir)
     d.mkdir(parents=True, exist_ok=True)
@@ -128,9 +130,11 @@ async def snapshot_incremental(
         # Pre-fault the copy buffer while the guest still runs (sized from a scan now, with
         # slack for pages dirtied until the stop): allocation must not count as downtime.
         n0 = sum(c for _, c in scan_private(pid, vma, method=scan_method))
-        return alloc_buffer(n0 + max(1024, n0 // 8))
+        need = n0 + max(1024, n0 // 8)
+        return buffer.reserve(need) if buffer is not None else alloc_buffer(need)
 
     buf: mmap.mmap | None = await asyncio.to_thread(_prepare)
+    owned = buffer is None
     cap: Capture | None = None
     t0 = time.perf_counter()
     resumed = False
@@ -139,7 +143,7 @@ async def snapshot_incremental(
         t_stop = time.perf_counter()
         await save_device_state(qmp, xen)
         t_dev = time.perf_counter()
-        captured = capture_private(pid, vma, method=scan_method, buffer=buf)
+        captured = capture_private(pid, vma, method=scan_method, buffer=buf, owned=owned)
         cap, buf = captured, None
         t_cap = time.perf_counter()
         if resume and was_running:
@@ -175,7 +179,7 @@ async def snapshot_incremental(
         xen.unlink(missing_ok=True)
         if cap is not None:
             captured.close()
-        if buf is not None:
+        if buf is not None and owned:
             buf.close()
         if resume and was_running and not resumed:
             await qmp_execute(qmp, "cont")

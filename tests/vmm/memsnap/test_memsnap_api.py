@@ -13,6 +13,7 @@ import pytest
 
 from host.vmm.memsnap import (
     BaseImage,
+    CaptureBuffer,
     CorruptSnapshotError,
     MemSnapError,
     MemSnapshot,
@@ -70,8 +71,11 @@ async def test_snapshot_chain_and_restore(base: BaseImage, tmp_path: Path, child
     children.append(src)
     rng = random.Random(5)
     qmp = FakeQmp("running")
+    buf = CaptureBuffer()  # reused by the three snapshots, like a driver's VM object would
     src.write("one", sorted(rng.sample(range(1024), 100)))
-    s1 = await snapshot_incremental(qmp, src.pid, base.mem_path, base, tmp_path / "s1", config_sha256=CFG)
+    s1 = await snapshot_incremental(qmp, src.pid, base.mem_path, base, tmp_path / "s1",
+                                    config_sha256=CFG, buffer=buf)
+    mm = buf.reserve(1)
     assert qmp.log == ["query-status", "stop", "xen-save-devices-state", "cont"]
     assert qmp.status == "running" and s1.stats["diff_pages"] == 100
     assert s1.stats["downtime_ms"] <= s1.stats["total_ms"]
@@ -79,12 +83,14 @@ async def test_snapshot_chain_and_restore(base: BaseImage, tmp_path: Path, child
 
     src.write("two", sorted(rng.sample(range(1024), 30)))
     s2 = await snapshot_incremental(FakeQmp("running"), src.pid, base.mem_path, base, tmp_path / "s2",
-                                    config_sha256=CFG, parent=s1)
+                                    config_sha256=CFG, parent=s1, buffer=buf)
+    assert buf.reserve(1) is mm
     assert len(s2.diffs) == 2 and s2.stats["diff_pages"] == 30  # content delta only
     sha2 = src.sha()
     src.write("three", [7])
     s3 = await snapshot_incremental(FakeQmp("paused"), src.pid, base.mem_path, base, tmp_path / "s3",
-                                    config_sha256=CFG, parent=s2, max_chain=2)
+                                    config_sha256=CFG, parent=s2, max_chain=2, buffer=buf)
+    buf.close()
     assert len(s3.diffs) == 1  # compacted: a cumulative diff instead of a third level
     assert s3.stats["diff_pages"] == s3.stats["captured_pages"]
     sha3 = src.sha()
