@@ -9,7 +9,6 @@ from collections.abc import Awaitable, Callable
 
 from host.vmm.readiness import probe_health, wait_for_health
 
-
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
