@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import uvicorn
@@ -12,6 +13,9 @@ from .config import EnvdConfig
 
 def main(argv: list[str] | None = None) -> int:
     config = EnvdConfig.from_args(argv)
+    # envd's own loggers (envd.rpc, envd.process): errors the RPC layer mapped to INTERNAL.
+    logging.basicConfig(level=logging.WARNING,
+                        format="envd %(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(
         build_app(config),
         host=config.host,
