@@ -1,0 +1,57 @@
+"""Configuration of one node's runtime (parsed once by the host service, passed down)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeConfig:
+    """Where the runtime keeps things and how it runs VMs.
+
+    - `state_dir`: durable node state: `memory/<snapshot id>/` (frozen bases, memory diffs),
+      `storage/` (the block server's layers, uppers and stack manifests), `layers.json`
+      (image digest -> LSMT layer digest cache), `blockserver.log`.
+    - `run_dir`: volatile: `storage/{nbd,control}.sock`, `vms/<sandbox id>/` (QMP socket,
+      serial log, QEMU stderr). Keep it short: unix socket paths are limited to 107 bytes.
+    - `repository`: the block server's layer repository and where snapshot manifests are
+      committed (`posix_fs:/path` or `oss://...`).
+    - `network`: "auto" (namespaces when host/network can make them, else user-mode
+      networking), "netns" or "user". Every snapshot records its mode; a node restores only
+      snapshots of its own mode (the guest's network config is part of its memory).
+    - `vms_survive_service`: False makes every QEMU die with the process that started it
+      (tests); True lets VMs outlive a host-service restart so `adopt()` can find them.
+    """
+
+    state_dir: Path = Path("/var/lib/aenv")
+    run_dir: Path = Path("/run/aenv/rt")
+    repository: str | None = None  # default: posix_fs:<state_dir>/repo
+    cache_dir: Path | None = None  # chunk cache for remote (oss) layers
+    cache_mib: int = 10240
+    image_cache: Path | None = None  # $AENV_CACHE (make kernel image outputs)
+    network: str = "auto"
+    network_prefix: str = "aenv-"
+    network_pool: str = "10.200.0.0/16"
+    qemu: str = "qemu-system-x86_64"
+    vms_survive_service: bool = True
+    max_chain: int = 8  # memory diff chain length before a pause writes a cumulative diff
+    envd_timeout_s: float = 60.0  # restore -> envd /health
+    boot_timeout_s: float = 240.0  # cold boot (template build) -> envd /health
+    block_server_python: str | None = None  # default: sys.executable
+
+    @property
+    def repository_spec(self) -> str:
+        return self.repository or f"posix_fs:{self.state_dir / 'repo'}"
+
+    @property
+    def memory_dir(self) -> Path:
+        return self.state_dir / "memory"
+
+    @property
+    def vms_dir(self) -> Path:
+        return self.run_dir / "vms"
+
+    @property
+    def storage_run_dir(self) -> Path:
+        return self.run_dir / "storage"

@@ -1,0 +1,32 @@
+"""Errors of the node runtime.
+
+    NodeRuntimeError
+    ├── SandboxNotFoundError        no live sandbox with that id on this node
+    ├── SnapshotNotFoundError       no committed snapshot manifest with that id
+    ├── SnapshotCorruptError        a snapshot's files fail verification (restore refused)
+    └── SandboxStartError           start/restore failed (everything was rolled back)
+"""
+
+from __future__ import annotations
+
+
+class NodeRuntimeError(Exception):
+    """Base class of host.runtime errors."""
+
+
+class SandboxNotFoundError(NodeRuntimeError, KeyError):
+    def __str__(self) -> str:  # KeyError quotes its message otherwise
+        return str(self.args[0]) if self.args else ""
+
+
+class SnapshotNotFoundError(NodeRuntimeError, KeyError):
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class SandboxStartError(NodeRuntimeError):
+    pass
+
+
+class SnapshotCorruptError(SandboxStartError):
+    pass

@@ -1,0 +1,60 @@
+"""Snapshot manifests in the repository: the commit point of every snapshot.
+
+A snapshot is usable once `snapshot-<id>` exists in the repository; everything it names
+(frozen base memory, memory diff chain, device state, sealed disk layers) was made durable
+before. A crash before the manifest write leaves earlier snapshots untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from host.storage.errors import RepositoryError
+from host.storage.repository import PosixFsRepository, open_repository
+
+from .errors import SnapshotNotFoundError
+
+PREFIX = "snapshot-"
+VERSION = 1
+
+
+class ManifestStore:
+    def __init__(self, repository_spec: str) -> None:
+        self.repo = open_repository(repository_spec)
+
+    async def put(self, snapshot_id: str, manifest: dict[str, Any]) -> None:
+        await asyncio.to_thread(self.repo.put_manifest, PREFIX + snapshot_id, manifest)
+
+    async def get(self, snapshot_id: str) -> dict[str, Any]:
+        try:
+            m = await asyncio.to_thread(self.repo.get_manifest, PREFIX + snapshot_id)
+        except (RepositoryError, ValueError) as exc:
+            raise SnapshotNotFoundError(f"snapshot {snapshot_id} not found: {exc}") from exc
+        if m.get("deleted"):
+            raise SnapshotNotFoundError(f"snapshot {snapshot_id} was deleted")
+        return m
+
+    async def delete(self, snapshot_id: str) -> None:
+        # The Repository protocol has no delete: unlink for posix_fs, a tombstone elsewhere.
+        if isinstance(self.repo, PosixFsRepository):
+            path = Path(self.repo.root) / "manifests" / f"{PREFIX}{snapshot_id}.json"
+            await asyncio.to_thread(path.unlink, missing_ok=True)
+        else:
+            await asyncio.to_thread(self.repo.put_manifest, PREFIX + snapshot_id,
+                                    {"deleted": True})
+
+    async def all(self) -> dict[str, dict[str, Any]]:
+        names = await asyncio.to_thread(self.repo.list_manifests)
+        out: dict[str, dict[str, Any]] = {}
+        for name in names:
+            if not name.startswith(PREFIX):
+                continue
+            try:
+                m = await asyncio.to_thread(self.repo.get_manifest, name)
+            except RepositoryError:
+                continue
+            if not m.get("deleted"):
+                out[name[len(PREFIX):]] = m
+        return out

@@ -1,0 +1,670 @@
+"""`NodeRuntime`: the `SandboxRuntime` of one node (QEMU + memsnap + block server + netns).
+
+Layout (see `RuntimeConfig`):
+
+    <state_dir>/memory/<snapshot id>/base/      frozen base (templates): base.mem, base.dev
+    <state_dir>/memory/<snapshot id>/mem/       memory diff + devstate (pauses, forks)
+    <state_dir>/storage/                        the block server's layers and stacks
+    <run_dir>/vms/<sandbox id>/                 QMP socket, serial log, QEMU stderr, pid
+    repository: layers + `snapshot-<id>` manifests (the commit point of a snapshot)
+
+Stacks are named `sbx-<sandbox id>` (sandboxes) and `tpl-<template id>` (template builds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from host.network import (
+    NetworkError,
+    NetworkManager,
+    NetworkManagerConfig,
+    NetworkPolicy,
+    NetworkUnavailableError,
+    SandboxNetwork,
+)
+from host.orchestrator.model import NetworkConfig
+from host.orchestrator.runtime import MachineSpec, Placement, SnapshotRef
+from host.storage.errors import StackExistsError, StackNotFoundError, StorageError
+from host.vmm.accel import detect_accel, host_tsc_khz
+from host.vmm.driver import ENVD_PORT, MemoryBacking, NbdDisk, TapNet, UserNet, VmSpec
+from host.vmm.image import find_image
+from host.vmm.memsnap import (
+    BaseImage,
+    MemSnapError,
+    MemSnapshot,
+    freeze_base,
+    restore_base_into,
+    restore_into,
+    snapshot_incremental,
+)
+from host.vmm.proc import free_port, tail
+from host.vmm.qemu_cmdline import QemuRunFiles
+
+from .blockd import BlockServerHandle
+from .config import RuntimeConfig
+from .errors import (
+    NodeRuntimeError,
+    SandboxNotFoundError,
+    SandboxStartError,
+    SnapshotCorruptError,
+    SnapshotNotFoundError,
+)
+from .layers import image_layers
+from .manifests import VERSION, ManifestStore
+from .vmproc import QemuProcess, family_argv, family_digest, is_our_qemu
+
+log = logging.getLogger(__name__)
+
+
+def _policy(cfg: NetworkConfig) -> NetworkPolicy:
+    return NetworkPolicy(allow_internet_access=cfg.allow_internet_access,
+                         allow_out=tuple(cfg.allow_out), deny_out=tuple(cfg.deny_out))
+
+
+def _policy_dict(p: NetworkPolicy) -> dict[str, Any]:
+    return {"allow_internet_access": p.allow_internet_access, "allow_out": list(p.allow_out),
+            "deny_out": list(p.deny_out)}
+
+
+@dataclass
+class _Sandbox:
+    sandbox_id: str
+    vm: QemuProcess
+    mode: str                      # "netns" | "user"
+    stack: str
+    snapshot_id: str               # restored from
+    base_dir: Path
+    memsnap_dir: Path | None       # parent for the next memory delta
+    config_sha256: str
+    machine: MachineSpec
+    envd_host: str
+    envd_port: int
+    policy: NetworkPolicy
+    host_port: int | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def facts(self) -> dict[str, Any]:
+        f: dict[str, Any] = {
+            "pid": self.vm.pid, "work_dir": str(self.vm.work_dir),
+            "qmp_socket": str(self.vm.files.qmp_socket), "mode": self.mode,
+            "stack": self.stack, "snapshot_id": self.snapshot_id,
+            "base_dir": str(self.base_dir),
+            "memsnap_dir": str(self.memsnap_dir) if self.memsnap_dir else None,
+            "config_sha256": self.config_sha256, "machine": dataclasses.asdict(self.machine),
+            "envd_host": self.envd_host, "envd_port": self.envd_port,
+            "policy": _policy_dict(self.policy),
+            "timings": {k: round(v, 3) for k, v in self.timings.items()},
+        }
+        if self.host_port is not None:
+            f["port_forwards"] = {str(ENVD_PORT): self.host_port}
+        return f
+
+    def placement(self) -> Placement:
+        return Placement(self.sandbox_id, self.envd_host, self.envd_port, self.facts())
+
+
+class NodeRuntime:
+    """One node's sandbox runtime. `await NodeRuntime(config).open()` (or `async with`)."""
+
+    def __init__(self, config: RuntimeConfig | None = None) -> None:
+        self.config = config or RuntimeConfig()
+        self.block = BlockServerHandle(self.config)
+        self.manifests = ManifestStore(self.config.repository_spec)
+        self.nm: NetworkManager | None = None
+        self.mode = "user"
+        self._sbx: dict[str, _Sandbox] = {}
+        self._busy: set[str] = set()      # sandbox ids being started
+        self._building: set[str] = set()  # template ids being built
+        self._accel: tuple[str, int | None] | None = None
+        self._open = False
+        self.last_timings: dict[str, float] = {}
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def open(self) -> NodeRuntime:
+        if self._open:
+            return self
+        cfg = self.config
+        for d in (cfg.state_dir, cfg.memory_dir, cfg.vms_dir, cfg.storage_run_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        await self.block.ensure()
+        if cfg.network in ("auto", "netns"):
+            nm = NetworkManager(NetworkManagerConfig(pool=cfg.network_pool,
+                                                     prefix=cfg.network_prefix))
+            try:
+                await nm.open()
+                self.nm, self.mode = nm, "netns"
+            except NetworkUnavailableError as exc:
+                if cfg.network == "netns":
+                    raise NodeRuntimeError(f"network namespaces unavailable: {exc}") from exc
+                log.warning("network namespaces unavailable (%s): user-mode networking", exc)
+        name = (await asyncio.to_thread(detect_accel, cfg.qemu)).name
+        self._accel = (name, await asyncio.to_thread(host_tsc_khz))
+        self._open = True
+        return self
+
+    async def __aenter__(self) -> NodeRuntime:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self, *, stop_block_server: bool = False) -> None:
+        """Release node resources; running VMs (and their networks, stacks and the block
+        server) are left running for adoption, unless `stop_block_server`."""
+        for sb in list(self._sbx.values()):
+            await sb.vm.disconnect()
+        self._sbx.clear()
+        if self.nm is not None:
+            with contextlib.suppress(NetworkError):
+                await self.nm.aclose(keep_networks=True)
+            self.nm = None
+        if stop_block_server:
+            await self.block.stop()
+        self._open = False
+
+    async def shutdown(self) -> None:
+        """Kill every sandbox, remove networks and stop the block server (tests, drain)."""
+        for sid in list(self._sbx):
+            with contextlib.suppress(NodeRuntimeError, StorageError, NetworkError):
+                await self.kill(sid)
+        if self.nm is not None:
+            with contextlib.suppress(NetworkError):
+                await self.nm.aclose()
+            self.nm = None
+        await self.aclose(stop_block_server=True)
+
+    @property
+    def sandboxes(self) -> dict[str, Placement]:
+        return {sid: sb.placement() for sid, sb in self._sbx.items()}
+
+    def vm_pid(self, sandbox_id: str) -> int:
+        return self._get(sandbox_id).vm.pid
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _get(self, sandbox_id: str) -> _Sandbox:
+        try:
+            return self._sbx[sandbox_id]
+        except KeyError:
+            raise SandboxNotFoundError(f"no sandbox {sandbox_id} on this node") from None
+
+    def _check_open(self) -> None:
+        if not self._open:
+            raise NodeRuntimeError("NodeRuntime is not open")
+
+    @property
+    def accel(self) -> tuple[str, int | None]:
+        assert self._accel is not None
+        return self._accel
+
+    def _owner(self, path: Path) -> str | None:
+        """The snapshot id owning a file under memory/ (its first path component)."""
+        try:
+            return path.resolve().relative_to(self.config.memory_dir.resolve()).parts[0]
+        except (ValueError, IndexError):
+            return None
+
+    def _spec(self, m: dict[str, Any], *, name: str, memory: MemoryBacking, stack: str,
+              network: TapNet | UserNet) -> VmSpec:
+        machine = m["machine"]
+        return VmSpec(kernel=Path(m["kernel"]), cmdline=m["cmdline"],
+                      vcpus=int(machine["cpu_count"]), mem_mib=int(machine["memory_mb"]),
+                      disks=(NbdDisk(socket=self.block.nbd_socket, export=stack),),
+                      network=network, memory=memory, name=name)
+
+    async def _make_net(self, sid: str, policy: NetworkPolicy
+                        ) -> tuple[SandboxNetwork | None, TapNet | UserNet, str, int, int | None]:
+        if self.mode == "netns":
+            assert self.nm is not None
+            net = await self.nm.create(sid, policy)
+            tap = TapNet(tap=net.tap, guest_ip=net.address, netns=net.netns, mac=net.guest.mac)
+            return net, tap, net.address, ENVD_PORT, None
+        port = free_port()
+        return None, UserNet(host_port=port), "127.0.0.1", port, port
+
+    async def _drop_net(self, sid: str) -> None:
+        if self.mode == "netns" and self.nm is not None:
+            try:
+                await self.nm.destroy(sid)
+            except NetworkError as exc:
+                log.warning("destroying network of %s: %s", sid, exc)
+
+    async def _drop_stack(self, name: str) -> None:
+        with contextlib.suppress(StackNotFoundError):
+            await self.block.client.delete(name)
+
+    async def _spawn(self, spec: VmSpec, sid: str, *, incoming: bool) -> QemuProcess:
+        accel, tsc = self.accel
+        work = self.config.vms_dir / sid
+        if work.exists():
+            shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        argv = family_argv(spec, files=QemuRunFiles.in_dir(work), accel=accel, tsc_khz=tsc,
+                           host_port=spec.network.host_port if isinstance(spec.network, UserNet)
+                           else None, incoming=incoming, qemu=self.config.qemu)
+        try:
+            vm = await QemuProcess.spawn(argv, name=sid, work_dir=work,
+                                         die_with_service=not self.config.vms_survive_service)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        (work / "pid").write_text(str(vm.pid))
+        return vm
+
+    async def _release_vm(self, vm: QemuProcess) -> None:
+        await vm.kill()
+        shutil.rmtree(vm.work_dir, ignore_errors=True)
+
+    def _digest(self, spec: VmSpec) -> str:
+        accel, tsc = self.accel
+        return family_digest(spec, accel=accel, tsc_khz=tsc, qemu=self.config.qemu).hex()
+
+    # -- templates --------------------------------------------------------------------
+
+    async def build_template(self, template_id: str, machine: MachineSpec) -> SnapshotRef:
+        """Cold-boot `machine.image` from LSMT layers over NBD with RAM in a share=on file,
+        wait for envd, freeze the memory base, seal the disk, commit the manifest."""
+        self._check_open()
+        if template_id in self._building:
+            raise NodeRuntimeError(f"template {template_id} is already being built")
+        self._building.add(template_id)
+        t0 = time.perf_counter()
+        mem_root = self.config.memory_dir / template_id
+        stack = f"tpl-{template_id}"
+        vm: QemuProcess | None = None
+        net_made = False
+        timings: dict[str, float] = {}
+        try:
+            image = await asyncio.to_thread(find_image, machine.image, self.config.image_cache)
+            layers = await image_layers(image, self.block.client,
+                                        self.config.state_dir / "layers.json")
+            timings["layers_s"] = time.perf_counter() - t0
+            if mem_root.exists():
+                shutil.rmtree(mem_root)
+            mem_root.mkdir(parents=True)
+            net, network, host, port, _ = await self._make_net(stack, NetworkPolicy())
+            net_made = True
+            cmdline = image.cmdline + (f" {net.kernel_cmdline()}" if net is not None else "")
+            m: dict[str, Any] = {
+                "version": VERSION, "kind": "template", "snapshot_id": template_id,
+                "machine": dataclasses.asdict(machine), "network_mode": self.mode,
+                "image": image.name, "kernel": str(image.kernel.vmlinux),
+                "cmdline": cmdline.strip(),
+            }
+            with contextlib.suppress(StackNotFoundError):
+                await self.block.client.delete(stack)
+            await self.block.client.create(stack, layers)
+            scratch = mem_root / "scratch.mem"
+            spec = self._spec(m, name=stack, memory=MemoryBacking(path=scratch, shared=True),
+                              stack=stack, network=network)
+            t1 = time.perf_counter()
+            vm = await self._spawn(spec, stack, incoming=False)
+            timings["qmp_ready_s"] = vm.qmp_ready_s or 0.0
+            timings["cold_boot_s"] = (await vm.wait_for_envd(
+                f"http://{host}:{port}", self.config.boot_timeout_s)) + (vm.qmp_ready_s or 0.0)
+            t2 = time.perf_counter()
+            assert vm.qmp is not None
+            base = await freeze_base(vm.qmp, scratch, mem_root / "base")
+            await self.block.client.seal(stack, upload=True)
+            info = await self.block.client.info(stack)
+            timings["freeze_s"] = time.perf_counter() - t2
+            timings["boot_to_frozen_s"] = time.perf_counter() - t1
+            await self._release_vm(vm)
+            vm = None
+            scratch.unlink(missing_ok=True)
+            await self._drop_stack(stack)
+            await self._drop_net(stack)
+            net_made = False
+            m.update({
+                "created_at": time.time(), "parent_id": None,
+                "config_sha256": self._digest(spec),
+                "memory": {"base_dir": str(base.dir), "snapshot_dir": None},
+                "disk": {"layers": list(info.layers), "virtual_size": info.virtual_size},
+                "depends_on": [template_id],
+                "timings": {k: round(v, 3) for k, v in timings.items()},
+            })
+            await self.manifests.put(template_id, m)
+            self.last_timings = timings
+            return SnapshotRef(template_id, machine, m["created_at"], None, m)
+        except BaseException:
+            if vm is not None:
+                await self._release_vm(vm)
+            with contextlib.suppress(Exception):
+                await self._drop_stack(stack)
+            if net_made:
+                await self._drop_net(stack)
+            shutil.rmtree(mem_root, ignore_errors=True)
+            raise
+        finally:
+            self._building.discard(template_id)
+
+    # -- start (restore) --------------------------------------------------------------
+
+    async def start(self, sandbox_id: str, snapshot: SnapshotRef,
+                    network: NetworkConfig) -> Placement:
+        self._check_open()
+        if sandbox_id in self._sbx or sandbox_id in self._busy:
+            raise NodeRuntimeError(f"sandbox {sandbox_id} already exists on this node")
+        self._busy.add(sandbox_id)
+        try:
+            return await self._start(sandbox_id, snapshot, network)
+        finally:
+            self._busy.discard(sandbox_id)
+
+    async def _start(self, sid: str, snapshot: SnapshotRef, network: NetworkConfig) -> Placement:
+        t0 = time.perf_counter()
+        m = await self.manifests.get(snapshot.snapshot_id)
+        if m.get("network_mode") != self.mode:
+            raise SandboxStartError(
+                f"snapshot {snapshot.snapshot_id} was taken with {m.get('network_mode')} "
+                f"networking; this node runs {self.mode}")
+        try:
+            base = await asyncio.to_thread(BaseImage.load, m["memory"]["base_dir"])
+            memsnap = None
+            if m["memory"].get("snapshot_dir"):
+                memsnap = await asyncio.to_thread(MemSnapshot.load, m["memory"]["snapshot_dir"])
+        except MemSnapError as exc:
+            raise SnapshotCorruptError(f"snapshot {snapshot.snapshot_id}: {exc}") from exc
+        except OSError as exc:
+            raise SnapshotCorruptError(f"snapshot {snapshot.snapshot_id}: {exc}") from exc
+        policy = _policy(network)
+        stack = f"sbx-{sid}"
+        machine = MachineSpec(**m["machine"])
+        vm: QemuProcess | None = None
+        net_made = stack_made = False
+        timings: dict[str, float] = {}
+        try:
+            net, vnet, host, port, host_port = await self._make_net(sid, policy)
+            net_made = True
+            try:
+                await self.block.client.create(stack, m["disk"]["layers"])
+            except StackExistsError:
+                await self.block.client.delete(stack)
+                await self.block.client.create(stack, m["disk"]["layers"])
+            stack_made = True
+            spec = self._spec(m, name=sid, memory=MemoryBacking(path=base.mem_path, shared=False),
+                              stack=stack, network=vnet)
+            digest = self._digest(spec)
+            if digest != m["config_sha256"]:
+                raise SandboxStartError(
+                    f"snapshot {snapshot.snapshot_id} was taken with another QEMU configuration "
+                    f"(kernel, cmdline, machine or QEMU flags differ on this node)")
+            t1 = time.perf_counter()
+            timings["prepare_s"] = t1 - t0
+            vm = await self._spawn(spec, sid, incoming=True)
+            timings["qmp_ready_s"] = vm.qmp_ready_s or 0.0
+            assert vm.qmp is not None
+            t2 = time.perf_counter()
+            try:
+                if memsnap is None:
+                    await restore_base_into(vm.qmp, vm.pid, base.mem_path, base)
+                else:
+                    await restore_into(vm.qmp, vm.pid, base.mem_path, memsnap, base,
+                                       config_sha256=bytes.fromhex(m["config_sha256"]))
+            except MemSnapError as exc:
+                raise SnapshotCorruptError(
+                    f"restore of snapshot {snapshot.snapshot_id} failed: {exc}") from exc
+            t3 = time.perf_counter()
+            timings["restore_s"] = t3 - t2
+            timings["envd_s"] = await vm.wait_for_envd(f"http://{host}:{port}",
+                                                       self.config.envd_timeout_s)
+            timings["total_s"] = time.perf_counter() - t0
+            sb = _Sandbox(sandbox_id=sid, vm=vm, mode=self.mode, stack=stack,
+                          snapshot_id=snapshot.snapshot_id, base_dir=base.dir,
+                          memsnap_dir=memsnap.dir if memsnap is not None else None,
+                          config_sha256=m["config_sha256"], machine=machine, envd_host=host,
+                          envd_port=port, policy=policy, host_port=host_port, timings=timings)
+            self._sbx[sid] = sb
+            self.last_timings = timings
+            return sb.placement()
+        except BaseException:
+            if vm is not None:
+                await self._release_vm(vm)
+            if stack_made:
+                with contextlib.suppress(Exception):
+                    await self._drop_stack(stack)
+            if net_made:
+                await self._drop_net(sid)
+            raise
+
+    # -- snapshot (pause / fork) ------------------------------------------------------
+
+    async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool) -> SnapshotRef:
+        self._check_open()
+        sb = self._get(sandbox_id)
+        async with sb.lock:
+            if self._sbx.get(sandbox_id) is not sb:
+                raise SandboxNotFoundError(f"sandbox {sandbox_id} went away")
+            return await self._snapshot(sb, snapshot_id, stop=stop)
+
+    async def _snapshot(self, sb: _Sandbox, snapshot_id: str, *, stop: bool) -> SnapshotRef:
+        t0 = time.perf_counter()
+        root = self.config.memory_dir / snapshot_id
+        with contextlib.suppress(SnapshotNotFoundError):
+            await self.manifests.get(snapshot_id)
+            raise NodeRuntimeError(f"snapshot {snapshot_id} already exists")
+        if root.exists():  # leftovers of an uncommitted attempt
+            shutil.rmtree(root)
+        vm = sb.vm
+        assert vm.qmp is not None
+        timings: dict[str, float] = {}
+        paused = False
+        try:
+            base = await asyncio.to_thread(BaseImage.load, sb.base_dir)
+            parent = (await asyncio.to_thread(MemSnapshot.load, sb.memsnap_dir)
+                      if sb.memsnap_dir is not None else None)
+            # Stop first: memory and disk must be cut at the same instant, so the VM stays
+            # stopped until the disk upper is sealed too.
+            t_stop = time.perf_counter()
+            await vm.execute("stop")
+            paused = True
+            snap = await snapshot_incremental(
+                vm.qmp, vm.pid, base.mem_path, base, root / "mem",
+                config_sha256=bytes.fromhex(sb.config_sha256), parent=parent,
+                max_chain=self.config.max_chain, resume=False)
+            t_mem = time.perf_counter()
+            await self.block.client.seal(sb.stack, upload=True)
+            info = await self.block.client.info(sb.stack)
+            t_seal = time.perf_counter()
+            if not stop:
+                await vm.execute("cont")
+                paused = False
+            t_cont = time.perf_counter()
+            timings.update({"memory_s": t_mem - t_stop, "seal_s": t_seal - t_mem,
+                            "downtime_s": t_cont - t_stop,
+                            "diff_pages": float(snap.stats.get("diff_pages", 0)),
+                            "chain_len": float(snap.stats.get("chain_len", 0))})
+            depends = {o for o in (self._owner(p) for p in (base.mem_path, *snap.diffs)) if o}
+            depends.add(snapshot_id)
+            src = await self.manifests.get(sb.snapshot_id)
+            m: dict[str, Any] = {
+                "version": VERSION, "kind": "snapshot", "snapshot_id": snapshot_id,
+                "created_at": time.time(), "parent_id": sb.snapshot_id,
+                "sandbox_id": sb.sandbox_id, "machine": dataclasses.asdict(sb.machine),
+                "network_mode": sb.mode, "image": src.get("image"), "kernel": src["kernel"],
+                "cmdline": src["cmdline"], "config_sha256": sb.config_sha256,
+                "memory": {"base_dir": str(base.dir), "snapshot_dir": str(snap.dir)},
+                "disk": {"layers": list(info.layers), "virtual_size": info.virtual_size},
+                "depends_on": sorted(depends),
+            }
+            timings["total_s"] = time.perf_counter() - t0
+            m["timings"] = {k: round(v, 4) for k, v in timings.items()}
+            await self.manifests.put(snapshot_id, m)  # the commit point
+        except BaseException:
+            shutil.rmtree(root, ignore_errors=True)
+            if not vm.alive():
+                log.warning("sandbox %s: QEMU died during snapshot: releasing it", sb.sandbox_id)
+                await self._release(sb)
+            elif paused:
+                with contextlib.suppress(Exception):
+                    await vm.execute("cont")
+            raise
+        self.last_timings = timings
+        if stop:
+            await self._release(sb)
+        else:
+            sb.memsnap_dir = snap.dir
+            sb.snapshot_id = snapshot_id
+        return SnapshotRef(snapshot_id, sb.machine, m["created_at"], m["parent_id"], m)
+
+    # -- teardown ---------------------------------------------------------------------
+
+    async def _release(self, sb: _Sandbox) -> None:
+        self._sbx.pop(sb.sandbox_id, None)
+        await self._release_vm(sb.vm)
+        await self._drop_net(sb.sandbox_id)
+        with contextlib.suppress(StorageError):
+            await self._drop_stack(sb.stack)
+
+    async def kill(self, sandbox_id: str) -> None:
+        sb = self._sbx.get(sandbox_id)
+        if sb is None:
+            await self._release_leftovers(sandbox_id, None)
+            return
+        async with sb.lock:
+            if self._sbx.get(sandbox_id) is sb:
+                await self._release(sb)
+
+    async def _release_leftovers(self, sid: str, facts: dict[str, Any] | None) -> None:
+        work = self.config.vms_dir / sid
+        pid = None
+        with contextlib.suppress(OSError, ValueError):
+            pid = int((work / "pid").read_text())
+        if pid is None and facts and facts.get("pid"):
+            pid = int(facts["pid"])
+        if pid is not None and is_our_qemu(pid, QemuRunFiles.in_dir(work).qmp_socket):
+            vm = QemuProcess(name=sid, work_dir=work, pid=pid, proc=None, argv=[])
+            await vm.kill()
+        shutil.rmtree(work, ignore_errors=True)
+        with contextlib.suppress(StorageError):
+            await self._drop_stack(f"sbx-{sid}")
+        if self.mode == "netns" and self.nm is not None:
+            with contextlib.suppress(NetworkError, ValueError):
+                await self.nm.destroy(sid)
+
+    # -- adoption ---------------------------------------------------------------------
+
+    async def adopt(self, sandbox_id: str, facts: dict[str, Any]) -> Placement | None:
+        self._check_open()
+        if sandbox_id in self._sbx:
+            return self._sbx[sandbox_id].placement()
+        work = Path(facts.get("work_dir") or self.config.vms_dir / sandbox_id)
+        vm = None
+        if facts.get("pid") and facts.get("mode") == self.mode:
+            vm = await QemuProcess.adopt(name=sandbox_id, pid=int(facts["pid"]), work_dir=work)
+        if vm is None:
+            await self._release_leftovers(sandbox_id, facts)
+            return None
+        try:
+            await self.block.client.info(str(facts["stack"]))
+            pol = facts.get("policy") or {}
+            sb = _Sandbox(
+                sandbox_id=sandbox_id, vm=vm, mode=str(facts["mode"]), stack=str(facts["stack"]),
+                snapshot_id=str(facts["snapshot_id"]), base_dir=Path(facts["base_dir"]),
+                memsnap_dir=Path(facts["memsnap_dir"]) if facts.get("memsnap_dir") else None,
+                config_sha256=str(facts["config_sha256"]),
+                machine=MachineSpec(**facts["machine"]), envd_host=str(facts["envd_host"]),
+                envd_port=int(facts["envd_port"]),
+                policy=NetworkPolicy(allow_internet_access=pol.get("allow_internet_access", True),
+                                     allow_out=tuple(pol.get("allow_out", ())),
+                                     deny_out=tuple(pol.get("deny_out", ()))),
+                host_port=(int(facts["port_forwards"][str(ENVD_PORT)])
+                           if facts.get("port_forwards") else None))
+        except (KeyError, TypeError, ValueError, StorageError) as exc:
+            log.warning("cannot adopt %s (%s): releasing it", sandbox_id, exc)
+            await vm.kill()
+            await self._release_leftovers(sandbox_id, facts)
+            return None
+        self._sbx[sandbox_id] = sb
+        return sb.placement()
+
+    async def _adopt_networks(self) -> None:
+        """Hand adopted sandboxes' namespaces to the NetworkManager (removing other
+        leftovers with our prefix that no live sandbox owns)."""
+        if self.nm is None:
+            return
+        keep = {sid: sb.policy for sid, sb in self._sbx.items()
+                if sid not in self.nm.networks}
+        await self.nm.recover(keep)
+
+    async def reap_orphans(self, known: set[str]) -> list[str]:
+        self._check_open()
+        reaped: set[str] = set()
+        live = set(self._sbx) | self._busy
+        for sid in list(self._sbx):
+            if sid not in known:
+                await self.kill(sid)
+                reaped.add(sid)
+        live = set(self._sbx) | self._busy
+        building = {f"tpl-{t}" for t in self._building}
+        if self.config.vms_dir.is_dir():
+            for d in self.config.vms_dir.iterdir():
+                if d.name not in live and d.name not in building:
+                    await self._release_leftovers(d.name, None)
+                    reaped.add(d.name)
+        for info in await self.block.client.list():
+            if info.name.startswith("sbx-") and info.name[4:] not in live:
+                await self._drop_stack(info.name)
+                reaped.add(info.name[4:])
+            elif info.name.startswith("tpl-") and info.name not in building:
+                await self._drop_stack(info.name)
+        if self.nm is not None:
+            before = {ex.sandbox_id for ex in await self.nm.list_existing() if ex.sandbox_id}
+            await self._adopt_networks()
+            reaped |= {s for s in before if s not in live and not s.startswith("tpl-")}
+        return sorted(reaped)
+
+    # -- misc ---------------------------------------------------------------------------
+
+    async def update_network(self, sandbox_id: str, network: NetworkConfig) -> None:
+        sb = self._get(sandbox_id)
+        policy = _policy(network)
+        if sb.mode == "netns" and self.nm is not None:
+            if sandbox_id not in self.nm.networks:
+                await self._adopt_networks()
+            await self.nm.update_policy(sandbox_id, policy)
+        else:
+            log.warning("sandbox %s: user-mode networking does not enforce egress rules",
+                        sandbox_id)
+        sb.policy = policy
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Remove the manifest, then every memory dir no manifest or live sandbox uses.
+        Disk layers stay in the repository (no layer GC in host/storage yet)."""
+        await self.manifests.delete(snapshot_id)
+        await self._gc_memory()
+
+    async def _gc_memory(self) -> None:
+        manifests = await self.manifests.all()
+        used: set[str] = set(manifests) | set(self._building)
+        for m in manifests.values():
+            used |= set(m.get("depends_on", ()))
+        for sb in self._sbx.values():
+            for p in (sb.base_dir, sb.memsnap_dir):
+                if p is not None and (o := self._owner(p)):
+                    used.add(o)
+            if sb.memsnap_dir is not None:
+                with contextlib.suppress(MemSnapError):
+                    snap = MemSnapshot.load(sb.memsnap_dir)
+                    used |= {o for o in (self._owner(d) for d in snap.diffs) if o}
+        if not self.config.memory_dir.is_dir():
+            return
+        for d in self.config.memory_dir.iterdir():
+            if d.name not in used:
+                await asyncio.to_thread(shutil.rmtree, d, True)
+
+    async def console_log(self, sandbox_id: str, limit: int = 1000) -> list[str]:
+        sb = self._get(sandbox_id)
+        text = await asyncio.to_thread(tail, sb.vm.serial_log, limit, 4 * 1024 * 1024)
+        return text.splitlines()
