@@ -4,6 +4,7 @@
     ├── SandboxNotFound          404
     ├── SnapshotNotFound         404
     ├── StateConflict            409  (e.g. pausing a paused sandbox)
+    ├── IdempotencyMismatch      409  (an Idempotency-Key reused with another request)
     ├── InvalidRequest           400
     └── OperationFailed          500  (the VMM or storage failed; state was rolled back)
 """
@@ -51,3 +52,12 @@ class InvalidRequest(OrchestratorError, ValueError):
 
 class OperationFailed(OrchestratorError):
     status = 500
+
+
+class IdempotencyMismatch(OrchestratorError):
+    status = 409
+    error_code = "idempotency_request_mismatch"
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"Idempotency-Key '{key}' was already used with a different request")
+        self.key = key

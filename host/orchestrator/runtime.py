@@ -91,6 +91,13 @@ class SandboxRuntime(Protocol):
         """Kill VMs and release networks/stacks of sandboxes not in `known`."""
         ...
 
+    async def find_snapshot(self, snapshot_id: str) -> SnapshotRef | None:
+        """The committed snapshot `snapshot_id`, or None when it was never completed.
+        Recovery asks this after a crash mid-pause: the orchestrator picks snapshot ids
+        and persists them before calling `snapshot()`, so it knows what to look for.
+        (Optional: recovery treats a runtime without it as "not committed".)"""
+        ...
+
     async def update_network(self, sandbox_id: str, network: NetworkConfig) -> None: ...
 
     async def delete_snapshot(self, snapshot_id: str) -> None: ...

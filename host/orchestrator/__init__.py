@@ -1,0 +1,21 @@
+"""The sandbox orchestrator: state store, lifecycle semantics, TTLs and recovery.
+
+`NodeOrchestrator` (node.py) implements the `Orchestrator` contract (service.py) over the
+SQLite `Store` (store.py) and a `SandboxRuntime` (runtime.py).
+"""
+
+from .envd import EnvdClient
+from .errors import (IdempotencyMismatch, InvalidRequest, OperationFailed, OrchestratorError,
+                     SandboxNotFound, SnapshotNotFound, StateConflict)
+from .node import NodeOrchestrator
+from .recovery import recover
+from .runtime import MachineSpec, Placement, SandboxRuntime, SnapshotRef
+from .service import Orchestrator
+from .states import SandboxState
+from .store import Store
+from .ttl import TtlLoop
+
+__all__ = ["EnvdClient", "IdempotencyMismatch", "InvalidRequest", "MachineSpec",
+           "NodeOrchestrator", "OperationFailed", "Orchestrator", "OrchestratorError",
+           "Placement", "SandboxNotFound", "SandboxRuntime", "SandboxState", "SnapshotNotFound",
+           "SnapshotRef", "StateConflict", "Store", "TtlLoop", "recover"]

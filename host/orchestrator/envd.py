@@ -1,0 +1,85 @@
+"""The host's calls into a sandbox's envd: `POST /init` and `GET /metrics`.
+
+One pooled httpx client per orchestrator; tests inject an `httpx.MockTransport`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+
+from .errors import OperationFailed
+from .model import Metric
+from .runtime import Placement
+
+ENVD_PORT = 49983
+DEFAULT_USER = "user"
+DEFAULT_WORKDIR = "/home/user"
+
+
+class EnvdClient:
+    """Talks to envd at a placement's address (host-internal, not through the proxy)."""
+
+    def __init__(self, *, transport: httpx.AsyncBaseTransport | None = None,
+                 timeout_s: float = 10.0, init_attempts: int = 3) -> None:
+        self._http = httpx.AsyncClient(transport=transport, timeout=timeout_s, trust_env=False)
+        self._init_attempts = init_attempts
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    @staticmethod
+    def _url(placement: Placement, path: str) -> str:
+        host, port = placement.address(ENVD_PORT)
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{port}{path}"
+
+    async def init(self, placement: Placement, *, token: str | None, current_token: str | None,
+                   env_vars: dict[str, str]) -> None:
+        """Install the access token, env vars, default user/workdir and the clock.
+
+        `current_token` is the token envd already holds (restored from a snapshot taken
+        after an earlier /init): envd requires it on a re-init.
+        """
+        body: dict[str, Any] = {
+            "envVars": env_vars,
+            "defaultUser": DEFAULT_USER,
+            "defaultWorkdir": DEFAULT_WORKDIR,
+            "timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+        }
+        if token:
+            body["accessToken"] = token
+        headers = {"X-Access-Token": current_token} if current_token else {}
+        last: Exception | None = None
+        for attempt in range(self._init_attempts):
+            try:
+                resp = await self._http.post(self._url(placement, "/init"), json=body,
+                                             headers=headers)
+            except httpx.HTTPError as exc:  # envd answered /health already: retry briefly
+                last = exc
+                await asyncio.sleep(0.2 * (attempt + 1))
+                continue
+            if resp.status_code >= 300:
+                raise OperationFailed(
+                    f"envd /init of {placement.sandbox_id} answered {resp.status_code}: "
+                    f"{resp.text[:200]}")
+            return
+        raise OperationFailed(f"envd /init of {placement.sandbox_id} failed: {last}") from last
+
+    async def metrics(self, placement: Placement, token: str | None) -> Metric:
+        headers = {"X-Access-Token": token} if token else {}
+        try:
+            resp = await self._http.get(self._url(placement, "/metrics"), headers=headers)
+            resp.raise_for_status()
+            m = resp.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            raise OperationFailed(f"envd /metrics of {placement.sandbox_id} failed: {exc}") from exc
+        return Metric(timestamp=float(m.get("ts", 0)), cpu_count=int(m.get("cpu_count", 0)),
+                      cpu_used_pct=float(m.get("cpu_used_pct", 0.0)),
+                      mem_used=int(m.get("mem_used", 0)), mem_total=int(m.get("mem_total", 0)),
+                      mem_cache=int(m.get("mem_cache", 0)), disk_used=int(m.get("disk_used", 0)),
+                      disk_total=int(m.get("disk_total", 0)))

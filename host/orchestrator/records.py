@@ -1,0 +1,117 @@
+"""Conversions between store records and the orchestrator's values.
+
+`SandboxRecord.runtime` holds {"placement": {...} | None, "origin": <store snapshot id>,
+"pending_snapshot": <runtime snapshot id> | None}; `SnapshotRecord.spec` holds
+{"ref": <SnapshotRef as JSON>, "envd_token": <token envd holds inside that snapshot>}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from .model import NetworkConfig, SandboxInfo, SnapshotInfo
+from .runtime import MachineSpec, Placement, SnapshotRef
+from .states import SandboxState
+from .store import SandboxRecord, SnapshotRecord
+
+ENVD_VERSION = "0.6.13"
+
+
+def network_to_json(net: NetworkConfig) -> dict[str, Any]:
+    d = dataclasses.asdict(net)
+    d["allow_out"] = list(net.allow_out)
+    d["deny_out"] = list(net.deny_out)
+    return d
+
+
+def network_from_json(d: dict[str, Any]) -> NetworkConfig:
+    if not d:
+        return NetworkConfig()
+    return NetworkConfig(
+        allow_internet_access=bool(d.get("allow_internet_access", True)),
+        allow_public_traffic=bool(d.get("allow_public_traffic", True)),
+        allow_out=tuple(d.get("allow_out", ())), deny_out=tuple(d.get("deny_out", ())),
+        mask_request_host=d.get("mask_request_host"), extra=dict(d.get("extra", {})))
+
+
+def ref_to_json(ref: SnapshotRef) -> dict[str, Any]:
+    return {"snapshot_id": ref.snapshot_id, "machine": dataclasses.asdict(ref.machine),
+            "created_at": ref.created_at, "parent_id": ref.parent_id, "facts": ref.facts}
+
+
+def ref_from_json(d: dict[str, Any]) -> SnapshotRef:
+    return SnapshotRef(snapshot_id=d["snapshot_id"], machine=MachineSpec(**d["machine"]),
+                       created_at=float(d["created_at"]), parent_id=d.get("parent_id"),
+                       facts=dict(d.get("facts") or {}))
+
+
+def snapshot_ref(snap: SnapshotRecord) -> SnapshotRef:
+    return ref_from_json(snap.spec["ref"])
+
+
+def placement_to_json(p: Placement) -> dict[str, Any]:
+    return {"envd_host": p.envd_host, "envd_port": p.envd_port, "facts": p.facts}
+
+
+def placement_of(rec: SandboxRecord) -> Placement | None:
+    d = rec.runtime.get("placement")
+    if not d:
+        return None
+    return Placement(sandbox_id=rec.id, envd_host=d["envd_host"], envd_port=int(d["envd_port"]),
+                     facts=dict(d.get("facts") or {}))
+
+
+def with_runtime(rec: SandboxRecord, **changes: Any) -> dict[str, Any]:
+    """`rec.runtime` with keys changed (None removes a key)."""
+    out = dict(rec.runtime)
+    for k, v in changes.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = v
+    return out
+
+
+def sandbox_info(rec: SandboxRecord, *, now: float | None = None) -> SandboxInfo:
+    now = time.time() if now is None else now
+    if rec.end_at is not None:
+        end_at = rec.end_at
+    else:  # paused: the TTL left counts from the moment it is resumed
+        end_at = now + (rec.ttl_left_s or 0.0)
+    return SandboxInfo(
+        sandbox_id=rec.id, template_id=rec.template_id, alias=rec.alias, state=rec.state,
+        cpu_count=rec.cpu_count, memory_mb=rec.memory_mb, disk_mb=rec.disk_mb,
+        started_at=rec.started_at, end_at=end_at, envd_version=ENVD_VERSION,
+        envd_access_token=rec.envd_token, traffic_access_token=rec.traffic_token,
+        metadata=dict(rec.metadata), auto_pause=rec.auto_pause, auto_resume=rec.auto_resume,
+        network=network_from_json(rec.network))
+
+
+def snapshot_info(snap: SnapshotRecord) -> SnapshotInfo:
+    return SnapshotInfo(snapshot_id=snap.id, names=(snap.id,), sandbox_id=snap.sandbox_id,
+                        created_at=snap.created_at)
+
+
+# States shown to the API as running / paused (see SandboxState.public).
+PUBLIC_RUNNING = frozenset({SandboxState.RUNNING, SandboxState.RESUMING,
+                            SandboxState.SNAPSHOTTING, SandboxState.FORKING})
+PUBLIC_PAUSED = frozenset({SandboxState.PAUSED, SandboxState.PAUSING})
+# States in which the VM is up and its placement valid.
+LIVE = frozenset({SandboxState.RUNNING, SandboxState.SNAPSHOTTING, SandboxState.FORKING})
+GONE = frozenset({SandboxState.KILLING, SandboxState.KILLED})
+
+
+def expand_states(states: frozenset[SandboxState] | None) -> frozenset[SandboxState]:
+    if states is None:
+        return PUBLIC_RUNNING | PUBLIC_PAUSED
+    out: set[SandboxState] = set()
+    for s in states:
+        if s is SandboxState.RUNNING:
+            out |= PUBLIC_RUNNING
+        elif s is SandboxState.PAUSED:
+            out |= PUBLIC_PAUSED
+        else:
+            out.add(s)
+    return frozenset(out)

@@ -1,0 +1,74 @@
+"""The TTL loop: pauses (autoPause, the default) or kills sandboxes whose TTL ran out.
+
+Owned by the orchestrator (`NodeOrchestrator.start()` starts it, `aclose()` stops it).
+Each expiry runs as an orchestrator-owned task under the sandbox's lock and re-checks the
+deadline there, so a TTL extended in the meantime wins. Paused sandboxes have no deadline
+(`end_at` is NULL; `ttl_left_s` keeps what was left), so paused time never counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from .errors import OrchestratorError
+
+if TYPE_CHECKING:
+    from .node import NodeOrchestrator
+
+log = logging.getLogger(__name__)
+
+
+class TtlLoop:
+    def __init__(self, orchestrator: NodeOrchestrator, *, interval_s: float = 1.0) -> None:
+        self.orchestrator = orchestrator
+        self.interval_s = interval_s
+        self._task: asyncio.Task[None] | None = None
+        self._busy: set[str] = set()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="ttl-loop")
+
+    async def aclose(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                if (cur := asyncio.current_task()) is not None and cur.cancelling():
+                    raise
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("TTL loop tick failed")
+            await asyncio.sleep(self.interval_s)
+
+    async def tick(self) -> None:
+        """Start an expiry for every running sandbox past its deadline (once each)."""
+        for sandbox_id in await self.orchestrator.expired():
+            if sandbox_id in self._busy:
+                continue
+            self._busy.add(sandbox_id)
+            try:
+                task = self.orchestrator.spawn(self._expire(sandbox_id))
+            except OrchestratorError:  # shutting down
+                self._busy.discard(sandbox_id)
+                return
+            task.add_done_callback(lambda _t, sid=sandbox_id: self._busy.discard(sid))
+
+    async def _expire(self, sandbox_id: str) -> None:
+        try:
+            outcome = await self.orchestrator.expire(sandbox_id)
+        except OrchestratorError as exc:
+            log.warning("TTL expiry of %s failed: %s", sandbox_id, exc)
+            return
+        if outcome:
+            log.info("sandbox %s timed out: %s", sandbox_id, outcome)
