@@ -176,19 +176,22 @@ class ProxyApp:
         request = (scope["method"].encode(), raw_path + (b"?" + query if query else b""),
                    headers, content)
 
-        work = asyncio.create_task(self._pump(request, send, target, route))
-        watcher = asyncio.create_task(self._wait_disconnect(receive, body_done))
+        # The response is pumped in this task; a watcher cancels it when the client goes
+        # away, so an endless upstream stream does not keep running for nobody.
+        this = asyncio.current_task()
+        assert this is not None
+        gone = asyncio.Event()
+        watcher = asyncio.create_task(self._wait_disconnect(receive, body_done, gone, this))
         try:
-            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            await self._pump(request, send, target, route)
+        except asyncio.CancelledError:
+            if gone.is_set() and this.uncancel() == 0:
+                return  # our own cancellation: the client disconnected
+            raise
+        except _ClientGone:
+            return
         finally:
-            # Client gone (watcher done) or response finished (work done): stop the other.
-            for task in (work, watcher):
-                if not task.done():
-                    task.cancel()
-            await asyncio.gather(work, watcher, return_exceptions=True)
-        exc = work.exception() if work.done() and not work.cancelled() else None
-        if exc is not None and not isinstance(exc, _ClientGone):
-            raise exc
+            watcher.cancel()
 
     @staticmethod
     async def _request_body(receive: Receive, done: asyncio.Event) -> AsyncIterator[bytes]:
@@ -204,11 +207,14 @@ class ProxyApp:
         done.set()
 
     @staticmethod
-    async def _wait_disconnect(receive: Receive, body_done: asyncio.Event) -> None:
+    async def _wait_disconnect(receive: Receive, body_done: asyncio.Event, gone: asyncio.Event,
+                               task: asyncio.Task[None]) -> None:
         await body_done.wait()  # receive() belongs to the body reader until then
         while True:
             msg: Message = await receive()
             if msg["type"] == "http.disconnect":
+                gone.set()
+                task.cancel()
                 return
 
     async def _pump(self, request: _Forward, send: Send, target: Target, route: Route) -> None:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,12 +27,16 @@ DOMAIN = "sbx.test"
 
 def start_process(argv: list[str], *, cwd: Path = REPO,
                   health: str | None = None) -> subprocess.Popen:
+    # stderr to a file, not a pipe nobody drains (a full pipe would block the child)
+    log = tempfile.TemporaryFile()
     proc = subprocess.Popen(argv, cwd=cwd, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=subprocess.DEVNULL, stderr=log)
+    proc.log = log  # type: ignore[attr-defined]
     deadline = time.monotonic() + 20
     while health is not None:
         if proc.poll() is not None:
-            raise RuntimeError(f"{argv} exited early: {proc.stderr.read().decode()[-2000:]}")
+            log.seek(0)
+            raise RuntimeError(f"{argv} exited early: {log.read().decode()[-2000:]}")
         try:
             if httpx.get(health, timeout=0.5).status_code < 500:
                 break
@@ -52,8 +57,9 @@ def stop_process(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    if proc.stderr:
-        proc.stderr.close()
+    log = getattr(proc, "log", None)
+    if log is not None:
+        log.close()
 
 
 @pytest.fixture(scope="session")
