@@ -9,12 +9,14 @@ Uploads are all-or-nothing per request (services/filesystem/atomic.py).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import re
 import stat
 import zlib
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -22,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from ..auth import require_file_access
-from ..services.filesystem import PendingFile, resolve, run_as, run_blocking
+from ..services.filesystem import PendingFile, resolve, run_as, run_blocking, submit_blocking
 from ..state import Defaults
 from ..users import User
 from .errors import Endpoint, HTTPError, json_errors, os_error_message, os_error_status
@@ -264,7 +266,9 @@ class _Upload:
         self.user = user
         self.metadata = metadata
         self.files: list[tuple[str, PendingFile]] = []  # (resolved requested path, pending)
-        self._buf = bytearray()
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self._inflight: tuple[PendingFile, Future[None]] | None = None
 
     @property
     def current(self) -> PendingFile | None:
@@ -282,23 +286,36 @@ class _Upload:
         self.files.append((destination, pending))
 
     async def write(self, data: bytes) -> None:
-        self._buf += data
-        if len(self._buf) >= WRITE_BATCH:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered >= WRITE_BATCH:
             await self.flush()
 
     async def flush(self) -> None:
+        """Hand buffered bytes to the writer thread. One write stays in flight while the
+        next batch is received (double buffering); `settle()` waits for it."""
+        await self.settle()
         pending = self.current
-        if not self._buf or pending is None:
+        chunks, self._chunks, self._buffered = self._chunks, [], 0
+        if chunks and pending is not None:
+            self._inflight = (pending, submit_blocking(pending.write, chunks))
+
+    async def settle(self) -> None:
+        """Wait for the write in flight; its OSError becomes the HTTP error."""
+        if self._inflight is None:
             return
-        data = bytes(self._buf)
-        self._buf.clear()
+        pending, future = self._inflight
         try:
-            await run_blocking(pending.write, data)
+            await asyncio.wrap_future(future)
         except OSError as exc:
             raise _os_http_error(exc, pending.destination) from None
+        finally:
+            if future.done():
+                self._inflight = None
 
     async def commit(self) -> list[dict[str, Any]]:
         await self.flush()
+        await self.settle()
         results = []
         for requested, pending in self.files:
             try:
@@ -315,6 +332,11 @@ class _Upload:
 
     def abort(self) -> None:
         # Synchronous on purpose: it must finish even while the request is being cancelled.
+        # A write in flight must end before its fd is closed (a reused fd number would
+        # receive the rest); it is at most one WRITE_BATCH.
+        if self._inflight is not None:
+            concurrent.futures.wait([self._inflight[1]])
+            self._inflight = None
         for _, pending in self.files:
             with contextlib.suppress(OSError):
                 pending.abort()

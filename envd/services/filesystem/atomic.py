@@ -19,6 +19,7 @@ from .operations import make_dirs
 # Temp files are recognizable so watchers can hide them (see watch.py).
 UPLOAD_TEMP_PREFIX = ".envd-upload-"
 _NAME_MAX = 255
+_IOV_MAX = 1024
 
 
 def is_upload_temp(name: str) -> bool:
@@ -61,14 +62,22 @@ class PendingFile:
             os.fchmod(fd, mode)  # the umask must not narrow a replaced file's mode
         return cls(destination, temp_path, fd, replaced)
 
-    def write(self, data: bytes) -> None:
+    def write(self, chunks: list[bytes]) -> None:
+        """Append `chunks` in order (one writev per batch: no joining copy)."""
         if self._fd is None:
             raise ValueError("upload already finished")
-        view = memoryview(data)
-        while view:
-            n = os.write(self._fd, view)
-            view = view[n:]
-        self.size += len(data)
+        pending = [memoryview(c) for c in chunks if c]
+        while pending:
+            batch = pending[:_IOV_MAX]
+            n = os.writev(self._fd, batch)
+            self.size += n
+            # Drop what was written; a partial write leaves the rest of one buffer.
+            while n and pending:
+                if n >= len(pending[0]):
+                    n -= len(pending.pop(0))
+                else:
+                    pending[0] = pending[0][n:]
+                    n = 0
 
     def _copy_xattrs(self, metadata: dict[str, str] | None) -> None:
         try:

@@ -23,7 +23,7 @@ import os
 import platform
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 from ...users import User
@@ -107,6 +107,12 @@ async def run_as(user: User, fn: Callable[..., T], /, *args: object) -> T:
     """Run blocking `fn(*args)` off the event loop as `user` (see module docstring)."""
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(_pool(), call_as, user, fn, *args)
+
+
+def submit_blocking(fn: Callable[..., T], /, *args: object) -> Future[T]:
+    """Start blocking `fn(*args)` on the filesystem pool (envd's credentials); a
+    concurrent Future, so cleanup code can wait for it without an event loop."""
+    return _pool().submit(fn, *args)
 
 
 async def run_blocking(fn: Callable[..., T], /, *args: object) -> T:
