@@ -1,0 +1,179 @@
+"""A small in-process `SandboxRuntime` test double and a fake envd (httpx MockTransport).
+
+Allowed ONLY for unit tests of the orchestrator's state-machine logic (transitions,
+conflicts, serialization, TTLs, recovery decisions, idempotency, fork bookkeeping,
+events). No VM runs; the VM-backed behaviour is tested in test_node_vm.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from host.orchestrator.model import NetworkConfig
+from host.orchestrator.runtime import MachineSpec, Placement, SnapshotRef
+
+
+class RuntimeFailure(RuntimeError):
+    pass
+
+
+class FakeRuntime:
+    """Keeps "VMs" (placements) and snapshots in dicts. Knobs: `fail` maps an operation
+    name to a predicate on the sandbox id (True = raise); `gates` maps an operation name to
+    an Event the operation waits for; `calls` records (op, args) in order."""
+
+    def __init__(self) -> None:
+        self.vms: dict[str, Placement] = {}
+        self.snapshots: dict[str, SnapshotRef] = {}
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.fail: dict[str, Callable[[str], bool]] = {}
+        self.gates: dict[str, asyncio.Event] = {}
+        self.entered: dict[str, asyncio.Event] = {}
+        self.builds = 0
+        self.adoptable: set[str] | None = None  # None: every VM in `vms` survives a restart
+        self.envd: FakeEnvd | None = None  # set: snapshots keep the token envd held
+        self.held: dict[str, str | None] = {}
+        self._n = itertools.count(1)
+
+    async def _step(self, op: str, sandbox_id: str) -> None:
+        self.entered.setdefault(op, asyncio.Event()).set()
+        gate = self.gates.get(op)
+        if gate is not None:
+            await gate.wait()
+        pred = self.fail.get(op)
+        if pred is not None and pred(sandbox_id):
+            raise RuntimeFailure(f"{op} of {sandbox_id} failed (injected)")
+
+    async def build_template(self, template_id: str, machine: MachineSpec) -> SnapshotRef:
+        self.calls.append(("build_template", (template_id,)))
+        await self._step("build_template", template_id)
+        await asyncio.sleep(0.05)  # long enough for concurrent creates to pile up
+        self.builds += 1
+        ref = SnapshotRef(snapshot_id=f"tmpl-{template_id}", machine=machine,
+                          created_at=time.time())
+        self.snapshots[ref.snapshot_id] = ref
+        return ref
+
+    async def start(self, sandbox_id: str, snapshot: SnapshotRef,
+                    network: NetworkConfig) -> Placement:
+        self.calls.append(("start", (sandbox_id, snapshot.snapshot_id)))
+        await self._step("start", sandbox_id)
+        if snapshot.snapshot_id not in self.snapshots:
+            raise RuntimeFailure(f"no snapshot {snapshot.snapshot_id}")
+        n = next(self._n)
+        p = Placement(sandbox_id=sandbox_id, envd_host=f"10.9.{n // 250}.{n % 250 + 1}",
+                      envd_port=49983, facts={"vm": n, "from": snapshot.snapshot_id})
+        self.vms[sandbox_id] = p
+        token = self.held.get(snapshot.snapshot_id)
+        if self.envd is not None and token:
+            self.envd.tokens[p.envd_host] = token
+        return p
+
+    async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool) -> SnapshotRef:
+        self.calls.append(("snapshot", (sandbox_id, snapshot_id, stop)))
+        await self._step("snapshot", sandbox_id)
+        vm = self.vms.get(sandbox_id)
+        if vm is None:
+            raise RuntimeFailure(f"no VM {sandbox_id}")
+        ref = SnapshotRef(snapshot_id=snapshot_id, machine=MachineSpec(), created_at=time.time(),
+                          parent_id=vm.facts.get("from"))
+        self.snapshots[snapshot_id] = ref
+        if self.envd is not None:
+            self.held[snapshot_id] = self.envd.tokens.get(vm.envd_host)
+        if stop:
+            del self.vms[sandbox_id]
+        return ref
+
+    async def kill(self, sandbox_id: str) -> None:
+        self.calls.append(("kill", (sandbox_id,)))
+        await self._step("kill", sandbox_id)
+        self.vms.pop(sandbox_id, None)
+
+    async def adopt(self, sandbox_id: str, facts: dict[str, Any]) -> Placement | None:
+        self.calls.append(("adopt", (sandbox_id,)))
+        vm = self.vms.get(sandbox_id)
+        if vm is None or (self.adoptable is not None and sandbox_id not in self.adoptable):
+            self.vms.pop(sandbox_id, None)
+            return None
+        return vm
+
+    async def reap_orphans(self, known: set[str]) -> list[str]:
+        self.calls.append(("reap_orphans", (frozenset(known),)))
+        gone = [sid for sid in self.vms if sid not in known]
+        for sid in gone:
+            del self.vms[sid]
+        return gone
+
+    async def find_snapshot(self, snapshot_id: str) -> SnapshotRef | None:
+        return self.snapshots.get(snapshot_id)
+
+    async def update_network(self, sandbox_id: str, network: NetworkConfig) -> None:
+        self.calls.append(("update_network", (sandbox_id, network)))
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        self.calls.append(("delete_snapshot", (snapshot_id,)))
+        self.snapshots.pop(snapshot_id, None)
+
+    async def console_log(self, sandbox_id: str, limit: int = 1000) -> list[str]:
+        return [f"console of {sandbox_id}"]
+
+    async def aclose(self) -> None:
+        pass
+
+    def ops(self, name: str) -> list[tuple[Any, ...]]:
+        return [args for op, args in self.calls if op == name]
+
+
+class FakeEnvd:
+    """envd's /init and /metrics per guest address, with envd's token rule: once a token
+    is set, a re-init must carry it. `tokens` maps host -> token; `inits` records
+    (host, body, headers)."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, str] = {}
+        self.inits: list[tuple[str, dict[str, Any], dict[str, str]]] = []
+        self.fail_hosts: set[str] = set()
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if host in self.fail_hosts:
+            return httpx.Response(500, json={"code": 500, "message": "injected"})
+        held = self.tokens.get(host)
+        given = request.headers.get("x-access-token")
+        if held is not None and given != held:
+            return httpx.Response(401, json={"code": 401, "message": "bad token"})
+        if request.url.path == "/init":
+            body = json.loads(request.content)
+            self.inits.append((host, body, dict(request.headers)))
+            if body.get("accessToken"):
+                self.tokens[host] = body["accessToken"]
+            return httpx.Response(204)
+        if request.url.path == "/metrics":
+            return httpx.Response(200, json={"ts": 1_700_000_000, "cpu_count": 2,
+                                             "cpu_used_pct": 3.5, "mem_total": 10,
+                                             "mem_used": 4, "mem_cache": 1, "disk_used": 5,
+                                             "disk_total": 20})
+        return httpx.Response(404)
+
+    def transport(self) -> httpx.MockTransport:
+        return httpx.MockTransport(self.handler)
+
+
+class Clock:
+    """A settable clock for TTL tests."""
+
+    def __init__(self, t: float = 1_800_000_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, s: float) -> None:
+        self.t += s

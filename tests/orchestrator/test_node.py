@@ -1,0 +1,422 @@
+"""NodeOrchestrator state-machine logic over an in-process SandboxRuntime test double.
+
+Unit tests of the orchestrator's state machine ONLY (transitions and conflicts,
+serialization of concurrent operations on one sandbox, TTL expiry and paused time,
+timeouts, idempotency, fork bookkeeping, events, routing decisions). The runtime double
+(tests/orchestrator/fakes.py) runs no VM; the VM-backed behaviour is in test_node_vm.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+
+from host.orchestrator import NodeOrchestrator, Store
+from host.orchestrator.envd import EnvdClient
+from host.orchestrator.errors import (IdempotencyMismatch, InvalidRequest, OperationFailed,
+                                      SandboxNotFound, SnapshotNotFound, StateConflict)
+from host.orchestrator.model import CreateRequest, ListFilter, NetworkConfig
+from host.orchestrator.states import SandboxState as S
+
+from .fakes import Clock, FakeEnvd, FakeRuntime
+
+pytestmark = pytest.mark.asyncio(loop_scope="function")
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(tmp_path / "state.db")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def rt():
+    return FakeRuntime()
+
+
+@pytest.fixture
+def envd(rt):
+    e = FakeEnvd()
+    rt.envd = e
+    return e
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+async def orch(store, rt, envd, clock):
+    o = NodeOrchestrator(store, rt, domain="sbx.test", clock=clock,
+                         envd=EnvdClient(transport=envd.transport()))
+    await o.start(ttl_interval_s=3600)  # ticks are driven by hand below
+    yield o
+    await o.aclose()
+
+
+async def test_create_builds_template_once_and_inits_envd(orch, rt, envd):
+    infos = await asyncio.gather(*(orch.create(CreateRequest(env_vars={"FOO": "bar"}))
+                                   for _ in range(5)))
+    assert rt.builds == 1
+    assert len({i.sandbox_id for i in infos}) == 5
+    assert all(re.fullmatch(r"i[a-z0-9]{20}", i.sandbox_id) for i in infos)
+    assert all(i.state is S.RUNNING and i.template_id == "base" and i.alias == "base"
+               for i in infos)
+    assert len({i.envd_access_token for i in infos}) == 5
+    assert len(envd.inits) == 5
+    _, body, headers = envd.inits[0]
+    assert body["envVars"] == {"FOO": "bar"}
+    assert body["defaultUser"] == "user" and body["defaultWorkdir"] == "/home/user"
+    assert body["accessToken"] in {i.envd_access_token for i in infos}
+    assert body["timestamp"].endswith("Z")
+    assert "x-access-token" not in headers  # a template holds no token
+
+
+async def test_create_unknown_template_is_404(orch, store):
+    with pytest.raises(SnapshotNotFound):
+        await orch.create(CreateRequest(template_id="nope"))
+    assert store.list_sandboxes() == []
+
+
+async def test_create_start_failure_rolls_back(orch, rt, store):
+    rt.fail["start"] = lambda sid: True
+    with pytest.raises(OperationFailed):
+        await orch.create(CreateRequest())
+    (rec,) = store.list_sandboxes()
+    assert rec.state is S.KILLED
+    assert rt.vms == {}
+    assert await orch.list(ListFilter()) == []
+
+
+async def test_create_init_failure_kills_vm(orch, rt, envd, store):
+    await orch.create(CreateRequest())  # template built
+    envd.fail_hosts.update(f"10.9.0.{n}" for n in range(1, 250))
+    with pytest.raises(OperationFailed):
+        await orch.create(CreateRequest())
+    assert {r.state for r in store.list_sandboxes()} == {S.RUNNING, S.KILLED}
+    assert len(rt.vms) == 1
+    killed = [r.id for r in store.list_sandboxes() if r.state is S.KILLED]
+    assert rt.ops("kill") == [(killed[0],)]
+
+
+async def test_get_list_filters(orch, clock):
+    a = await orch.create(CreateRequest(metadata={"team": "x", "k": "1"}))
+    clock.advance(10)
+    b = await orch.create(CreateRequest(metadata={"team": "x", "k": "2"}))
+    await orch.pause(b.sandbox_id)
+    got = await orch.list(ListFilter(metadata={"team": "x"}))
+    assert {i.sandbox_id for i in got} == {a.sandbox_id, b.sandbox_id}
+    got = await orch.list(ListFilter(metadata={"team": "x", "k": "2"}))
+    assert [i.sandbox_id for i in got] == [b.sandbox_id]
+    got = await orch.list(ListFilter(states=frozenset({S.RUNNING})))
+    assert [i.sandbox_id for i in got] == [a.sandbox_id]
+    got = await orch.list(ListFilter(states=frozenset({S.PAUSED})))
+    assert [i.sandbox_id for i in got] == [b.sandbox_id]
+    assert await orch.list(ListFilter(template="other")) == []
+    assert len(await orch.list(ListFilter(template="base"))) == 2
+    got = await orch.list(ListFilter(started_after=a.started_at))
+    assert [i.sandbox_id for i in got] == [b.sandbox_id]
+    await orch.kill(a.sandbox_id)
+    with pytest.raises(SandboxNotFound):
+        await orch.get(a.sandbox_id)
+    with pytest.raises(SandboxNotFound):
+        await orch.kill(a.sandbox_id)
+    assert a.sandbox_id not in rt_vms(orch)
+
+
+def rt_vms(orch):
+    return orch.runtime.vms
+
+
+async def test_pause_resume_conflicts_and_token(orch, rt, envd, clock):
+    info = await orch.create(CreateRequest(timeout_s=100))
+    sid = info.sandbox_id
+    await orch.pause(sid)
+    assert (await orch.get(sid)).state is S.PAUSED
+    assert sid not in rt.vms
+    with pytest.raises(StateConflict):
+        await orch.pause(sid)
+    with pytest.raises(StateConflict):
+        await orch.snapshot(sid, "x")
+    with pytest.raises(StateConflict):
+        await orch.fork(sid, 1, None)
+    resumed, was_paused = await orch.connect(sid, None)
+    assert was_paused and resumed.state is S.RUNNING
+    assert resumed.envd_access_token == info.envd_access_token  # stable across resume
+    _, body, headers = envd.inits[-1]
+    assert headers["x-access-token"] == info.envd_access_token
+    assert body["accessToken"] == info.envd_access_token
+    again, was_paused = await orch.connect(sid, None)
+    assert not was_paused and again.end_at == resumed.end_at
+
+
+async def test_connect_only_grows_ttl_of_running(orch, clock):
+    sid = (await orch.create(CreateRequest(timeout_s=600))).sandbox_id
+    end = (await orch.get(sid)).end_at
+    await orch.connect(sid, 60)
+    assert (await orch.get(sid)).end_at == end
+    await orch.connect(sid, 6000)
+    assert (await orch.get(sid)).end_at == clock() + 6000
+
+
+async def test_paused_time_does_not_count(orch, clock):
+    sid = (await orch.create(CreateRequest(timeout_s=100))).sandbox_id
+    clock.advance(30)
+    await orch.pause(sid)
+    clock.advance(10_000)
+    assert (await orch.get(sid)).end_at == pytest.approx(clock() + 70)
+    await orch.connect(sid, None)  # no timeout given: the TTL left when paused
+    assert (await orch.get(sid)).end_at == pytest.approx(clock() + 70)
+    await orch.pause(sid)
+    await orch.connect(sid, 500)  # a connect timeout sets a new TTL
+    assert (await orch.get(sid)).end_at == pytest.approx(clock() + 500)
+
+
+async def test_set_and_extend_timeout(orch, clock):
+    sid = (await orch.create(CreateRequest(timeout_s=300))).sandbox_id
+    await orch.set_timeout(sid, 10)  # may shorten
+    assert (await orch.get(sid)).end_at == clock() + 10
+    await orch.extend_timeout(sid, 5)  # never shortens
+    assert (await orch.get(sid)).end_at == clock() + 10
+    await orch.extend_timeout(sid, 50)
+    assert (await orch.get(sid)).end_at == clock() + 50
+    await orch.pause(sid)
+    await orch.set_timeout(sid, 42)
+    assert (await orch.get(sid)).end_at == clock() + 42
+    with pytest.raises(InvalidRequest):
+        await orch.set_timeout(sid, -1)
+    with pytest.raises(SandboxNotFound):
+        await orch.set_timeout("i" + "0" * 20, 5)
+
+
+async def test_ttl_expiry_pauses_or_kills(orch, clock, store):
+    keep = (await orch.create(CreateRequest(timeout_s=100))).sandbox_id
+    p = (await orch.create(CreateRequest(timeout_s=10))).sandbox_id
+    k = (await orch.create(CreateRequest(timeout_s=10, auto_pause=False))).sandbox_id
+    clock.advance(11)
+    assert set(await orch.expired()) == {p, k}
+    assert await orch.expire(p) == "paused"
+    assert await orch.expire(k) == "killed"
+    assert await orch.expire(keep) is None
+    assert (await orch.get(p)).state is S.PAUSED
+    with pytest.raises(SandboxNotFound):
+        await orch.get(k)
+    assert (await orch.get(keep)).state is S.RUNNING
+    ops = [e.detail.get("op") for e in store.events(p)]
+    assert ops[-1] == "timeout"
+    # expired while paused: resuming without a timeout gets the default TTL
+    await orch.connect(p, None)
+    assert (await orch.get(p)).end_at == clock() + orch.default_timeout_s
+
+
+async def test_ttl_extension_wins_over_expiry(orch, clock):
+    sid = (await orch.create(CreateRequest(timeout_s=10))).sandbox_id
+    clock.advance(11)
+    assert await orch.expired() == [sid]
+    await orch.set_timeout(sid, 100)
+    assert await orch.expire(sid) is None
+    assert (await orch.get(sid)).state is S.RUNNING
+
+
+async def test_ttl_loop_real_time(store, rt, envd):
+    o = NodeOrchestrator(store, rt, envd=EnvdClient(transport=envd.transport()))
+    await o.start(ttl_interval_s=0.05)
+    try:
+        p = (await o.create(CreateRequest(timeout_s=1))).sandbox_id
+        k = (await o.create(CreateRequest(timeout_s=1, auto_pause=False))).sandbox_id
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if store.get_sandbox(p).state is S.PAUSED and store.get_sandbox(k).state is S.KILLED:
+                break
+        assert store.get_sandbox(p).state is S.PAUSED
+        assert store.get_sandbox(k).state is S.KILLED
+        assert rt.vms == {}
+    finally:
+        await o.aclose()
+
+
+async def test_concurrent_ops_on_one_sandbox_are_serialized(orch, rt):
+    sid = (await orch.create(CreateRequest())).sandbox_id
+    gate = rt.gates["snapshot"] = asyncio.Event()
+    first = asyncio.create_task(orch.pause(sid))
+    second = asyncio.create_task(orch.pause(sid))
+    kill = asyncio.create_task(orch.kill(sid))
+    await asyncio.sleep(0.05)
+    assert (await orch.get(sid)).state is S.PAUSING
+    assert not kill.done()  # waits for the pause, does not race it
+    gate.set()
+    results = await asyncio.gather(first, second, kill, return_exceptions=True)
+    assert results[0] is None
+    assert isinstance(results[1], StateConflict)
+    assert results[2] is None
+    order = [op for op, _ in rt.calls if op in ("snapshot", "kill")]
+    assert order == ["snapshot", "kill"]
+
+
+async def test_client_cancel_does_not_half_finish(orch, rt):
+    sid = (await orch.create(CreateRequest())).sandbox_id
+    gate = rt.gates["snapshot"] = asyncio.Event()
+    caller = asyncio.create_task(orch.pause(sid))
+    await asyncio.sleep(0.05)
+    caller.cancel()  # the HTTP client went away
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    gate.set()
+    for _ in range(50):
+        await asyncio.sleep(0.01)
+        if (await orch.get(sid)).state is S.PAUSED:
+            break
+    assert (await orch.get(sid)).state is S.PAUSED
+
+
+async def test_pause_failure_goes_back_to_running(orch, rt, store):
+    sid = (await orch.create(CreateRequest())).sandbox_id
+    rt.fail["snapshot"] = lambda s: True
+    with pytest.raises(OperationFailed):
+        await orch.pause(sid)
+    rec = store.get_sandbox(sid)
+    assert rec.state is S.RUNNING and "pending" not in rec.runtime
+
+
+async def test_resume_failure_goes_back_to_paused(orch, rt):
+    sid = (await orch.create(CreateRequest())).sandbox_id
+    await orch.pause(sid)
+    rt.fail["start"] = lambda s: True
+    with pytest.raises(OperationFailed):
+        await orch.connect(sid, None)
+    assert (await orch.get(sid)).state is S.PAUSED
+    rt.fail.clear()
+    assert (await orch.connect(sid, None))[1] is True
+
+
+async def test_named_snapshot_and_create_from_it(orch, rt, envd):
+    src = await orch.create(CreateRequest(metadata={"a": "b"}))
+    snap = await orch.snapshot(src.sandbox_id, "team/snap")
+    assert snap.snapshot_id == "team/snap:default" and snap.names == ("team/snap:default",)
+    unnamed = await orch.snapshot(src.sandbox_id, None)
+    assert unnamed.snapshot_id.startswith(src.sandbox_id + ":")
+    assert (await orch.get(src.sandbox_id)).state is S.RUNNING
+    ids = {s.snapshot_id for s in await orch.list_snapshots(src.sandbox_id, None)}
+    assert ids == {snap.snapshot_id, unnamed.snapshot_id}
+    assert [s.snapshot_id for s in await orch.list_snapshots(None, "team/snap")] == [
+        snap.snapshot_id]
+    child = await orch.create(CreateRequest(template_id="team/snap:default"))
+    assert child.template_id == "team/snap:default"
+    assert child.envd_access_token != src.envd_access_token
+    _, body, headers = envd.inits[-1]
+    assert headers["x-access-token"] == src.envd_access_token  # what envd held in the snapshot
+    assert body["accessToken"] == child.envd_access_token
+    await orch.delete_snapshot(snap.snapshot_id)
+    with pytest.raises(SnapshotNotFound):
+        await orch.delete_snapshot(snap.snapshot_id)
+    with pytest.raises(InvalidRequest):
+        await orch.snapshot(src.sandbox_id, "bad name!")
+
+
+async def test_fork_children_and_partial_failure(orch, rt, envd, store):
+    parent = await orch.create(CreateRequest(metadata={"m": "1"}, env_vars={"E": "1"}))
+    started = []
+
+    def fail_second(sid: str) -> bool:
+        started.append(sid)
+        return len(started) == 2
+
+    rt.fail["start"] = fail_second
+    results = await orch.fork(parent.sandbox_id, 3, 60)
+    assert len(results) == 3
+    ok = [r.sandbox for r in results if r.sandbox is not None]
+    bad = [r for r in results if r.error is not None]
+    assert len(ok) == 2 and len(bad) == 1 and bad[0].error_status == 500
+    assert len({c.sandbox_id for c in ok} | {parent.sandbox_id}) == 3
+    assert all(c.metadata == {"m": "1"} and c.envd_access_token != parent.envd_access_token
+               for c in ok)
+    assert (await orch.get(parent.sandbox_id)).state is S.RUNNING
+    child_inits = envd.inits[-2:]
+    assert all(h["x-access-token"] == parent.envd_access_token for _, _, h in child_inits)
+    assert {b["accessToken"] for _, b, _ in child_inits} == {c.envd_access_token for c in ok}
+    assert all(b["envVars"] == {"E": "1"} for _, b, _ in child_inits)
+    assert len([r for r in store.list_sandboxes() if r.parent_id == parent.sandbox_id]) == 3
+    with pytest.raises(InvalidRequest):
+        await orch.fork(parent.sandbox_id, 0, None)
+    with pytest.raises(InvalidRequest):
+        await orch.fork(parent.sandbox_id, 17, None)
+
+
+async def test_idempotency(orch, rt):
+    req = CreateRequest(metadata={"x": "1"}, idempotency_key="k1")
+    a, b = await asyncio.gather(orch.create(req), orch.create(req))
+    assert a.sandbox_id == b.sandbox_id
+    c = await orch.create(req)
+    assert c.sandbox_id == a.sandbox_id
+    assert len(rt.ops("start")) == 1
+    with pytest.raises(IdempotencyMismatch):
+        await orch.create(CreateRequest(metadata={"x": "2"}, idempotency_key="k1"))
+    # a failed create frees the key: a retry creates
+    rt.fail["start"] = lambda s: True
+    with pytest.raises(OperationFailed):
+        await orch.create(CreateRequest(idempotency_key="k2"))
+    rt.fail.clear()
+    d = await orch.create(CreateRequest(idempotency_key="k2"))
+    assert d.state is S.RUNNING
+
+
+async def test_events_and_logs(orch, store):
+    sid = (await orch.create(CreateRequest())).sandbox_id
+    await orch.pause(sid)
+    await orch.connect(sid, None)
+    await orch.kill(sid)
+    kinds = [(e.kind, e.detail.get("op")) for e in store.events(sid)]
+    assert kinds == [("creating", "create"), ("running", "created"), ("pausing", None),
+                     ("paused", "paused"), ("resuming", None), ("running", "resumed"),
+                     ("killing", "killed"), ("killed", None)]
+    lines = [ln.line for ln in await orch.logs(sid, None, 100)]
+    assert "sandbox created" in lines and "sandbox resumed" in lines
+
+
+async def test_route(orch, rt):
+    info = await orch.create(CreateRequest(network=NetworkConfig(allow_public_traffic=False)))
+    sid = info.sandbox_id
+    route = await orch.route(sid, 8080, resume=True)
+    assert (route.host, route.port) == (rt.vms[sid].envd_host, 8080)
+    assert route.traffic_token == info.traffic_access_token is not None
+    await orch.pause(sid)
+    with pytest.raises(StateConflict):  # autoResume off
+        await orch.route(sid, 49983, resume=True)
+    auto = (await orch.create(CreateRequest(auto_resume=True))).sandbox_id
+    await orch.pause(auto)
+    with pytest.raises(StateConflict):
+        await orch.route(auto, 49983, resume=False)
+    route = await orch.route(auto, 49983, resume=True)
+    assert (await orch.get(auto)).state is S.RUNNING and route.port == 49983
+    await orch.kill(auto)
+    with pytest.raises(SandboxNotFound):
+        await orch.route(auto, 49983, resume=True)
+
+
+async def test_metrics_and_network(orch, rt):
+    sid = (await orch.create(CreateRequest())).sandbox_id
+    (m,) = await orch.metrics(sid)
+    assert m.cpu_count == 2 and m.mem_total == 10
+    net = NetworkConfig(deny_out=("0.0.0.0/0",))
+    await orch.update_network(sid, net)
+    assert rt.ops("update_network") == [(sid, net)]
+    assert (await orch.get(sid)).network.deny_out == ("0.0.0.0/0",)
+    await orch.pause(sid)
+    assert await orch.metrics(sid) == []
+    await orch.update_network(sid, NetworkConfig())
+    assert len(rt.ops("update_network")) == 1  # applied at resume, not now
+
+
+async def test_kill_collects_unreachable_snapshots(orch, rt, store):
+    sid = (await orch.create(CreateRequest())).sandbox_id
+    await orch.pause(sid)
+    await orch.connect(sid, None)
+    await orch.pause(sid)
+    assert len(store.list_snapshots(kinds=["pause"])) == 2
+    await orch.kill(sid)
+    assert store.list_snapshots(kinds=["pause"]) == []
+    assert store.list_snapshots(kinds=["template"]) != []
