@@ -4,15 +4,19 @@ command over https through it, trusting the CA via SSL_CERT_FILE."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import ssl
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
 
 from host.api import ApiKeys, build_api_app
+from host.orchestrator.states import SandboxState
 from host.proxy import build_proxy_app
 from host.proxy.tls import ensure_certificates
 from tests.api.conftest import API_KEY, ServerThread
@@ -66,3 +70,24 @@ def test_sdk_over_https(tls_servers, orch) -> None:
                          timeout=120, check=False)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip() == "over-tls"
+
+
+@pytest.mark.js
+def test_js_sdk_over_https(tls_servers, orch) -> None:
+    """undici offers h2 and http/1.1 via ALPN; our listener speaks http/1.1 only."""
+    from .test_js_sdk import SDK
+    if shutil.which("node") is None or not SDK.exists():
+        pytest.skip("node or tests/js/node_modules/e2b missing (npm ci in tests/js)")
+    api, proxy, paths = tls_servers
+    running = orch.add(token=None, metadata={"team name": "x/y&z"})
+    paused = orch.add(token=None, metadata={"team name": "x/y&z"}, state=SandboxState.PAUSED)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
+    env.update({"NODE_EXTRA_CA_CERTS": str(paths.ca_cert), "E2B_API_URL": api.url,
+                "E2B_SANDBOX_URL": f"https://localhost:{proxy.port}", "E2B_API_KEY": API_KEY,
+                "E2B_JS_SDK": SDK.as_uri()})
+    script = Path(__file__).with_name("js_sdk.mjs")
+    res = subprocess.run(["node", str(script), running.sandbox_id, paused.sandbox_id], env=env,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["run"]["stdout"] == "one\ntwo\n" and out["file"] == "via proxy"
