@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import logging
 from collections.abc import Awaitable, Callable
 
 from starlette.requests import Request
@@ -21,6 +22,8 @@ from ..services.filesystem import InvalidPathError
 from ..users import UnknownUserError
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+
+log = logging.getLogger(__name__)
 
 _ERRNO_STATUS = {
     errno.ENOENT: 404,
@@ -75,5 +78,9 @@ def json_errors(endpoint: Endpoint) -> Endpoint:
             return json_error(401, str(exc))
         except InvalidPathError as exc:
             return json_error(400, str(exc))
+        except Exception as exc:
+            # Anything unforeseen still answers in the JSON shape the SDKs parse.
+            log.exception("unhandled error in %s %s", request.method, request.url.path)
+            return json_error(500, f"internal error: {type(exc).__name__}: {exc}")
 
     return wrapper

@@ -12,6 +12,10 @@ from starlette.responses import JSONResponse, Response
 
 MIB = 1024 * 1024
 
+# cpu_percent(interval=None) measures since its previous call; prime it so the first
+# /metrics answer covers the time since envd started instead of reading 0.0.
+psutil.cpu_percent(interval=None)
+
 
 def sample(disk_path: str = "/") -> dict[str, Any]:
     """One metrics sample; CPU % is measured since the previous sample (0.0 on the first)."""
