@@ -335,5 +335,10 @@ class ProxyApp:
 def build_proxy_app(orchestrator: Orchestrator, domain: str | None, *,
                     api_app: ASGIApp | None = None, auto_resume: bool = True) -> ProxyApp:
     """The sandbox proxy. `api_app`, when given, serves requests for `api.<domain>` (one
-    TLS listener for everything); `auto_resume` is passed to `orchestrator.route`."""
+    TLS listener for everything); `auto_resume` is passed to `orchestrator.route`.
+
+    Serve it with uvicorn, `lifespan="on"` (closes the upstream pool), a long
+    `timeout_keep_alive` (SDK pools reuse connections; 300 s like envd), and for TLS
+    `ssl_certfile`/`ssl_keyfile` from `tls.ensure_certificates(state_dir, domain)`.
+    """
     return ProxyApp(orchestrator, domain, api_app=api_app, auto_resume=auto_resume)
