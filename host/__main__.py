@@ -1,0 +1,138 @@
+"""`python -m host` (`make run`): the host service of one node.
+
+Builds the state store, the node runtime, the orchestrator (recovery, then the TTL loop),
+and serves the REST API and the sandbox proxy with two uvicorn servers in one event loop.
+SIGTERM / SIGINT: stop accepting, let in-flight operations finish, close everything;
+running VMs are left running and adopted at the next start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import uvicorn
+
+from host.api import ApiKeys, build_api_app
+from host.config import Config, ConfigError, parse_config
+from host.orchestrator import NodeOrchestrator, Store
+from host.orchestrator.runtime import MachineSpec
+from host.proxy import build_proxy_app
+
+log = logging.getLogger("host")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn server that leaves signal handling to us (two servers share one loop)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def open_runtime(cfg: Config) -> Any:
+    """`host.runtime.NodeRuntime` for this config, opened (imported lazily)."""
+    try:
+        from host.runtime import NodeRuntime, RuntimeConfig
+    except ImportError as exc:
+        raise SystemExit(f"aenv: the node runtime (host.runtime.NodeRuntime) is not available: "
+                         f"{exc}") from None
+    rt = NodeRuntime(RuntimeConfig(state_dir=cfg.state_dir, run_dir=cfg.run_dir,
+                                   repository=cfg.repository_spec, network=cfg.network))
+    return await rt.open()
+
+
+def banner(cfg: Config, keys: ApiKeys) -> str:
+    scheme = "https" if cfg.tls else "http"
+    host = "127.0.0.1" if cfg.listen in ("0.0.0.0", "::") else cfg.listen
+    lines = [
+        f"aenv host service: API {scheme}://{host}:{cfg.api_port}, "
+        f"proxy {scheme}://{host}:{cfg.proxy_port}, state {cfg.state_dir}",
+        f"API key file: {cfg.keys_path}",
+        "Point the E2B SDKs at this node with:",
+        f"  export E2B_API_URL={scheme}://{host}:{cfg.api_port}",
+        f"  export E2B_SANDBOX_URL={scheme}://{host}:{cfg.proxy_port}",
+        f"  export E2B_API_KEY={keys.first}",
+    ]
+    if cfg.tls:
+        lines += [
+            f"  # or, with *.{cfg.domain} resolving here and the proxy on :443:",
+            f"  export E2B_DOMAIN={cfg.domain}",
+            f"  # trust the CA: export SSL_CERT_FILE={cfg.tls_dir / 'ca.pem'} "
+            f"NODE_EXTRA_CA_CERTS={cfg.tls_dir / 'ca.pem'}",
+        ]
+    return "\n".join(lines)
+
+
+async def serve(cfg: Config) -> None:
+    store = Store(cfg.db_path)
+    runtime = None
+    orch = None
+    try:
+        runtime = await open_runtime(cfg)
+        orch = NodeOrchestrator(
+            store, runtime, domain=cfg.domain, default_template=cfg.default_template,
+            machine=MachineSpec(cpu_count=cfg.cpu_count, memory_mb=cfg.memory_mb,
+                                disk_mb=cfg.disk_mb, image=cfg.image))
+        await orch.start(ttl_interval_s=cfg.ttl_interval_s)
+        keys = ApiKeys.load_or_create(cfg.keys_path)
+        api = build_api_app(orch, keys, domain=cfg.domain)
+        proxy = build_proxy_app(orch, cfg.domain, api_app=api if cfg.tls else None)
+        ssl: dict[str, Any] = {}
+        if cfg.tls:
+            from host.proxy.tls import ensure_certificates
+            paths = ensure_certificates(cfg.tls_dir, cfg.domain)
+            ssl = {"ssl_certfile": str(paths.cert), "ssl_keyfile": str(paths.key)}
+        servers = [
+            _Server(uvicorn.Config(app, host=cfg.listen, port=port, log_level=cfg.log_level,
+                                   lifespan=lifespan, timeout_graceful_shutdown=10, **ssl))
+            for app, port, lifespan in ((api, cfg.api_port, "off"),
+                                        (proxy, cfg.proxy_port, "on"))
+        ]
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(s.serve(), name=f"uvicorn:{s.config.port}")
+                     for s in servers]
+            for s in servers:
+                while not s.started and not any(t.done() for t in tasks):
+                    await asyncio.sleep(0.05)
+            if all(s.started for s in servers):
+                print(banner(cfg, keys), flush=True)
+            waiter = tg.create_task(stop.wait())
+            await asyncio.wait([*tasks, waiter], return_when=asyncio.FIRST_COMPLETED)
+            log.info("shutting down")
+            for s in servers:
+                s.should_exit = True
+            waiter.cancel()
+        if not stop.is_set():
+            raise SystemExit("aenv: a listener stopped unexpectedly (port in use?)")
+    finally:
+        if orch is not None:
+            await orch.aclose()
+        if runtime is not None:
+            await runtime.aclose()
+        store.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        cfg = parse_config(argv)
+    except ConfigError as exc:
+        print(f"aenv: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

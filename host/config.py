@@ -1,0 +1,151 @@
+"""Configuration of the host service, parsed once from the environment and the command line
+(flags win) and passed down explicitly.
+
+    AENV_STATE_DIR   --state-dir    /var/lib/aenv     SQLite state, API keys, snapshots
+    AENV_RUN_DIR     --run-dir      /run/aenv/rt      sockets, per-VM work dirs (keep short)
+    AENV_LISTEN      --listen       127.0.0.1         address of both listeners
+    AENV_API_PORT    --api-port     3000              REST API
+    AENV_PROXY_PORT  --proxy-port   3001              sandbox proxy (envd and user ports)
+    AENV_DOMAIN      --domain       sbx.localhost     returned as `domain` to the SDKs
+    AENV_REPOSITORY  --repository   posix_fs:<state>/repo   or oss://...
+    AENV_TLS         --tls          off               serve both listeners over HTTPS
+    AENV_VMM         --vmm          auto              auto | qemu
+    AENV_NETWORK     --network      auto              auto | netns | user
+    AENV_IMAGE, AENV_CPU_COUNT, AENV_MEMORY_MB, AENV_DISK_MB   the default template's machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+VMM_DRIVERS = ("auto", "qemu")
+NETWORK_MODES = ("auto", "netns", "user")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    state_dir: Path = Path("/var/lib/aenv")
+    run_dir: Path = Path("/run/aenv/rt")
+    listen: str = "127.0.0.1"
+    api_port: int = 3000
+    proxy_port: int = 3001
+    domain: str = "sbx.localhost"
+    repository: str | None = None
+    tls: bool = False
+    vmm: str = "auto"
+    network: str = "auto"
+    image: str = "default"
+    cpu_count: int = 1
+    memory_mb: int = 512
+    disk_mb: int = 2048
+    default_template: str = "base"
+    ttl_interval_s: float = 1.0
+    log_level: str = "info"
+
+    @property
+    def db_path(self) -> Path:
+        return self.state_dir / "state.db"
+
+    @property
+    def keys_path(self) -> Path:
+        return self.state_dir / "api_keys"
+
+    @property
+    def tls_dir(self) -> Path:
+        return self.state_dir / "tls"
+
+    @property
+    def repository_spec(self) -> str:
+        return self.repository or f"posix_fs:{self.state_dir / 'repo'}"
+
+
+def _bool(value: str, name: str) -> bool:
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"{name} must be a boolean, got {value!r}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m host",
+                                description="aenv host service: REST API + sandbox proxy")
+    p.add_argument("--state-dir", type=Path)
+    p.add_argument("--run-dir", type=Path)
+    p.add_argument("--listen")
+    p.add_argument("--api-port", type=int)
+    p.add_argument("--proxy-port", type=int)
+    p.add_argument("--domain")
+    p.add_argument("--repository", help="posix_fs:/path (default) or oss://bucket/prefix")
+    p.add_argument("--tls", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--vmm", choices=VMM_DRIVERS)
+    p.add_argument("--network", choices=NETWORK_MODES)
+    p.add_argument("--image")
+    p.add_argument("--cpu-count", type=int)
+    p.add_argument("--memory-mb", type=int)
+    p.add_argument("--disk-mb", type=int)
+    p.add_argument("--ttl-interval", type=float, dest="ttl_interval_s")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+_ENV: dict[str, tuple[str, type]] = {
+    "state_dir": ("AENV_STATE_DIR", Path), "run_dir": ("AENV_RUN_DIR", Path),
+    "listen": ("AENV_LISTEN", str), "api_port": ("AENV_API_PORT", int),
+    "proxy_port": ("AENV_PROXY_PORT", int), "domain": ("AENV_DOMAIN", str),
+    "repository": ("AENV_REPOSITORY", str), "tls": ("AENV_TLS", bool),
+    "vmm": ("AENV_VMM", str), "network": ("AENV_NETWORK", str), "image": ("AENV_IMAGE", str),
+    "cpu_count": ("AENV_CPU_COUNT", int), "memory_mb": ("AENV_MEMORY_MB", int),
+    "disk_mb": ("AENV_DISK_MB", int), "ttl_interval_s": ("AENV_TTL_INTERVAL_S", float),
+    "log_level": ("AENV_LOG_LEVEL", str),
+}
+
+
+def parse_config(argv: Sequence[str] | None = None,
+                 env: Mapping[str, str] | None = None) -> Config:
+    env = os.environ if env is None else env
+    values: dict[str, object] = {}
+    for field, (var, typ) in _ENV.items():
+        raw = env.get(var)
+        if raw is None or raw == "":
+            continue
+        try:
+            values[field] = _bool(raw, var) if typ is bool else typ(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{var}: {exc}") from None
+    args = _parser().parse_args(argv)
+    values.update({k: v for k, v in vars(args).items() if v is not None})
+    cfg = Config(**values)  # type: ignore[arg-type]
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg: Config) -> None:
+    for name in ("api_port", "proxy_port"):
+        port = getattr(cfg, name)
+        if not 0 < port < 65536:
+            raise ConfigError(f"{name} must be a TCP port, got {port}")
+    if cfg.api_port == cfg.proxy_port:
+        raise ConfigError("the API and the proxy need different ports")
+    if cfg.vmm == "firecracker":
+        raise ConfigError("the node runtime drives QEMU only; use --vmm auto or qemu")
+    if cfg.vmm not in VMM_DRIVERS:
+        raise ConfigError(f"vmm must be one of {VMM_DRIVERS}, got {cfg.vmm!r}")
+    if cfg.network not in NETWORK_MODES:
+        raise ConfigError(f"network must be one of {NETWORK_MODES}, got {cfg.network!r}")
+    if not cfg.domain or "/" in cfg.domain or ":" in cfg.domain:
+        raise ConfigError(f"domain must be a DNS name, got {cfg.domain!r}")
+    if cfg.cpu_count < 1 or cfg.memory_mb < 128 or cfg.disk_mb < 0:
+        raise ConfigError("cpu_count >= 1, memory_mb >= 128, disk_mb >= 0")
+    if len(str(cfg.run_dir)) > 60:
+        raise ConfigError(f"run_dir {cfg.run_dir} is too long for unix socket paths "
+                          "(keep it under 60 characters)")
