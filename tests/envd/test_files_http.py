@@ -274,6 +274,7 @@ def test_aborted_upload_leaves_old_content(envd_url, home_dir, kind):
         _raw_upload_then_hang_up(envd_url, head, 8 * len(mib),
                                  f"{len(mib):x}\r\n".encode() + mib + b"\r\n")
     # envd notices the hang-up and drops its temp file; the old content never changed.
+    # (While the upload ran, the temp file was hidden from listings.)
     assert wait_until(lambda: not leftovers(home_dir)), leftovers(home_dir)
     assert target.read_bytes() == b"previous content"
     assert sorted(p.name for p in home_dir.iterdir()) == ["big.bin"]
@@ -363,3 +364,17 @@ async def test_async_sdk_files(sdk_env, home_dir):
     assert not await sbx.files.exists(str(home_dir / "d"))
     with pytest.raises(FileNotFoundException):
         await sbx.files.read(str(home_dir / "nope"))
+
+
+def test_upload_in_progress_is_hidden_from_listings(sbx, envd_url, home_dir):
+    host, port = envd_url.removeprefix("http://").split(":")
+    path = str(home_dir / "slow.bin")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall((f"POST /files?path={path} HTTP/1.1\r\nHost: x\r\n"
+                      "Content-Type: application/octet-stream\r\n"
+                      f"Content-Length: {4 * 1024 * 1024}\r\n\r\n").encode())
+        sock.sendall(b"\0" * (2 * 1024 * 1024))
+        assert wait_until(lambda: bool(leftovers(home_dir)))  # the temp file exists on disk
+        assert [e.name for e in sbx.files.list(str(home_dir))] == []
+        assert not sbx.files.exists(path)
+    assert wait_until(lambda: not leftovers(home_dir))

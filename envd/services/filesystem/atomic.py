@@ -13,11 +13,8 @@ import os
 import secrets
 import stat
 
-from .entry import METADATA_XATTR_PREFIX
+from .entry import METADATA_XATTR_PREFIX, UPLOAD_TEMP_PREFIX
 from .operations import make_dirs
-
-# Temp files are recognizable so watchers can hide them (see watch.py).
-UPLOAD_TEMP_PREFIX = ".envd-upload-"
 _NAME_MAX = 255
 _IOV_MAX = 1024
 

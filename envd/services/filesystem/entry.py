@@ -20,6 +20,8 @@ from protobuf.wkt import Timestamp
 from ...spec.filesystem.filesystem_pb import EntryInfo, FileType
 
 METADATA_XATTR_PREFIX = "user.e2b."
+# Hidden temp files of uploads in progress (atomic.py); listings and watches skip them.
+UPLOAD_TEMP_PREFIX = ".envd-upload-"
 
 
 def _owner(uid: int) -> str:
@@ -125,6 +127,8 @@ def list_entries(root: str, depth: int) -> list[EntryInfo]:
                 raise
             return
         for child in children:
+            if child.name.startswith(UPLOAD_TEMP_PREFIX):
+                continue
             try:
                 child_st = child.stat(follow_symlinks=False)
             except FileNotFoundError:
