@@ -15,6 +15,7 @@ import stat
 
 from .entry import METADATA_XATTR_PREFIX, UPLOAD_TEMP_PREFIX
 from .operations import make_dirs
+
 _NAME_MAX = 255
 _IOV_MAX = 1024
 
