@@ -184,6 +184,15 @@ class NodeRuntime:
             self.nm = None
         await self.aclose(stop_block_server=True)
 
+    async def detach(self, sandbox_id: str) -> dict[str, Any]:
+        """Forget a live sandbox without touching its VM (hand-over to another runtime
+        instance, which `adopt()`s it with the returned facts)."""
+        sb = self._get(sandbox_id)
+        async with sb.lock:
+            self._sbx.pop(sandbox_id, None)
+            await sb.vm.disconnect()
+        return sb.facts()
+
     @property
     def sandboxes(self) -> dict[str, Placement]:
         return {sid: sb.placement() for sid, sb in self._sbx.items()}

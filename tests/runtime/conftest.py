@@ -1,0 +1,52 @@
+"""One NodeRuntime and ONE template per test session (cold boots take ~1 min under TCG);
+every test restores from it. State lives under a session temp dir; `shutdown()` at the end
+kills every VM, network and the block server."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from host.orchestrator.runtime import MachineSpec, SnapshotRef
+from host.runtime import NodeRuntime, RuntimeConfig
+
+MEM_MB = 256
+
+
+def _need_vm() -> None:
+    cache = Path(os.environ.get("AENV_CACHE", "/var/cache/aenv"))
+    if not (cache / "images" / "default" / "manifest.json").exists():
+        pytest.skip("no guest image: run `make kernel image`")
+    if shutil.which("qemu-system-x86_64") is None:
+        pytest.skip("qemu-system-x86_64 not installed")
+
+
+@pytest.fixture(scope="session")
+def runtime_config(tmp_path_factory: pytest.TempPathFactory) -> RuntimeConfig:
+    _need_vm()
+    root = tmp_path_factory.mktemp("rt")
+    # run_dir short: unix socket paths are limited to 107 bytes
+    run = Path(f"/tmp/aenv-rt-{os.getpid()}")
+    return RuntimeConfig(state_dir=root / "state", run_dir=run, vms_survive_service=False,
+                         network=os.environ.get("AENV_TEST_NETWORK", "auto"))
+
+
+@pytest.fixture(scope="session")
+async def runtime(runtime_config: RuntimeConfig) -> AsyncIterator[NodeRuntime]:
+    rt = await NodeRuntime(runtime_config).open()
+    try:
+        yield rt
+    finally:
+        await rt.shutdown()
+        shutil.rmtree(runtime_config.run_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+async def template(runtime: NodeRuntime) -> SnapshotRef:
+    ref = await runtime.build_template("tpl", MachineSpec(cpu_count=1, memory_mb=MEM_MB))
+    print(f"\ntemplate built: {runtime.last_timings}")
+    return ref
