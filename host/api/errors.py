@@ -14,6 +14,7 @@ import logging
 from starlette.responses import JSONResponse
 
 from host.orchestrator.errors import (
+    IdempotencyMismatch,
     InvalidRequest,
     OperationFailed,
     OrchestratorError,
@@ -40,13 +41,14 @@ def bad_request(message: str) -> ApiError:
 
 
 # The one table: orchestrator error class -> HTTP status. Looked up along the MRO, so a
-# subclass added later (e.g. an idempotency mismatch deriving from StateConflict) maps
+# subclass added later maps
 # like its parent unless listed here. Unknown OrchestratorError subclasses fall back to
 # their own `status` class attribute.
 _STATUS: dict[type[Exception], int] = {
     SandboxNotFound: 404,
     SnapshotNotFound: 404,
     StateConflict: 409,
+    IdempotencyMismatch: 409,   # body carries error_code idempotency_request_mismatch
     InvalidRequest: 400,
     OperationFailed: 500,
 }

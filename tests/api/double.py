@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 
 from host.orchestrator.errors import (
-    OrchestratorError,
+    IdempotencyMismatch,
     SandboxNotFound,
     SnapshotNotFound,
     StateConflict,
@@ -33,13 +33,6 @@ from host.orchestrator.model import (
 from host.orchestrator.states import SandboxState
 
 _ALNUM = string.ascii_lowercase + string.digits
-
-
-class IdempotencyMismatch(OrchestratorError):
-    """What the real orchestrator should raise (proposed for host/orchestrator/errors.py)."""
-
-    status = 409
-    error_code = "idempotency_request_mismatch"
 
 
 def new_id() -> str:
@@ -91,8 +84,7 @@ class FakeOrchestrator:
             seen = self.idempotency.get(req.idempotency_key)
             if seen is not None:
                 if seen[0] != req:
-                    raise IdempotencyMismatch(
-                        f"Idempotency-Key '{req.idempotency_key}' was used with another body")
+                    raise IdempotencyMismatch(req.idempotency_key)
                 return self._get(seen[1])
         info = self.add(metadata=req.metadata, template=req.template_id,
                         token="envd-token" if req.secure else None,
