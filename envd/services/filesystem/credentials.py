@@ -77,7 +77,12 @@ def _set_fs_ids(uid: int, gid: int) -> None:
 
 def needs_switch(user: User) -> bool:
     """True when calls for `user` must change the worker thread's credentials."""
-    return os.geteuid() == 0 and user.uid != 0 and _NR is not None
+    if os.geteuid() != 0 or user.uid == 0:
+        return False
+    if _NR is None:
+        # Never fall back to running a user's request with root's rights.
+        raise CredentialsError(f"cannot act as '{user.name}' on {platform.machine()}")
+    return True
 
 
 @functools.lru_cache(maxsize=64)
