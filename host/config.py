@@ -11,6 +11,8 @@
     AENV_TLS         --tls          off               serve both listeners over HTTPS
     AENV_VMM         --vmm          auto              auto | qemu
     AENV_NETWORK     --network      auto              auto | netns | user
+    AENV_NETWORK_PREFIX / AENV_NETWORK_POOL   namespace/veth name prefix (aenv-) and the
+                     guest address pool (10.200.0.0/16): distinct per service on one host
     AENV_IMAGE, AENV_CPU_COUNT, AENV_MEMORY_MB, AENV_DISK_MB   the default template's machine
 """
 
@@ -42,6 +44,8 @@ class Config:
     tls: bool = False
     vmm: str = "auto"
     network: str = "auto"
+    network_prefix: str = "aenv-"
+    network_pool: str = "10.200.0.0/16"
     image: str = "default"
     cpu_count: int = 1
     memory_mb: int = 512
@@ -89,6 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tls", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--vmm", choices=VMM_DRIVERS)
     p.add_argument("--network", choices=NETWORK_MODES)
+    p.add_argument("--network-prefix")
+    p.add_argument("--network-pool")
     p.add_argument("--image")
     p.add_argument("--cpu-count", type=int)
     p.add_argument("--memory-mb", type=int)
@@ -103,7 +109,9 @@ _ENV: dict[str, tuple[str, type]] = {
     "listen": ("AENV_LISTEN", str), "api_port": ("AENV_API_PORT", int),
     "proxy_port": ("AENV_PROXY_PORT", int), "domain": ("AENV_DOMAIN", str),
     "repository": ("AENV_REPOSITORY", str), "tls": ("AENV_TLS", bool),
-    "vmm": ("AENV_VMM", str), "network": ("AENV_NETWORK", str), "image": ("AENV_IMAGE", str),
+    "vmm": ("AENV_VMM", str), "network": ("AENV_NETWORK", str),
+    "network_prefix": ("AENV_NETWORK_PREFIX", str), "network_pool": ("AENV_NETWORK_POOL", str),
+    "image": ("AENV_IMAGE", str),
     "cpu_count": ("AENV_CPU_COUNT", int), "memory_mb": ("AENV_MEMORY_MB", int),
     "disk_mb": ("AENV_DISK_MB", int), "ttl_interval_s": ("AENV_TTL_INTERVAL_S", float),
     "log_level": ("AENV_LOG_LEVEL", str),
