@@ -12,7 +12,7 @@ APT_PACKAGES=(
   python3.11-venv python3.11-dev patchelf scons  # frozen envd (PyInstaller + staticx, Debian python)
   attr iproute2 nftables cpio xz-utils zstd
   busybox-static                        # memsnap VM tests: busybox guest root (tests/vmm/memsnap)
-  nginx                                 # proxy benchmark peer
+  nginx wrk                             # proxy benchmark peer and load generator
   nodejs npm                            # the JS e2b SDK in tests
 )
 missing=()
