@@ -53,8 +53,8 @@ def banner(cfg: Config, keys: ApiKeys) -> str:
     scheme = "https" if cfg.tls else "http"
     host = "127.0.0.1" if cfg.listen in ("0.0.0.0", "::") else cfg.listen
     lines = [
-        f"aenv host service: API {scheme}://{host}:{cfg.api_port}, "
-        f"proxy {scheme}://{host}:{cfg.proxy_port}, state {cfg.state_dir}",
+        (f"aenv host service: API {scheme}://{host}:{cfg.api_port}, "
+         f"proxy {scheme}://{host}:{cfg.proxy_port}, state {cfg.state_dir}"),
         f"API key file: {cfg.keys_path}",
         "Point the E2B SDKs at this node with:",
         f"  export E2B_API_URL={scheme}://{host}:{cfg.api_port}",
@@ -65,8 +65,8 @@ def banner(cfg: Config, keys: ApiKeys) -> str:
         lines += [
             f"  # or, with *.{cfg.domain} resolving here and the proxy on :443:",
             f"  export E2B_DOMAIN={cfg.domain}",
-            f"  # trust the CA: export SSL_CERT_FILE={cfg.tls_dir / 'ca.pem'} "
-            f"NODE_EXTRA_CA_CERTS={cfg.tls_dir / 'ca.pem'}",
+            (f"  # trust the CA: export SSL_CERT_FILE={cfg.tls_dir / 'ca.pem'} "
+             f"NODE_EXTRA_CA_CERTS={cfg.tls_dir / 'ca.pem'}"),
         ]
     return "\n".join(lines)
 
@@ -91,10 +91,10 @@ async def serve(cfg: Config) -> None:
             paths = ensure_certificates(cfg.tls_dir, cfg.domain)
             ssl = {"ssl_certfile": str(paths.cert), "ssl_keyfile": str(paths.key)}
         servers = [
-            _Server(uvicorn.Config(app, host=cfg.listen, port=port, log_level=cfg.log_level,
-                                   lifespan=lifespan, timeout_graceful_shutdown=10, **ssl))
-            for app, port, lifespan in ((api, cfg.api_port, "off"),
-                                        (proxy, cfg.proxy_port, "on"))
+            _Server(uvicorn.Config(api, host=cfg.listen, port=cfg.api_port, lifespan="off",
+                                   log_level=cfg.log_level, timeout_graceful_shutdown=10, **ssl)),
+            _Server(uvicorn.Config(proxy, host=cfg.listen, port=cfg.proxy_port, lifespan="on",
+                                   log_level=cfg.log_level, timeout_graceful_shutdown=10, **ssl)),
         ]
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()

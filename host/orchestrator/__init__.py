@@ -5,8 +5,15 @@ SQLite `Store` (store.py) and a `SandboxRuntime` (runtime.py).
 """
 
 from .envd import EnvdClient
-from .errors import (IdempotencyMismatch, InvalidRequest, OperationFailed, OrchestratorError,
-                     SandboxNotFound, SnapshotNotFound, StateConflict)
+from .errors import (
+                     IdempotencyMismatch,
+                     InvalidRequest,
+                     OperationFailed,
+                     OrchestratorError,
+                     SandboxNotFound,
+                     SnapshotNotFound,
+                     StateConflict,
+)
 from .node import NodeOrchestrator
 from .recovery import recover
 from .runtime import MachineSpec, Placement, SandboxRuntime, SnapshotRef

@@ -15,6 +15,7 @@ default) or kills expired sandboxes. Recovery after a restart is in recovery.py.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import dataclasses
 import json
@@ -25,13 +26,40 @@ from typing import Any, TypeVar
 
 from . import ids
 from .envd import EnvdClient
-from .errors import (IdempotencyMismatch, InvalidRequest, OperationFailed, OrchestratorError,
-                     SandboxNotFound, SnapshotNotFound, StateConflict)
-from .model import (CreateRequest, ForkResult, ListFilter, LogLine, Metric, NetworkConfig, Route,
-                    SandboxInfo, SnapshotInfo)
-from .records import (GONE, LIVE, expand_states, network_from_json, network_to_json,
-                      placement_of, placement_to_json, ref_to_json, sandbox_info, snapshot_info,
-                      snapshot_ref, with_runtime)
+from .errors import (
+    IdempotencyMismatch,
+    InvalidRequest,
+    OperationFailed,
+    OrchestratorError,
+    SandboxNotFound,
+    SnapshotNotFound,
+    StateConflict,
+)
+from .model import (
+    CreateRequest,
+    ForkResult,
+    ListFilter,
+    LogLine,
+    Metric,
+    NetworkConfig,
+    Route,
+    SandboxInfo,
+    SnapshotInfo,
+)
+from .records import (
+    GONE,
+    LIVE,
+    expand_states,
+    network_from_json,
+    network_to_json,
+    placement_of,
+    placement_to_json,
+    ref_to_json,
+    sandbox_info,
+    snapshot_info,
+    snapshot_ref,
+    with_runtime,
+)
 from .runtime import MachineSpec, SandboxRuntime, SnapshotRef
 from .states import SandboxState as S
 from .store import SandboxRecord, SnapshotRecord, Store
@@ -129,7 +157,7 @@ class NodeOrchestrator:
         return lock
 
     async def _db(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
-        return await self.store.run(fn, *args, **kwargs)  # type: ignore[no-any-return]
+        return await self.store.run(fn, *args, **kwargs)  # type: ignore[no-any-return,no-untyped-call]
 
     async def _record(self, sandbox_id: str) -> SandboxRecord:
         """The sandbox's record; SandboxNotFound when unknown or killed."""
@@ -312,7 +340,7 @@ class NodeOrchestrator:
         await self._db(self.store.transition, rec.id, {S.KILLING}, S.KILLED,
                        end_at=self.clock(), runtime=with_runtime(rec, placement=None))
 
-    async def collect_snapshots(self) -> list[str]:
+    async def collect_snapshots(self) -> builtins.list[str]:
         """Delete pause/fork snapshots nobody can reach any more: their sandbox is gone, no
         live sandbox started from or resumes from them, no other snapshot builds on them."""
         deleted: list[str] = []
@@ -359,7 +387,7 @@ class NodeOrchestrator:
                 end = max(rec.end_at, self.clock() + duration_s)
                 await self._db(self.store.update_fields, sandbox_id, end_at=end)
 
-    async def expired(self) -> list[str]:
+    async def expired(self) -> builtins.list[str]:
         """Running sandboxes whose TTL has run out."""
         now = self.clock()
         recs = await self._db(self.store.list_sandboxes, {S.RUNNING})
@@ -535,7 +563,7 @@ class NodeOrchestrator:
         return await self._shielded(self._fork(sandbox_id, count, timeout_s))
 
     async def _fork(self, sandbox_id: str, count: int,
-                    timeout_s: int | None) -> list[ForkResult]:
+                    timeout_s: int | None) -> builtins.list[ForkResult]:
         async with self._lock(sandbox_id):
             rec = await self._record(sandbox_id)
             ref = await self._live_snapshot(rec, S.FORKING, None, "fork")
@@ -556,7 +584,7 @@ class NodeOrchestrator:
                     network=network_from_json(rec.network), secure=True,
                     parent_id=sandbox_id, op="created_by_fork")
                 results[i] = ForkResult(sandbox=info)
-            except Exception as exc:  # each child succeeds or fails on its own
+            except Exception as exc:  # noqa: BLE001 - each child succeeds or fails on its own
                 status = exc.status if isinstance(exc, OrchestratorError) else 500
                 results[i] = ForkResult(error=str(exc), error_status=status)
 

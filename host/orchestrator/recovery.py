@@ -58,7 +58,7 @@ class _Recovery:
         self.clock = clock
 
     async def db(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-        return await self.store.run(fn, *args, **kwargs)
+        return await self.store.run(fn, *args, **kwargs)  # type: ignore[no-untyped-call]
 
     async def kill_quietly(self, sid: str) -> None:
         try:

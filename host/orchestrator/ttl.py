@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .errors import OrchestratorError
@@ -62,7 +63,12 @@ class TtlLoop:
             except OrchestratorError:  # shutting down
                 self._busy.discard(sandbox_id)
                 return
-            task.add_done_callback(lambda _t, sid=sandbox_id: self._busy.discard(sid))
+            task.add_done_callback(self._done_callback(sandbox_id))
+
+    def _done_callback(self, sandbox_id: str) -> Callable[[asyncio.Task[None]], None]:
+        def done(_: asyncio.Task[None]) -> None:
+            self._busy.discard(sandbox_id)
+        return done
 
     async def _expire(self, sandbox_id: str) -> None:
         try:

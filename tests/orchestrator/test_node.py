@@ -15,8 +15,14 @@ import pytest
 
 from host.orchestrator import NodeOrchestrator, Store
 from host.orchestrator.envd import EnvdClient
-from host.orchestrator.errors import (IdempotencyMismatch, InvalidRequest, OperationFailed,
-                                      SandboxNotFound, SnapshotNotFound, StateConflict)
+from host.orchestrator.errors import (
+    IdempotencyMismatch,
+    InvalidRequest,
+    OperationFailed,
+    SandboxNotFound,
+    SnapshotNotFound,
+    StateConflict,
+)
 from host.orchestrator.model import CreateRequest, ListFilter, NetworkConfig
 from host.orchestrator.states import SandboxState as S
 
