@@ -176,7 +176,8 @@ def test_pty_create_resize_input_kill(sbx):
     reader = threading.Thread(target=read)
     reader.start()
     deadline = time.monotonic() + 10
-    while b"33 111" not in b"".join(data) and time.monotonic() < deadline:
+    # Wait for the last line: the typed command echoes "echo $TERM", not its value.
+    while b"xterm-256color" not in b"".join(data) and time.monotonic() < deadline:
         time.sleep(0.05)
     out = b"".join(data)
     assert b"33 111" in out
