@@ -13,17 +13,30 @@ from websockets.exceptions import ConnectionClosed
 TOKEN = "term-token"
 
 
+class Screen:
+    """Accumulates a terminal's binary output so that waits never lose bytes."""
+
+    def __init__(self, ws) -> None:
+        self.ws = ws
+        self.buf = b""
+        self.pos = 0  # consumed up to here
+
+    async def expect(self, needle: bytes, timeout_s: float = 10.0) -> bytes:
+        """Wait until `needle` appears after the previous match; return the text up to it."""
+        deadline = time.monotonic() + timeout_s
+        while (i := self.buf.find(needle, self.pos)) < 0:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                pytest.fail(f"{needle!r} not seen; got {self.buf[-500:]!r}")
+            msg = await asyncio.wait_for(self.ws.recv(), remaining)
+            if isinstance(msg, bytes):
+                self.buf += msg
+        start, self.pos = self.pos, i + len(needle)
+        return self.buf[start:self.pos]
+
+
 async def read_until(ws, needle: bytes, timeout_s: float = 10.0) -> bytes:
-    buf = b""
-    deadline = time.monotonic() + timeout_s
-    while needle not in buf:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            pytest.fail(f"{needle!r} not seen; got {buf[-500:]!r}")
-        msg = await asyncio.wait_for(ws.recv(), remaining)
-        if isinstance(msg, bytes):
-            buf += msg
-    return buf
+    return await Screen(ws).expect(needle, timeout_s)
 
 
 def ws_url(http_url: str, query: str = "") -> str:
@@ -32,13 +45,14 @@ def ws_url(http_url: str, query: str = "") -> str:
 
 async def test_echo_resize_and_exit(envd_url):
     async with connect(ws_url(envd_url, "cols=90&rows=30")) as ws:
+        screen = Screen(ws)
         await ws.send(b"echo hello-$((40+2)); stty size\n")
-        out = await read_until(ws, b"hello-42")
-        out += await read_until(ws, b"30 90")
+        await screen.expect(b"hello-42")
+        await screen.expect(b"30 90")
         await ws.send(json.dumps({"type": "resize", "cols": 120, "rows": 40}))
         await ws.send(json.dumps({"type": "input", "data": "stty size; id -un\n"}))
-        out = await read_until(ws, b"40 120")
-        out += await read_until(ws, b"user")
+        await screen.expect(b"40 120")
+        await screen.expect(b"user")
         await ws.send(b"exit 4\n")
         exit_msg = None
         try:
