@@ -78,6 +78,8 @@ while :; do
 done
 """
 
+BULK = "while :; do dd if=/dev/urandom of=/home/user/big bs=1M count=16 conv=fsync 2>/dev/null; done\n"
+
 
 async def test_snapshot_under_disk_write_load_is_consistent(runtime: NodeRuntime,
                                                             template: SnapshotRef) -> None:
@@ -87,15 +89,15 @@ async def test_snapshot_under_disk_write_load_is_consistent(runtime: NodeRuntime
     try:
         await write(p, "/home/user/writer.sh", WRITER)
         await background(p, "bash /home/user/writer.sh")
-        await background(p, "while :; do dd if=/dev/urandom of=/home/user/big bs=1M count=16 "
-                            "conv=fsync 2>/dev/null; done")
+        await write(p, "/home/user/bulk.sh", BULK)
+        await background(p, "bash /home/user/bulk.sh")
         await run(p, "sleep 3")
         snap = await runtime.snapshot(sid, "life2-p", stop=True)
         print(f"\nsnapshot under load: {snap.facts['timings']}")
         p = await runtime.start(sid, snap, NET)
         # stop the writers, drop the guest page cache: what we read now comes from the disk
         # layers restored with the snapshot (+ what the writers appended since)
-        await run(p, "pkill -f writer.sh; pkill dd; sleep 0.5; "
+        await run(p, "pkill -f '[w]riter.sh'; pkill -f '[b]ulk.sh'; sleep 0.5; "
                      f"{SUDO} sh -c 'sync; echo 3 > /proc/sys/vm/drop_caches'")
         text = await run(p, "cat /home/user/log", timeout=120)
         lines = text.split("\n")
