@@ -125,7 +125,7 @@ def test_keepalives_follow_start_on_idle_stream(envd_url):
     msgs = messages(frames)
     kinds = [next(iter(m["event"])) for m in msgs]
     assert kinds[0] == "start"
-    assert kinds.count("keepalive") == 2, kinds
+    assert 2 <= kinds.count("keepalive") <= 3, kinds  # ~1 s apart over ~2.3 s of silence
     assert kinds[-1] == "end"
     assert msgs[kinds.index("keepalive")]["event"]["keepalive"] == {}
 
