@@ -70,6 +70,20 @@ class EnvdClient:
             return
         raise OperationFailed(f"envd /init of {placement.sandbox_id} failed: {last}") from last
 
+    async def healthy(self, placement: Placement, *, attempts: int = 3,
+                      timeout_s: float = 3.0) -> bool:
+        """envd answers GET /health (used after adopting a VM whose vCPUs may have been
+        stopped by a snapshot that never finished)."""
+        for attempt in range(attempts):
+            try:
+                resp = await self._http.get(self._url(placement, "/health"), timeout=timeout_s)
+                if resp.status_code < 300:
+                    return True
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.3 * (attempt + 1))
+        return False
+
     async def metrics(self, placement: Placement, token: str | None) -> Metric:
         headers = {"X-Access-Token": token} if token else {}
         try:

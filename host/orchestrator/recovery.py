@@ -168,9 +168,19 @@ class _Recovery:
         if st is not S.RUNNING:
             await self.drop_pending(rec)
         placement = await self.adopt(rec)
-        if placement is not None:
+        if placement is not None and (st is S.RUNNING or await self.answers(rec, placement)):
             return await self.to_running(rec, placement)
         return await self.paused_or_killed(rec)
+
+    async def answers(self, rec: SandboxRecord, placement: Placement) -> bool:
+        """A VM adopted in the middle of a snapshot may have its vCPUs stopped (the runtime
+        does not resume them on adoption): only a VM whose envd answers counts as running."""
+        if await self.envd.healthy(placement):
+            return True
+        log.warning("recovery: adopted %s (%s) but envd does not answer: releasing it",
+                    rec.id, rec.state.value)
+        await self.kill_quietly(rec.id)
+        return False
 
     async def recover_pausing(self, rec: SandboxRecord) -> S:
         pending = rec.runtime.get("pending") or {}
@@ -187,7 +197,7 @@ class _Recovery:
                           "template_id": rec.template_id}))
                 return await self.to_paused(rec, store_id or runtime_id)
         placement = await self.adopt(rec)
-        if placement is not None:
+        if placement is not None and await self.answers(rec, placement):
             return await self.to_running(rec, placement)
         return await self.paused_or_killed(rec)
 

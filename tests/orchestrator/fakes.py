@@ -140,9 +140,14 @@ class FakeEnvd:
         self.tokens: dict[str, str] = {}
         self.inits: list[tuple[str, dict[str, Any], dict[str, str]]] = []
         self.fail_hosts: set[str] = set()
+        self.stopped_hosts: set[str] = set()
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         host = request.url.host
+        if request.url.path == "/health":  # no auth; a VM with stopped vCPUs never answers
+            if host in self.stopped_hosts:
+                raise httpx.ConnectTimeout("stopped", request=request)
+            return httpx.Response(204)
         if host in self.fail_hosts:
             return httpx.Response(500, json={"code": 500, "message": "injected"})
         held = self.tokens.get(host)

@@ -213,3 +213,18 @@ async def test_nothing_transitional_remains(orch, store, rt, envd):
     assert states <= {S.RUNNING, S.PAUSED, S.KILLED}
     live = {r.id for r in store.list_sandboxes() if r.state is S.RUNNING}
     assert set(rt.vms) == live  # SQLite agrees with the runtime
+
+
+async def test_adopted_but_stopped_vm_is_not_running(orch, store, rt, envd):
+    """A VM adopted mid-pause whose vCPUs stay stopped: released, back to its snapshot."""
+    a, b = await _running(orch), await _running(orch)
+    await orch.pause(a)
+    await orch.connect(a, None)
+    prev = store.get_sandbox(a).snapshot_id
+    for sid in (a, b):
+        _crash_into(store, sid, [S.PAUSING], pending={"store_id": "z" + sid,
+                                                     "runtime_id": "z" + sid, "kind": "pause"})
+        envd.stopped_hosts.add(rt.vms[sid].envd_host)
+    out = await _recover(store, rt, envd)
+    assert out == {a: S.PAUSED, b: S.KILLED}
+    assert store.get_sandbox(a).snapshot_id == prev and rt.vms == {}
