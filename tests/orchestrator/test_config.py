@@ -1,0 +1,51 @@
+"""host.config: environment + flags (flags win), validation; the start banner."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from host.__main__ import banner
+from host.api import ApiKeys
+from host.config import Config, ConfigError, parse_config
+
+
+def test_defaults() -> None:
+    cfg = parse_config([], {})
+    assert cfg == Config()
+    assert cfg.state_dir == Path("/var/lib/aenv")
+    assert (cfg.api_port, cfg.proxy_port, cfg.domain) == (3000, 3001, "sbx.localhost")
+    assert cfg.repository_spec == "posix_fs:/var/lib/aenv/repo"
+    assert cfg.vmm == "auto" and cfg.tls is False
+
+
+def test_env_then_flags() -> None:
+    env = {"AENV_STATE_DIR": "/srv/aenv", "AENV_API_PORT": "4000", "AENV_TLS": "yes",
+           "AENV_DOMAIN": "sbx.example.test", "AENV_MEMORY_MB": "256"}
+    cfg = parse_config(["--api-port", "4100", "--no-tls"], env)
+    assert cfg.state_dir == Path("/srv/aenv") and cfg.db_path == Path("/srv/aenv/state.db")
+    assert cfg.api_port == 4100 and cfg.tls is False
+    assert cfg.domain == "sbx.example.test" and cfg.memory_mb == 256
+
+
+@pytest.mark.parametrize(("argv", "env"), [
+    (["--api-port", "3001"], {}),
+    ([], {"AENV_API_PORT": "70000"}),
+    ([], {"AENV_TLS": "maybe"}),
+    ([], {"AENV_API_PORT": "x"}),
+    ([], {"AENV_VMM": "firecracker"}),
+    (["--domain", "http://x"], {}),
+    (["--run-dir", "/tmp/" + "x" * 80], {}),
+])
+def test_invalid(argv: list[str], env: dict[str, str]) -> None:
+    with pytest.raises(ConfigError):
+        parse_config(argv, env)
+
+
+def test_banner_names_the_sdk_variables() -> None:
+    text = banner(Config(api_port=3000, proxy_port=3001), ApiKeys(["e2b_k"]))
+    assert "E2B_API_URL=http://127.0.0.1:3000" in text
+    assert "E2B_SANDBOX_URL=http://127.0.0.1:3001" in text
+    assert "E2B_API_KEY=e2b_k" in text and "/var/lib/aenv/api_keys" in text
+    assert "E2B_DOMAIN=sbx.localhost" in banner(Config(tls=True), ApiKeys(["e2b_k"]))
