@@ -4,6 +4,10 @@
 #   rootfs/build.sh [--force] [NAME]        NAME defaults to "default"
 #
 # Output in ${AENV_CACHE:-/var/cache/aenv}/images/NAME/:
+# Files are content-versioned and never rewritten in place (a running VM's qcow2 backing
+# file or a sandbox's block stack can keep using an older one): NAME-<inputs hash>.ext4,
+# with stable symlinks base.ext4 / envd.ext4 / rootfs.ext4 -> the newest. The manifest
+# names the versioned files. The 3 newest versions of each are kept.
 #   base.ext4      layer 0, read-only BASE: Debian bookworm minbase (debootstrap) + packages
 #                  (rootfs/packages.txt) + user `user` (passwordless sudo). ext4, sparse,
 #                  ROOTFS_SIZE bytes apparent size.
@@ -15,7 +19,7 @@
 #                  copy it (cp --sparse=always / qcow2 backing file) for a writable disk.
 #   manifest.json  layer digests/sizes/formats, kernel path+hash, envd version, cmdline
 # Caching: the base layer is reused while rootfs/packages.txt + the base recipe are unchanged
-# (.base-inputs); layer 1 and rootfs.ext4 while out/envd + init.c are unchanged too.
+# (base-<hash>.ext4); layer 1 and rootfs.ext4 while out/envd + init.c are unchanged too.
 # Every file is written to a temp name and renamed into place.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -89,8 +93,18 @@ customize_base() {  # $1 = root dir
 }
 # END BASE RECIPE
 
-if [ "$force" = 0 ] && [ -f "$IMG/base.ext4" ] && [ "$(cat "$IMG/.base-inputs" 2>/dev/null)" = "$BASE_HASH" ]; then
-  log "[1/4] base layer cached: $IMG/base.ext4 ($BASE_HASH)"
+BASE_FILE="$IMG/base-$BASE_HASH.ext4"
+publish_link() {  # $1 = link name, $2 = target basename
+  ln -sfn "$2" "$IMG/.$1.tmp.$$" && mv -Tf "$IMG/.$1.tmp.$$" "$IMG/$1"
+}
+prune() {  # $1 = prefix: keep the 3 newest PREFIX-*.ext4 (and their side files)
+  local old
+  for old in $(ls -1t "$IMG/$1"-*.ext4 2>/dev/null | tail -n +4); do
+    rm -f "$old" "${old%.ext4}.packages" "${old%.ext4}.version"
+  done
+}
+if [ "$force" = 0 ] && [ -f "$BASE_FILE" ] && [ -f "${BASE_FILE%.ext4}.packages" ]; then
+  log "[1/4] base layer cached: $BASE_FILE"
 else
   t0=$(date +%s)
   W="$IMG/.tmp-base"
@@ -111,11 +125,9 @@ else
     -d "$W/root" "$W/base.ext4" "$ROOTFS_SIZE" || die "mkfs.ext4 failed"
   e2fsck -fn "$W/base.ext4" >/dev/null 2>&1 || die "e2fsck of base.ext4 failed"
   chroot "$W/root" dpkg-query -W -f='${Package}=${Version}\n' >"$W/packages.lock"
-  mv -f "$W/packages.lock" "$IMG/base.packages"
-  mv -f "$W/base.ext4" "$IMG/base.ext4"
-  echo "$BASE_HASH" >"$IMG/.base-inputs.tmp" && mv -f "$IMG/.base-inputs.tmp" "$IMG/.base-inputs"
+  mv -f "$W/packages.lock" "${BASE_FILE%.ext4}.packages"
+  mv -f "$W/base.ext4" "$BASE_FILE"
   rm -rf "$W"
-  rm -f "$IMG/.layer-inputs"  # the layer above must be re-applied
   log "  base layer done in $(( $(date +%s) - t0 ))s"
 fi
 
@@ -127,8 +139,9 @@ LAYER_HASH="$( { echo "recipe=$LAYER_RECIPE_VERSION base=$BASE_HASH gcc=$GCC_V e
                 sha256sum "$INIT_SRC"
                 sed -n '/^# BEGIN LAYER RECIPE/,/^# END LAYER RECIPE/p' "$0"; } | sha256sum | cut -c1-16)"
 
-if [ "$force" = 0 ] && [ -f "$IMG/rootfs.ext4" ] && [ -f "$IMG/manifest.json" ] \
-   && [ "$(cat "$IMG/.layer-inputs" 2>/dev/null)" = "$LAYER_HASH" ]; then
+ROOTFS_FILE="$IMG/rootfs-$LAYER_HASH.ext4"
+LAYER_FILE="$IMG/envd-$LAYER_HASH.ext4"
+if [ "$force" = 0 ] && [ -f "$ROOTFS_FILE" ] && [ -f "$LAYER_FILE" ] && [ -f "${LAYER_FILE%.ext4}.version" ]; then
   log "[2/4] envd layer + rootfs cached ($LAYER_HASH)"
 else
   t0=$(date +%s)
@@ -148,7 +161,7 @@ else
   # layer 1 on its own (small ext4 of just its files)
   mkfs.ext4 -q -F -L aenv-envd -m 0 -b 4096 -d "$W/files" "$W/envd.ext4" 64M
   # merged: base + layer 1 written in place, so only the touched blocks differ from base
-  cp --sparse=always "$IMG/base.ext4" "$W/rootfs.ext4"
+  cp --sparse=always "$BASE_FILE" "$W/rootfs.ext4"
   cat >"$W/debugfs.cmds" <<EOF
 cd /usr/sbin
 rm init
@@ -186,11 +199,9 @@ EOF
     [ "$got" = "$(stat -c %s "$W/files/$f")" ] || die "/$f in rootfs.ext4 has size '$got'"
   done
   echo "$ENVD_VERSION" >"$W/envd.version"
-  mv -f "$W/envd.ext4" "$IMG/envd.ext4"
-  mv -f "$W/rootfs.ext4" "$IMG/rootfs.ext4"
-  mv -f "$W/envd.version" "$IMG/.envd-version"
-  rm -f "$IMG/manifest.json"
-  echo "$LAYER_HASH" >"$IMG/.layer-inputs.tmp" && mv -f "$IMG/.layer-inputs.tmp" "$IMG/.layer-inputs"
+  mv -f "$W/envd.version" "${LAYER_FILE%.ext4}.version"
+  mv -f "$W/envd.ext4" "$LAYER_FILE"
+  mv -f "$W/rootfs.ext4" "$ROOTFS_FILE"
   rm -rf "$W"
   log "  envd layer + rootfs done in $(( $(date +%s) - t0 ))s"
 fi
@@ -199,13 +210,20 @@ fi
 # manifest (rewritten when missing or when the kernel changed)
 KDIR="$(kernel/build.sh --print-path 2>/dev/null || true)"
 [ -n "$KDIR" ] && [ -f "$KDIR/DONE" ] || { log "  warning: kernel not built yet (make kernel); manifest has no kernel"; KDIR=""; }
-if [ -f "$IMG/manifest.json" ] && grep -qF "\"dir\": \"$KDIR\"" "$IMG/manifest.json"; then
+publish_link base.ext4 "$(basename "$BASE_FILE")"
+publish_link envd.ext4 "$(basename "$LAYER_FILE")"
+publish_link rootfs.ext4 "$(basename "$ROOTFS_FILE")"
+prune base; prune envd; prune rootfs
+if [ -f "$IMG/manifest.json" ] && grep -qF "\"dir\": \"$KDIR\"" "$IMG/manifest.json" \
+   && grep -qF "\"path\": \"$ROOTFS_FILE\"" "$IMG/manifest.json"; then
   log "[3/4] manifest up to date"
 else
   log "[3/4] hashing layers, writing manifest.json"
-  python3 - "$IMG" "$NAME" "$KDIR" "$BASE_HASH" "$LAYER_HASH" "$ENVD_BIN" "$SUITE" "$ROOTFS_SIZE" <<'EOF'
+  python3 - "$IMG" "$NAME" "$KDIR" "$BASE_HASH" "$LAYER_HASH" "$ENVD_BIN" "$SUITE" "$ROOTFS_SIZE" \
+    "$(basename "$BASE_FILE")" "$(basename "$LAYER_FILE")" "$(basename "$ROOTFS_FILE")" <<'EOF'
 import hashlib, json, os, sys, time
-img, name, kdir, base_hash, layer_hash, envd_bin, suite, size = sys.argv[1:]
+(img, name, kdir, base_hash, layer_hash, envd_bin, suite, size,
+ base_fn, layer_fn, rootfs_fn) = sys.argv[1:]
 
 _cache_path = os.path.join(img, ".digests.json")
 try:
@@ -242,22 +260,24 @@ if kdir:
     kernel = {"dir": kdir, "hash": info["hash"], "release": info["kernel_release"],
               "vmlinux": os.path.join(kdir, "vmlinux"), "bzImage": os.path.join(kdir, "bzImage"),
               "vmlinux_digest": digest(os.path.join(kdir, "vmlinux"))}
-packages = open(os.path.join(img, "base.packages")).read().split()
-envd_version = open(os.path.join(img, ".envd-version")).read().strip()
+with open(os.path.join(img, base_fn[:-len(".ext4")] + ".packages")) as f:
+    packages = f.read().split()
+with open(os.path.join(img, layer_fn[:-len(".ext4")] + ".version")) as f:
+    envd_version = f.read().strip()
 cmdline = ("console=ttyS0 reboot=t panic=-1 quiet cryptomgr.notests tsc_early_khz={tsc_khz} "
            "root=/dev/vda rw rootfstype=ext4")
 manifest = {
     "format_version": 1,
     "name": name,
     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    "rootfs": fileinfo("rootfs.ext4", format="ext4", device="/dev/vda",
+    "rootfs": fileinfo(rootfs_fn, format="ext4", device="/dev/vda",
                        contents="base.ext4 with layer 'envd' applied in place (block-level: "
                                 "differs from base.ext4 only in the blocks layer 1 wrote)"),
     "layers": [
-        fileinfo("base.ext4", name="base", format="ext4", readonly=True,
+        fileinfo(base_fn, name="base", format="ext4", readonly=True,
                  inputs_hash=base_hash, suite=suite, variant="minbase",
                  packages=packages),
-        fileinfo("envd.ext4", name="envd", format="ext4-files", readonly=True,
+        fileinfo(layer_fn, name="envd", format="ext4-files", readonly=True,
                  inputs_hash=layer_hash, applies_to="base",
                  files=["/usr/bin/envd", "/usr/sbin/aenv-init", "/usr/sbin/init",
                         "/etc/aenv/release"]),
@@ -286,5 +306,5 @@ os.replace(tmp, os.path.join(img, "manifest.json"))
 EOF
 fi
 ln -sfn "$NAME" "$CACHE/images/.current.tmp.$$" && mv -Tf "$CACHE/images/.current.tmp.$$" "$CACHE/images/current" 2>/dev/null || true
-log "[4/4] done in $(( $(date +%s) - t_all ))s: $IMG (rootfs.ext4 $(du -h "$IMG/rootfs.ext4" | cut -f1) allocated, envd $(du -h "$ENVD_BIN" | cut -f1))"
+log "[4/4] done in $(( $(date +%s) - t_all ))s: $IMG ($(basename "$ROOTFS_FILE") $(du -h "$ROOTFS_FILE" | cut -f1) allocated, envd $(du -h "$ENVD_BIN" | cut -f1))"
 echo "$IMG"
