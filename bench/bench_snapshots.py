@@ -31,10 +31,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from host.orchestrator.model import NetworkConfig  # noqa: E402
-from host.orchestrator.runtime import MachineSpec  # noqa: E402
-from host.runtime import NodeRuntime, RuntimeConfig  # noqa: E402
-from tests.runtime.helpers import background, pss_kib, run, write  # noqa: E402
+from host.orchestrator.model import NetworkConfig
+from host.orchestrator.runtime import MachineSpec
+from host.runtime import NodeRuntime, RuntimeConfig
+from tests.runtime.helpers import background, pss_kib, run, write
 
 NET = NetworkConfig()
 WRITER = ("i=0; while :; do printf 'rec %08d 0123456789abcdef\\n' $i >> /home/user/log; "
@@ -136,7 +136,7 @@ async def bench_size(rt: NodeRuntime, mem_mib: int, args: argparse.Namespace) ->
 
 
 def report(r: dict[str, Any]) -> None:
-    ms = lambda x: f"{x * 1e3:8.0f} ms"  # noqa: E731
+    ms = lambda x: f"{x * 1e3:8.0f} ms"
     print(f"\n== guest {r['mem_mib']} MiB ==")
     print(f"cold boot (spawn -> envd)        {ms(r['cold_boot_s'])}")
     print(f"cold QEMU spawn -> QMP ready     {ms(r['cold_qmp_ready_s'])}")

@@ -57,9 +57,12 @@ class BlockServerHandle:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root),
                                                          env.get("PYTHONPATH", "")) if p)
-        with open(self.log_file, "ab") as log:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                    start_new_session=True, cwd=repo_root, env=env)
+        def spawn() -> subprocess.Popen[bytes]:
+            with open(self.log_file, "ab") as log:
+                return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                        start_new_session=True, cwd=repo_root, env=env)
+
+        proc = await asyncio.to_thread(spawn)
         self.pid_file.write_text(str(proc.pid))
         self.started_here = True
         deadline = time.monotonic() + _READY_S

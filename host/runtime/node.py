@@ -21,7 +21,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from host.network import (
     NetworkError,
@@ -131,7 +131,7 @@ class NodeRuntime:
 
     # -- lifecycle --------------------------------------------------------------------
 
-    async def open(self) -> NodeRuntime:
+    async def open(self) -> Self:
         if self._open:
             return self
         cfg = self.config
@@ -153,7 +153,7 @@ class NodeRuntime:
         self._open = True
         return self
 
-    async def __aenter__(self) -> NodeRuntime:
+    async def __aenter__(self) -> Self:
         return await self.open()
 
     async def __aexit__(self, *exc: object) -> None:
@@ -394,7 +394,7 @@ class NodeRuntime:
         net_made = stack_made = False
         timings: dict[str, float] = {}
         try:
-            net, vnet, host, port, host_port = await self._make_net(sid, policy)
+            _net, vnet, host, port, host_port = await self._make_net(sid, policy)
             net_made = True
             try:
                 await self.block.client.create(stack, m["disk"]["layers"])

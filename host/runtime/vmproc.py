@@ -148,7 +148,7 @@ class QemuProcess:
         files = QemuRunFiles.in_dir(work_dir)
         files.qmp_socket.unlink(missing_ok=True)
         t0 = time.perf_counter()
-        with open(work_dir / "qemu.stderr", "wb") as err:
+        with open(work_dir / "qemu.stderr", "wb") as err:  # noqa: ASYNC230 - local, instant
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,

@@ -50,7 +50,7 @@ async def read(p: Placement, path: str) -> str:
 
 
 def netns_names() -> list[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
@@ -61,8 +61,9 @@ async def assert_gone(rt: NodeRuntime, sid: str) -> None:
     stacks = [i.name for i in await rt.block.client.list()]
     assert f"sbx-{sid}" not in stacks
     assert f"{rt.config.network_prefix}{sid}" not in netns_names()
-    ps = subprocess.run(["pgrep", "-f", str(rt.config.vms_dir / sid) + "/"],
-                        capture_output=True, text=True).stdout
+    ps = (await asyncio.to_thread(
+        subprocess.run, ["pgrep", "-f", str(rt.config.vms_dir / sid) + "/"],
+        capture_output=True, text=True, check=False)).stdout
     assert ps.strip() == ""
 
 
