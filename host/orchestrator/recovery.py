@@ -5,10 +5,12 @@ For every sandbox the store knows (states.py draws the machine):
     running       adopt -> running | else paused (own pause snapshot) | else killed
     creating      kill -> killed (the client never got it)
     pausing       new snapshot committed (store, else runtime.find_snapshot) -> paused on it
-                  | else adopt -> running | else paused on the previous snapshot | killed
+                  | else adopt -> running (envd answers) or paused on a fresh snapshot
+                    (vCPUs left stopped) | else paused on the previous snapshot | killed
     resuming      adopt + /init again (same token) -> running | else kill -> paused
     snapshotting,
-    forking       adopt -> running | else paused (own pause snapshot) | else killed
+    forking       adopt -> running (envd answers) or paused on a fresh snapshot
+                  | else paused (own pause snapshot) | else killed
     killing       kill -> killed
 
 Then `runtime.reap_orphans(ids that should have a live VM)`. Snapshot ids are chosen by
@@ -24,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from . import ids
 from .envd import EnvdClient
 from .errors import SnapshotNotFound
 from .records import placement_of, placement_to_json, ref_to_json, with_runtime
@@ -168,19 +171,32 @@ class _Recovery:
         if st is not S.RUNNING:
             await self.drop_pending(rec)
         placement = await self.adopt(rec)
-        if placement is not None and (st is S.RUNNING or await self.answers(rec, placement)):
+        if placement is None:
+            return await self.paused_or_killed(rec)
+        if st is S.RUNNING or await self.envd.healthy(placement):
             return await self.to_running(rec, placement)
-        return await self.paused_or_killed(rec)
+        return await self.pause_unresponsive(rec)
 
-    async def answers(self, rec: SandboxRecord, placement: Placement) -> bool:
-        """A VM adopted in the middle of a snapshot may have its vCPUs stopped (the runtime
-        does not resume them on adoption): only a VM whose envd answers counts as running."""
-        if await self.envd.healthy(placement):
-            return True
-        log.warning("recovery: adopted %s (%s) but envd does not answer: releasing it",
+    async def pause_unresponsive(self, rec: SandboxRecord) -> S:
+        """A VM adopted in the middle of a snapshot may keep its vCPUs stopped (adoption
+        does not resume them), so envd never answers. Its memory and disk are intact:
+        finish the job as a pause with a fresh snapshot, so nothing written is lost."""
+        log.warning("recovery: adopted %s (%s) but envd does not answer: pausing it",
                     rec.id, rec.state.value)
-        await self.kill_quietly(rec.id)
-        return False
+        snap_id = ids.new_runtime_snapshot_id("pause")
+        rec = await self.db(self.store.update_fields, rec.id, runtime=with_runtime(
+            rec, pending={"store_id": snap_id, "runtime_id": snap_id, "kind": "pause"}))
+        try:
+            ref = await self.runtime.snapshot(rec.id, snap_id, stop=True)
+        except Exception:
+            log.exception("recovery: pausing unresponsive %s failed", rec.id)
+            await self.kill_quietly(rec.id)
+            return await self.paused_or_killed(rec)
+        await self.db(self.store.insert_snapshot, SnapshotRecord(
+            id=snap_id, kind="pause", created_at=ref.created_at, sandbox_id=rec.id,
+            parent_id=ref.parent_id, spec={"ref": ref_to_json(ref), "envd_token": rec.envd_token,
+                                           "template_id": rec.template_id}))
+        return await self.to_paused(rec, snap_id)
 
     async def recover_pausing(self, rec: SandboxRecord) -> S:
         pending = rec.runtime.get("pending") or {}
@@ -197,9 +213,11 @@ class _Recovery:
                           "template_id": rec.template_id}))
                 return await self.to_paused(rec, store_id or runtime_id)
         placement = await self.adopt(rec)
-        if placement is not None and await self.answers(rec, placement):
+        if placement is None:
+            return await self.paused_or_killed(rec)
+        if await self.envd.healthy(placement):
             return await self.to_running(rec, placement)
-        return await self.paused_or_killed(rec)
+        return await self.pause_unresponsive(rec)
 
 
 async def recover(store: Store, runtime: SandboxRuntime, envd: EnvdClient, *,

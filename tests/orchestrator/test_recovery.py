@@ -215,16 +215,21 @@ async def test_nothing_transitional_remains(orch, store, rt, envd):
     assert set(rt.vms) == live  # SQLite agrees with the runtime
 
 
-async def test_adopted_but_stopped_vm_is_not_running(orch, store, rt, envd):
-    """A VM adopted mid-pause whose vCPUs stay stopped: released, back to its snapshot."""
+async def test_adopted_but_stopped_vm_is_paused_with_its_data(orch, store, rt, envd):
+    """A VM adopted mid-pause whose vCPUs stay stopped: paused on a fresh snapshot (its
+    memory is intact); if even that fails, released and back to its previous snapshot."""
     a, b = await _running(orch), await _running(orch)
-    await orch.pause(a)
-    await orch.connect(a, None)
-    prev = store.get_sandbox(a).snapshot_id
+    await orch.pause(b)
+    await orch.connect(b, None)
+    prev = store.get_sandbox(b).snapshot_id
     for sid in (a, b):
         _crash_into(store, sid, [S.PAUSING], pending={"store_id": "z" + sid,
                                                      "runtime_id": "z" + sid, "kind": "pause"})
         envd.stopped_hosts.add(rt.vms[sid].envd_host)
+    rt.fail["snapshot"] = lambda sid: sid == b
     out = await _recover(store, rt, envd)
-    assert out == {a: S.PAUSED, b: S.KILLED}
-    assert store.get_sandbox(a).snapshot_id == prev and rt.vms == {}
+    assert out == {a: S.PAUSED, b: S.PAUSED}
+    fresh = store.get_sandbox(a).snapshot_id
+    assert fresh not in (None, "z" + a) and store.get_snapshot(fresh).kind == "pause"
+    assert ("snapshot", (a, fresh, True)) in rt.calls
+    assert store.get_sandbox(b).snapshot_id == prev and rt.vms == {}
