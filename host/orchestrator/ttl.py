@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,8 @@ class TtlLoop:
         self.interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
         self._busy: set[str] = set()
+        self._retry_at: dict[str, float] = {}  # failed expiries back off
+        self.retry_s = 30.0
 
     def start(self) -> None:
         if self._task is None:
@@ -54,8 +57,9 @@ class TtlLoop:
 
     async def tick(self) -> None:
         """Start an expiry for every running sandbox past its deadline (once each)."""
+        now = time.monotonic()
         for sandbox_id in await self.orchestrator.expired():
-            if sandbox_id in self._busy:
+            if sandbox_id in self._busy or self._retry_at.get(sandbox_id, 0.0) > now:
                 continue
             self._busy.add(sandbox_id)
             try:
@@ -74,7 +78,10 @@ class TtlLoop:
         try:
             outcome = await self.orchestrator.expire(sandbox_id)
         except OrchestratorError as exc:
-            log.warning("TTL expiry of %s failed: %s", sandbox_id, exc)
+            log.warning("TTL expiry of %s failed (retry in %.0fs): %s", sandbox_id,
+                        self.retry_s, exc)
+            self._retry_at[sandbox_id] = time.monotonic() + self.retry_s
             return
+        self._retry_at.pop(sandbox_id, None)
         if outcome:
             log.info("sandbox %s timed out: %s", sandbox_id, outcome)

@@ -426,3 +426,19 @@ async def test_kill_collects_unreachable_snapshots(orch, rt, store):
     await orch.kill(sid)
     assert store.list_snapshots(kinds=["pause"]) == []
     assert store.list_snapshots(kinds=["template"]) != []
+
+
+async def test_failed_expiry_backs_off(orch, rt, clock, store):
+    sid = (await orch.create(CreateRequest(timeout_s=10))).sandbox_id
+    clock.advance(11)
+    rt.fail["snapshot"] = lambda s: True
+    for _ in range(3):
+        await orch._ttl.tick()
+        await asyncio.sleep(0.05)
+    assert len(rt.ops("snapshot")) == 1  # one try, then back off instead of spinning
+    assert store.get_sandbox(sid).state is S.RUNNING
+    rt.fail.clear()
+    orch._ttl._retry_at.clear()
+    await orch._ttl.tick()
+    await asyncio.sleep(0.05)
+    assert store.get_sandbox(sid).state is S.PAUSED
