@@ -74,7 +74,7 @@ def run_via_sdk(url: str, cmds: list[tuple[str, str]]) -> list[str]:
     for user, cmd in cmds:
         r = sbx.commands.run(cmd, user=user, timeout=60)
         outs.append(f"[{user}] $ {cmd} -> exit {r.exit_code}: {r.stdout.strip()}")
-        if r.exit_code != 0:
+        if r.exit_code != 0 or "unable to resolve" in r.stderr:
             raise RuntimeError(outs[-1] + " " + r.stderr)
     return outs
 
@@ -98,7 +98,7 @@ def main() -> int:
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b",
                     man["rootfs"]["path"], disk], check=True)
     port = free_port()
-    cmdline = man["cmdline"].format(tsc_khz=host_tsc_khz())
+    cmdline = man["cmdline"].format(tsc_khz=host_tsc_khz()) + " aenv.hostname=boot-check"
     console = os.path.join(work, "console.log")
     argv = [
         "qemu-system-x86_64", "-M", "microvm", "-accel", "tcg", "-cpu", "max",
@@ -129,6 +129,7 @@ def main() -> int:
         t_health = time.monotonic() - t0
         print(f"health: 204 after {t_health:.2f}s from QEMU start")
         cmds = [("user", "uname -r"), ("user", "id user"), ("user", "sudo -n true && echo sudo-ok"),
+                ("user", "hostname | grep -x boot-check"),
                 ("root", "cat /proc/cmdline; ip -4 -o addr show eth0; mount | head -3")]
         for line in run_via_sdk(url, cmds):
             print(line)

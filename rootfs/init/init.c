@@ -2,7 +2,8 @@
  * aenv-init: PID 1 of an aenv guest. Static, no dependencies (gcc -static -Os).
  *
  *  - mounts /proc /sys /dev (devtmpfs) /dev/pts /dev/shm /run /tmp
- *  - hostname from aenv.hostname= (kernel command line) or /etc/hostname
+ *  - hostname from aenv.hostname= (kernel command line; also written to /etc/hostname and
+ *    /etc/hosts) or /etc/hostname
  *  - brings lo up and configures the NIC from the kernel command line:
  *      aenv.ip=ADDR/PREFIX  aenv.gw=GW  aenv.dns=IP[,IP]  aenv.iface=eth0
  *    aenv.ip=none skips it; without aenv.ip the QEMU user-network defaults are used
@@ -124,7 +125,16 @@ static void setup_mounts(void) {
 
 static void setup_hostname(void) {
     char name[256] = "";
-    if (!param("aenv.hostname", name, sizeof name)) {
+    if (param("aenv.hostname", name, sizeof name) && name[0]) {
+        /* keep /etc/hostname and /etc/hosts in line (sudo resolves the hostname) */
+        char buf[600];
+        snprintf(buf, sizeof buf, "%s\n", name);
+        write_file("/etc/hostname", buf);
+        snprintf(buf, sizeof buf,
+                 "127.0.0.1\tlocalhost\n127.0.1.1\t%s\n::1\t\tlocalhost ip6-localhost ip6-loopback\n",
+                 name);
+        write_file("/etc/hosts", buf);
+    } else {
         FILE *f = fopen("/etc/hostname", "re");
         if (f) {
             if (!fgets(name, sizeof name, f)) name[0] = 0;
