@@ -24,8 +24,10 @@ class EnvdClient:
     """Talks to envd at a placement's address (host-internal, not through the proxy)."""
 
     def __init__(self, *, transport: httpx.AsyncBaseTransport | None = None,
-                 timeout_s: float = 10.0, init_attempts: int = 3) -> None:
+                 timeout_s: float = 10.0, init_timeout_s: float = 30.0,
+                 init_attempts: int = 4) -> None:
         self._http = httpx.AsyncClient(transport=transport, timeout=timeout_s, trust_env=False)
+        self._init_timeout_s = init_timeout_s
         self._init_attempts = init_attempts
 
     async def aclose(self) -> None:
@@ -58,10 +60,15 @@ class EnvdClient:
         for attempt in range(self._init_attempts):
             try:
                 resp = await self._http.post(self._url(placement, "/init"), json=body,
-                                             headers=headers)
+                                             headers=headers, timeout=self._init_timeout_s)
             except httpx.HTTPError as exc:  # envd answered /health already: retry briefly
                 last = exc
                 await asyncio.sleep(0.2 * (attempt + 1))
+                continue
+            if resp.status_code == 401 and attempt > 0 and token and headers.get(
+                    "X-Access-Token") != token:
+                # An earlier attempt timed out after envd applied it: the new token holds.
+                headers = {"X-Access-Token": token}
                 continue
             if resp.status_code >= 300:
                 raise OperationFailed(
