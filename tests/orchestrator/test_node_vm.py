@@ -1,0 +1,234 @@
+"""The orchestrator with the real node runtime: `python -m host` as a subprocess, driven
+through the REST API, the proxy and the e2b SDK; QEMU VMs under TCG.
+
+One service per module (the first create builds the template, ~1-2 min under TCG). The
+crash tests SIGKILL the service mid-operation, restart it on the same state and check
+that every sandbox is running or paused with its data, that SQLite agrees with the
+machine, and that nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .hostproc import HostService
+
+pytestmark = [pytest.mark.vm, pytest.mark.slow]
+ENVD = 49983
+
+
+def _need_vm() -> None:
+    try:
+        import host.runtime  # noqa: F401
+    except ImportError as exc:
+        print(f"skipping: host.runtime is not importable ({exc})")
+        pytest.skip(f"host.runtime is not importable yet: {exc}")
+    cache = Path(os.environ.get("AENV_CACHE", "/var/cache/aenv"))
+    if not (cache / "images" / "default" / "manifest.json").exists():
+        pytest.skip("no guest image: run `make kernel image`")
+    if shutil.which("qemu-system-x86_64") is None:
+        pytest.skip("qemu-system-x86_64 not installed")
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostService]:
+    _need_vm()
+    # Not under pytest's basetemp: concurrent pytest runs rotate (delete) old basetemps.
+    root = Path(tempfile.mkdtemp(prefix="aenv-orch-vm-", dir="/var/tmp"))
+    s = HostService(root)
+    try:
+        s.start()
+        with s.client() as c:  # build the template once for the module
+            t0 = time.monotonic()
+            r = c.post("/v2/sandboxes", json={"templateID": "base", "timeout": 60})
+            assert r.status_code == 201, r.text
+            print(f"\nfirst create (template build + restore): {time.monotonic() - t0:.1f}s")
+            c.delete(f"/sandboxes/{r.json()['sandboxID']}")
+        yield s
+    finally:
+        s.cleanup()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def sdk_env(svc: HostService, monkeypatch: pytest.MonkeyPatch) -> HostService:
+    monkeypatch.setenv("E2B_API_URL", svc.api_url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", svc.sandbox_url)
+    monkeypatch.setenv("E2B_API_KEY", svc.api_key)
+    monkeypatch.delenv("E2B_DOMAIN", raising=False)
+    return svc
+
+
+def _envd(svc: HostService, sid: str, path: str, token: str | None) -> httpx.Response:
+    headers = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": str(ENVD)}
+    if token:
+        headers["X-Access-Token"] = token
+    return httpx.get(f"{svc.sandbox_url}{path}", headers=headers, timeout=30)
+
+
+def test_create_token_and_env_vars(sdk_env: HostService) -> None:
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(envs={"FOO": "bar-42"}, timeout=120)
+    try:
+        token = sbx._envd_access_token
+        assert token
+        assert _envd(sdk_env, sbx.sandbox_id, "/envs", None).status_code == 401
+        assert _envd(sdk_env, sbx.sandbox_id, "/envs", "wrong").status_code == 401
+        r = _envd(sdk_env, sbx.sandbox_id, "/envs", token)
+        assert r.status_code == 200 and r.json().get("FOO") == "bar-42"
+        res = sbx.commands.run("echo $FOO; whoami; pwd")
+        assert res.stdout.split() == ["bar-42", "user", "/home/user"]
+        # pause/resume keeps the token: the same SDK handle keeps working
+        assert sbx.pause()
+        assert Sandbox.connect(sbx.sandbox_id).sandbox_id == sbx.sandbox_id
+        assert sbx.commands.run("echo $FOO").stdout.strip() == "bar-42"
+    finally:
+        sbx.kill()
+
+
+def _wait_state(c: httpx.Client, sid: str, want: str | None, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r = c.get(f"/sandboxes/{sid}")
+        got = r.json()["state"] if r.status_code == 200 else None
+        if got == want:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"{sid} did not become {want}")
+
+
+def test_ttl_expiry_pauses_by_default_and_kills_without_autopause(svc: HostService) -> None:
+    with svc.client() as c:
+        p = c.post("/v2/sandboxes", json={"templateID": "base", "timeout": 3}).json()
+        k = c.post("/v2/sandboxes", json={"templateID": "base", "timeout": 3,
+                                          "autoPause": False}).json()
+        _wait_state(c, p["sandboxID"], "paused")
+        _wait_state(c, k["sandboxID"], None)
+        assert svc.db_states()[k["sandboxID"]] == "killed"
+        assert k["sandboxID"] not in svc.vm_sandbox_ids()
+        assert p["sandboxID"] not in svc.vm_sandbox_ids()
+        r = c.post(f"/v2/sandboxes/{p['sandboxID']}/connect", json={"timeout": 60})
+        assert r.status_code == 201
+        c.delete(f"/sandboxes/{p['sandboxID']}")
+
+
+def test_load_20_creates_and_20_pauses(svc: HostService) -> None:
+    n = 20
+    with svc.client(timeout_s=600) as c, cf.ThreadPoolExecutor(n) as pool:
+        t0 = time.monotonic()
+        created = list(pool.map(lambda _: c.post("/v2/sandboxes", json={
+            "templateID": "base", "timeout": 600}), range(n)))
+        t_create = time.monotonic() - t0
+        failed = [r.text for r in created if r.status_code != 201]
+        print(f"\nload: {n} concurrent creates {time.monotonic() - t0:.1f}s")
+        assert failed == [], failed
+        ids = [r.json()["sandboxID"] for r in created]
+        t0 = time.monotonic()
+        paused = list(pool.map(lambda sid: c.post(f"/sandboxes/{sid}/pause"), ids))
+        t_pause = time.monotonic() - t0
+        assert [r.text for r in paused if r.status_code != 204] == []
+        print(f"\nload: {n} concurrent creates {t_create:.1f}s, {n} concurrent pauses "
+              f"{t_pause:.1f}s")
+        list(pool.map(lambda sid: c.delete(f"/sandboxes/{sid}"), ids))
+    assert not (set(ids) & svc.vm_sandbox_ids())
+
+
+def _write(svc: HostService, info: dict, text: str) -> None:
+    from e2b import Sandbox
+    from e2b.exceptions import SandboxException
+
+    sbx = Sandbox.connect(info["sandboxID"])
+    for attempt in range(3):
+        try:
+            sbx.files.write("/home/user/data.txt", text)
+            return
+        except SandboxException as exc:  # seen once after a restart: connection reset
+            print(f"\nwrite to {info['sandboxID']} failed (attempt {attempt + 1}): {exc}")
+            time.sleep(1)
+    sbx.files.write("/home/user/data.txt", text)
+
+
+def _read(info: dict) -> str:
+    from e2b import Sandbox
+
+    sbx = Sandbox.connect(info["sandboxID"], timeout=120)
+    return sbx.files.read("/home/user/data.txt")
+
+
+def _check_consistent(svc: HostService) -> dict[str, str]:
+    states = svc.db_states()
+    assert set(states.values()) <= {"running", "paused", "killed"}, states
+    running = {sid for sid, st in states.items() if st == "running"}
+    assert svc.vm_sandbox_ids() == running  # no orphan QEMU, no lost VM
+    assert len(svc.qemu_pids()) == len(running)
+    assert svc.vm_dirs() <= running  # sockets / work dirs only for live VMs
+    ns = svc.netns()
+    if ns or running:
+        assert ns in (set(), running) or ns == running, (ns, running)
+    assert svc.mounts() == []
+    return states
+
+
+@pytest.mark.parametrize("delay_s", [0.3, 0.8, 1.5])
+def test_crash_during_create_pause_resume_fork(sdk_env: HostService, delay_s: float) -> None:
+    svc = sdk_env
+    with svc.client() as c:
+        def create() -> dict:
+            r = c.post("/v2/sandboxes", json={"templateID": "base", "timeout": 600})
+            assert r.status_code == 201, r.text
+            return r.json()
+
+        to_pause, to_resume, to_fork = create(), create(), create()
+        for info, text in ((to_pause, "p"), (to_resume, "r"), (to_fork, "f")):
+            _write(svc, info, f"data-{text}")
+        assert c.post(f"/sandboxes/{to_resume['sandboxID']}/pause").status_code == 204
+        before = {sid for sid, st in svc.db_states().items() if st != "killed"}
+
+        def fire(method: str, url: str, body: dict | None = None) -> None:
+            try:
+                with svc.client(timeout_s=60) as c2:
+                    c2.request(method, url, json=body)
+            except httpx.HTTPError:
+                pass  # the service dies under it
+
+        calls = [("POST", "/v2/sandboxes", {"templateID": "base", "timeout": 600}),
+                 ("POST", f"/sandboxes/{to_pause['sandboxID']}/pause", {}),
+                 ("POST", f"/v2/sandboxes/{to_resume['sandboxID']}/connect", {"timeout": 600}),
+                 ("POST", f"/sandboxes/{to_fork['sandboxID']}/fork", {"count": 2})]
+        threads = [threading.Thread(target=fire, args=a) for a in calls]
+        for t in threads:
+            t.start()
+        time.sleep(delay_s)
+        mid = svc.db_states()
+        svc.sigkill()
+        for t in threads:
+            t.join(60)
+        print(f"\nstates at SIGKILL (+{delay_s}s): "
+              f"{sorted(st for sid, st in mid.items() if st != 'killed')}")
+
+    svc.start()
+    try:
+        states = _check_consistent(svc)
+    except AssertionError:
+        print(svc.log(20000))
+        raise
+    for sid in before:
+        assert states[sid] in ("running", "paused"), (sid, states[sid])
+    for info, text in ((to_pause, "p"), (to_resume, "r"), (to_fork, "f")):
+        assert _read(info) == f"data-{text}"
+    with svc.client() as c:
+        for sid, st in svc.db_states().items():
+            if st != "killed":
+                assert c.delete(f"/sandboxes/{sid}").status_code == 204
+    _check_consistent(svc)
