@@ -93,6 +93,14 @@ customize_base() {  # $1 = root dir
 }
 # END BASE RECIPE
 
+# remove a work dir, first detaching anything an interrupted debootstrap left mounted in it
+clean_dir() {
+  local m
+  for m in $(findmnt -rn -o TARGET 2>/dev/null | grep -F "$1/" | sort -r); do
+    umount -l "$m" 2>/dev/null || true
+  done
+  rm -rf "$1"
+}
 BASE_FILE="$IMG/base-$BASE_HASH.ext4"
 publish_link() {  # $1 = link name, $2 = target basename
   ln -sfn "$2" "$IMG/.$1.tmp.$$" && mv -Tf "$IMG/.$1.tmp.$$" "$IMG/$1"
@@ -108,7 +116,7 @@ if [ "$force" = 0 ] && [ -f "$BASE_FILE" ] && [ -f "${BASE_FILE%.ext4}.packages"
 else
   t0=$(date +%s)
   W="$IMG/.tmp-base"
-  rm -rf "$W"; mkdir -p "$W"
+  clean_dir "$W"; mkdir -p "$W"
   log "[1/4] debootstrap $SUITE minbase + ${PACKAGES[*]} (log $W/debootstrap.log)"
   debootstrap --variant=minbase --include="$(IFS=,; echo "${PACKAGES[*]}")" \
     "$SUITE" "$W/root" "$MIRROR" >"$W/debootstrap.log" 2>&1 &
@@ -127,7 +135,7 @@ else
   chroot "$W/root" dpkg-query -W -f='${Package}=${Version}\n' >"$W/packages.lock"
   mv -f "$W/packages.lock" "${BASE_FILE%.ext4}.packages"
   mv -f "$W/base.ext4" "$BASE_FILE"
-  rm -rf "$W"
+  clean_dir "$W"
   log "  base layer done in $(( $(date +%s) - t0 ))s"
 fi
 
