@@ -146,6 +146,9 @@ def _make_internet(host: str, inet: str, host_if: str, host_ip: str, inet_ips: l
 def world(loop: LoopThread, netns_capable: None) -> Iterator[World]:
     n = next(_counter)
     host = _add_netns(f"{INFRA}host{n}")
+    # A new namespace inherits ip_forward from the root namespace; the fake host must
+    # start with it off (like a fresh node) whatever the real host has set.
+    sh(["ip", "netns", "exec", host, "sysctl", "-qw", "net.ipv4.ip_forward=0"])
     inet = _add_netns(f"{INFRA}inet{n}")
     w: World | None = None
     try:
