@@ -45,7 +45,8 @@ async def open_runtime(cfg: Config) -> Any:
     rt = NodeRuntime(RuntimeConfig(state_dir=cfg.state_dir, run_dir=cfg.run_dir,
                                    repository=cfg.repository_spec, network=cfg.network,
                                    network_prefix=cfg.network_prefix,
-                                   network_pool=cfg.network_pool))
+                                   network_pool=cfg.network_pool,
+                                   envd_timeout_s=cfg.envd_timeout_s))
     return await rt.open()
 
 

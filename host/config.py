@@ -13,6 +13,7 @@
     AENV_NETWORK     --network      auto              auto | netns | user
     AENV_NETWORK_PREFIX / AENV_NETWORK_POOL   namespace/veth name prefix (aenv-) and the
                      guest address pool (10.200.0.0/16): distinct per service on one host
+    AENV_ENVD_TIMEOUT_S --envd-timeout 60             restore -> envd /health (TCG under load: more)
     AENV_IMAGE, AENV_CPU_COUNT, AENV_MEMORY_MB, AENV_DISK_MB   the default template's machine
 """
 
@@ -52,6 +53,7 @@ class Config:
     disk_mb: int = 2048
     default_template: str = "base"
     ttl_interval_s: float = 1.0
+    envd_timeout_s: float = 60.0
     log_level: str = "info"
 
     @property
@@ -99,6 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-count", type=int)
     p.add_argument("--memory-mb", type=int)
     p.add_argument("--disk-mb", type=int)
+    p.add_argument("--envd-timeout", type=float, dest="envd_timeout_s")
     p.add_argument("--ttl-interval", type=float, dest="ttl_interval_s")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     return p
@@ -114,6 +117,7 @@ _ENV: dict[str, tuple[str, type]] = {
     "image": ("AENV_IMAGE", str),
     "cpu_count": ("AENV_CPU_COUNT", int), "memory_mb": ("AENV_MEMORY_MB", int),
     "disk_mb": ("AENV_DISK_MB", int), "ttl_interval_s": ("AENV_TTL_INTERVAL_S", float),
+    "envd_timeout_s": ("AENV_ENVD_TIMEOUT_S", float),
     "log_level": ("AENV_LOG_LEVEL", str),
 }
 

@@ -62,7 +62,9 @@ class HostService:
                 "--run-dir", str(self.run), "--api-port", str(self.api_port),
                 "--proxy-port", str(self.proxy_port), "--memory-mb", str(self.memory_mb),
                 "--network-prefix", self.prefix, "--network-pool", self.pool,
-                "--ttl-interval", str(self.ttl_interval_s)]
+                "--ttl-interval", str(self.ttl_interval_s),
+                # 20 concurrent TCG restores on a shared 2-core host can take minutes
+                "--envd-timeout", "240"]
         self.proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         log.close()
