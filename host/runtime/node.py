@@ -512,12 +512,15 @@ class NodeRuntime:
             await self.manifests.put(snapshot_id, m)  # the commit point
         except BaseException:
             shutil.rmtree(root, ignore_errors=True)
-            if not vm.alive():
+            dead = not vm.alive()
+            if not dead and paused:
+                try:
+                    await vm.execute("cont", timeout_s=5.0)
+                except Exception:  # noqa: BLE001 - QMP gone: the sandbox is unusable
+                    dead = True
+            if dead:
                 log.warning("sandbox %s: QEMU died during snapshot: releasing it", sb.sandbox_id)
                 await self._release(sb)
-            elif paused:
-                with contextlib.suppress(Exception):
-                    await vm.execute("cont")
             raise
         self.last_timings = timings
         if stop:

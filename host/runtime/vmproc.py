@@ -134,9 +134,9 @@ class QemuProcess:
                 f"qemu stderr:\n{tail(self.stderr_log, 20)}")
 
     def alive(self) -> bool:
-        if self.proc is not None:
-            return self.proc.returncode is None
-        return pid_alive(self.pid)
+        if self.proc is not None and self.proc.returncode is not None:
+            return False
+        return pid_alive(self.pid)  # also False for a zombie not reaped yet
 
     # -- start ------------------------------------------------------------------------
 
