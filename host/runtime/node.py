@@ -338,7 +338,8 @@ class NodeRuntime:
             m.update({
                 "created_at": time.time(), "parent_id": None,
                 "config_sha256": self._digest(spec),
-                "memory": {"base_dir": str(base.dir), "snapshot_dir": None},
+                "memory": {"base_dir": str(base.dir), "base_id": base.id,
+                           "devstate": str(base.template_path), "snapshot_dir": None},
                 "disk": {"layers": list(info.layers), "virtual_size": info.virtual_size},
                 "depends_on": [template_id],
                 "timings": {k: round(v, 3) for k, v in timings.items()},
@@ -503,7 +504,9 @@ class NodeRuntime:
                 "sandbox_id": sb.sandbox_id, "machine": dataclasses.asdict(sb.machine),
                 "network_mode": sb.mode, "image": src.get("image"), "kernel": src["kernel"],
                 "cmdline": src["cmdline"], "config_sha256": sb.config_sha256,
-                "memory": {"base_dir": str(base.dir), "snapshot_dir": str(snap.dir)},
+                "memory": {"base_dir": str(base.dir), "base_id": base.id,
+                           "snapshot_dir": str(snap.dir), "devstate": str(snap.devstate),
+                           "diffs": [str(d) for d in snap.diffs]},
                 "disk": {"layers": list(info.layers), "virtual_size": info.virtual_size},
                 "depends_on": sorted(depends),
             }

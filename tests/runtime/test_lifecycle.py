@@ -29,6 +29,11 @@ async def test_start_from_template_answers_sdk(runtime: NodeRuntime, template: S
         assert (await run(p, "echo hello")).split() == ["hello"]
         log = await runtime.console_log("life0", 50)
         assert isinstance(log, list)
+        await runtime.update_network("life0", NetworkConfig(allow_internet_access=False))
+        assert (await run(p, "echo after-policy")).strip() == "after-policy"
+        mem = template.facts["memory"]
+        assert mem["base_id"] and template.facts["disk"]["layers"]
+        assert template.facts["config_sha256"] and template.facts["machine"]["memory_mb"] == MEM_MB
     finally:
         await runtime.kill("life0")
     await runtime.kill("life0")  # idempotent
