@@ -97,6 +97,57 @@ def test_create_token_and_env_vars(sdk_env: HostService) -> None:
         sbx.kill()
 
 
+def test_fork_and_named_snapshot_via_sdk(sdk_env: HostService) -> None:
+    from e2b import Sandbox
+
+    parent = Sandbox.create(envs={"E": "1"}, timeout=300)
+    made: list[Sandbox] = []
+    try:
+        parent.files.write("/home/user/state.txt", "before-fork")
+        parent.commands.run("sleep 600", background=True)  # a process survives the fork
+        kids = parent.fork(count=2, timeout=120)
+        made += [k for k in kids if isinstance(k, Sandbox)]
+        assert len(made) == 2, kids
+        tokens = {parent._envd_access_token, *(k._envd_access_token for k in made)}
+        assert len(tokens) == 3 and len({k.sandbox_id for k in made}) == 2
+        for i, kid in enumerate(made):
+            assert kid.files.read("/home/user/state.txt") == "before-fork"
+            assert kid.commands.run("echo $E").stdout.strip() == "1"
+            assert "sleep 600" in kid.commands.run("ps -eo args").stdout
+            kid.files.write("/home/user/state.txt", f"child-{i}")
+        assert parent.files.read("/home/user/state.txt") == "before-fork"  # isolated
+        # a named snapshot of a running sandbox, then a new sandbox from it
+        snap = parent.create_snapshot("orch-test/snap")
+        assert snap.snapshot_id == "orch-test/snap:default"
+        assert parent.is_running()
+        clone = Sandbox.create(snap.snapshot_id, timeout=120)
+        made.append(clone)
+        assert clone.files.read("/home/user/state.txt") == "before-fork"
+        assert clone._envd_access_token != parent._envd_access_token
+        assert Sandbox.delete_snapshot(snap.snapshot_id) is True
+    finally:
+        for sbx in [parent, *made]:
+            sbx.kill()
+
+
+def test_restart_adopts_running_vms(svc: HostService) -> None:
+    with svc.client() as c:
+        ids = [c.post("/v2/sandboxes", json={"templateID": "base", "timeout": 600}).json()[
+            "sandboxID"] for _ in range(2)]
+        pids = {p for p, cmd in svc.qemu_pids().items() if any(i in cmd for i in ids)}
+        assert len(pids) == 2
+    assert svc.stop() == 0  # SIGTERM: clean exit, VMs stay for adoption
+    assert {p for p, cmd in svc.qemu_pids().items() if any(i in cmd for i in ids)} == pids
+    svc.start()
+    with svc.client() as c:
+        for sid in ids:
+            assert c.get(f"/sandboxes/{sid}").json()["state"] == "running"
+            r = c.post(f"/sandboxes/{sid}/pause")
+            assert r.status_code == 204, r.text  # the adopted VM is fully usable
+            c.delete(f"/sandboxes/{sid}")
+    _check_consistent(svc)
+
+
 def _wait_state(c: httpx.Client, sid: str, want: str | None, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
