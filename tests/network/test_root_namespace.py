@@ -46,6 +46,9 @@ def root_world(loop: LoopThread, netns_capable: None) -> Iterator[World]:
     w = None
     try:
         _make_internet("", inet, UPLINK, "203.0.113.1", [INET], root=True)
+        # A new link inherits conf.default.forwarding, which is on wherever something set
+        # the global ip_forward; start from off like a node whose uplink doesn't forward.
+        sh(["sysctl", "-qw", f"net.ipv4.conf.{UPLINK}.forwarding=0"])
         cfg = NetworkManagerConfig(prefix=f"{TAG}-", pool=_free_pool(), uplinks=(UPLINK,))
         manager = loop.run(NetworkManager(cfg).open())
         w = World(loop=loop, host="", inet=inet, manager=manager, servers=servers)
