@@ -60,7 +60,7 @@ from .errors import (
 )
 from .layers import image_layers
 from .manifests import VERSION, ManifestStore
-from .vmproc import QemuProcess, family_argv, family_digest, is_our_qemu
+from .vmproc import QemuProcess, family_argv, family_digest, is_our_qemu, qemu_pids_under
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +268,6 @@ class NodeRuntime:
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
             raise
-        (work / "pid").write_text(str(vm.pid))
         return vm
 
     async def _release_vm(self, vm: QemuProcess) -> None:
@@ -558,9 +557,13 @@ class NodeRuntime:
             pid = int((work / "pid").read_text())
         if pid is None and facts and facts.get("pid"):
             pid = int(facts["pid"])
+        pids = set()
         if pid is not None and is_our_qemu(pid, QemuRunFiles.in_dir(work).qmp_socket):
-            vm = QemuProcess(name=sid, work_dir=work, pid=pid, proc=None, argv=[])
-            await vm.kill()
+            pids.add(pid)
+        scanned = await asyncio.to_thread(qemu_pids_under, self.config.vms_dir)
+        pids |= {p for p, s in scanned.items() if s == sid}
+        for p in pids:
+            await QemuProcess(name=sid, work_dir=work, pid=p, proc=None, argv=[]).kill()
         shutil.rmtree(work, ignore_errors=True)
         with contextlib.suppress(StorageError):
             await self._drop_stack(f"sbx-{sid}")
@@ -623,11 +626,12 @@ class NodeRuntime:
                 reaped.add(sid)
         live = set(self._sbx) | self._busy
         building = {f"tpl-{t}" for t in self._building}
-        if self.config.vms_dir.is_dir():
-            for d in self.config.vms_dir.iterdir():
-                if d.name not in live and d.name not in building:
-                    await self._release_leftovers(d.name, None)
-                    reaped.add(d.name)
+        stale = {d.name for d in self.config.vms_dir.iterdir()} if self.config.vms_dir.is_dir() \
+            else set()
+        stale |= set((await asyncio.to_thread(qemu_pids_under, self.config.vms_dir)).values())
+        for sid in sorted(stale - live - building):
+            await self._release_leftovers(sid, None)
+            reaped.add(sid)
         for info in await self.block.client.list():
             if info.name.startswith("sbx-") and info.name[4:] not in live:
                 await self._drop_stack(info.name)

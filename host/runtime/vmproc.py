@@ -96,6 +96,26 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def qemu_pids_under(vms_dir: Path) -> dict[int, str]:
+    """{pid: sandbox id} of every QEMU (or its `ip netns exec` wrapper before the exec)
+    whose QMP socket lies in `vms_dir/<sandbox id>/`: finds VMs whose pid was never
+    recorded (a service killed between spawn and the pid file)."""
+    prefix = f"unix:{vms_dir}/"
+    found: dict[int, str] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        argv = pid_cmdline(int(d.name))
+        if not argv or not ("qemu-system" in argv[0] or argv[0] in ("ip", "/usr/sbin/ip",
+                                                                     "/sbin/ip")):
+            continue
+        for a in argv:
+            if a.startswith(prefix) and "/qmp.sock" in a:
+                found[int(d.name)] = a[len(prefix):].split("/", 1)[0]
+                break
+    return found
+
+
 def is_our_qemu(pid: int, qmp_socket: Path) -> bool:
     """Whether `pid` is a QEMU whose command line names `qmp_socket` (pids get reused)."""
     argv = pid_cmdline(pid)
@@ -157,6 +177,8 @@ class QemuProcess:
             except OSError as exc:
                 raise SandboxStartError(f"{name}: cannot run {argv[0]}: {exc}") from exc
         vm = cls(name=name, work_dir=work_dir, pid=proc.pid, proc=proc, argv=argv)
+        # recorded at once: a service killed during the QMP wait leaves a findable VM
+        (work_dir / "pid").write_text(str(proc.pid))
         try:
             await vm.connect(timeout_s=_QMP_READY_S)
         except BaseException:

@@ -111,6 +111,8 @@ async def test_adopt_after_restart_and_reap(runtime: NodeRuntime, template: Snap
         # orphan: known to nobody -> reaped (VM, stack, namespace)
         detached = await runtime.detach(orphan)
         assert detached["pid"]
+        # as if the service died before recording the pid: found by its QMP socket path
+        (runtime.config.vms_dir / orphan / "pid").unlink()
         reaped = await other.reap_orphans(known=set(runtime.sandboxes))
         assert orphan in reaped
         await assert_gone(other, orphan)
