@@ -1,0 +1,650 @@
+"""The Firecracker driver: one `FirecrackerVm` per `firecracker` process, controlled over
+its REST API on a unix socket.
+
+A `FirecrackerVm` owns the process (its own session), the API socket, the serial log (the
+process's stdout: Firecracker writes the guest's ttyS0 there), its stderr log and the work
+dir; `kill()` leaves none of them behind.
+
+Boot: PUT /machine-config, /boot-source, /drives/{id}, /network-interfaces/{id},
+optionally /balloon, then PUT /actions InstanceStart. Pause/resume: PATCH /vm.
+`save_state(dest)` writes two files, the device state to `dest` and guest memory to
+`snapshot_mem_path(dest)` (PUT /snapshot/create, Full or Diff). `restore()` loads both
+into a fresh process (PUT /snapshot/load with a File memory backend).
+
+What Firecracker cannot do, and the driver rejects with a VmmError saying so:
+user-mode networking (TAP only), NBD disks (it opens only files and block devices),
+qcow2 images, booting without a kernel, and guest RAM in a shared host file.
+
+NOT VERIFIED AGAINST A REAL FIRECRACKER: the development host has no Firecracker binary
+and only a paravirtual (PVM) KVM, which Firecracker cannot use. The tests run this driver
+against a fake API server that validates each request against a hand-written schema of
+Firecracker's published OpenAPI document (tests/vmm/firecracker_api_schema.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import shlex
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Self
+
+import httpx
+
+from . import proc as procs
+from .accel import _kvm_openable, _pvm_loaded
+from .driver import ENVD_PORT, BootTimeouts, FileDisk, NbdDisk, TapNet, UserNet, VmSpec, VmState
+from .errors import VmmBootTimeout, VmmError, VmmStartError, VmmStateError, VmmTimeout
+from .qemu import default_run_dir
+from .readiness import wait_for_health
+
+log = logging.getLogger(__name__)
+
+DEFAULT_FIRECRACKER = "firecracker"
+_API_CALL_S = 10.0
+_SNAPSHOT_S = 120.0
+_TAIL_LINES = 30
+_IFACE_ID = "eth0"
+_DRIVE_ID = re.compile(r"^[A-Za-z0-9_]+$")  # Firecracker accepts only these in ids
+
+
+def firecracker_usable(binary: str = DEFAULT_FIRECRACKER) -> tuple[bool, str]:
+    """(usable, why): the binary is on PATH and /dev/kvm opens and is not kvm-pvm
+    (Firecracker needs a KVM that runs standard guests)."""
+    if shutil.which(binary) is None:
+        return False, f"{binary} not found on PATH"
+    if not _kvm_openable():
+        return False, "/dev/kvm missing or not accessible"
+    if _pvm_loaded():
+        return False, "KVM is kvm-pvm (paravirtual guests only); Firecracker cannot use it"
+    return True, "firecracker binary and KVM present"
+
+
+def snapshot_mem_path(state: Path) -> Path:
+    """Where `save_state(state)` writes guest memory (Firecracker keeps it in its own file)."""
+    return state.with_name(state.name + ".mem")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BalloonConfig:
+    """A virtio-balloon device (PUT /balloon before start). Stats need a polling interval."""
+
+    amount_mib: int = 0
+    deflate_on_oom: bool = True
+    stats_polling_interval_s: int = 1
+    free_page_reporting: bool = False
+
+
+@dataclass(frozen=True)
+class _Files:
+    work_dir: Path
+
+    @property
+    def api_socket(self) -> Path:
+        return self.work_dir / "firecracker.sock"
+
+    @property
+    def serial_log(self) -> Path:
+        return self.work_dir / "serial.log"
+
+    @property
+    def stderr_log(self) -> Path:
+        return self.work_dir / "firecracker.stderr"
+
+
+class FirecrackerDriver:
+    """Starts Firecracker microVMs (KVM only; see `firecracker_usable`)."""
+
+    name = "firecracker"
+
+    def __init__(
+        self,
+        *,
+        firecracker: str = DEFAULT_FIRECRACKER,
+        run_dir: Path | None = None,
+        die_with_parent: bool = True,
+        balloon: BalloonConfig | None = None,
+        track_dirty_pages: bool = False,
+    ) -> None:
+        self.firecracker = firecracker
+        self.run_dir = run_dir or default_run_dir()
+        self.die_with_parent = die_with_parent
+        self.balloon = balloon
+        # Needed for Diff snapshots that hold only the pages written since the last one.
+        self.track_dirty_pages = track_dirty_pages
+        self._vms: list[FirecrackerVm] = []
+
+    @property
+    def vms(self) -> list[FirecrackerVm]:
+        return list(self._vms)
+
+    async def start(self, spec: VmSpec, *, timeouts: BootTimeouts | None = None
+                    ) -> FirecrackerVm:
+        vm = FirecrackerVm(self, spec, timeouts or BootTimeouts())
+        await vm._start(state_file=None)
+        return vm
+
+    async def boot(self, spec: VmSpec, *, timeouts: BootTimeouts | None = None
+                   ) -> FirecrackerVm:
+        """start() + wait_for_envd(); the VM is killed if envd does not come up."""
+        vm = await self.start(spec, timeouts=timeouts)
+        try:
+            await vm.wait_for_envd()
+        except BaseException:
+            await vm.kill()
+            raise
+        return vm
+
+    async def restore(
+        self, spec: VmSpec, state: Path, *, timeouts: BootTimeouts | None = None,
+        resume: bool = True,
+    ) -> FirecrackerVm:
+        """Guest memory comes from `spec.memory.path` (must be shared=False: Firecracker
+        maps it copy-on-write) or else from `snapshot_mem_path(state)`."""
+        vm = FirecrackerVm(self, spec, timeouts or BootTimeouts())
+        await vm._start(state_file=Path(state), resume=resume)
+        return vm
+
+    async def adopt(self, spec: VmSpec, facts: dict[str, Any], *,
+                    timeouts: BootTimeouts | None = None) -> FirecrackerVm | None:
+        vm = FirecrackerVm(self, spec, timeouts or BootTimeouts())
+        return vm if await vm._adopt(facts) else None
+
+    async def aclose(self) -> None:
+        errors: list[BaseException] = []
+        for vm in reversed(self.vms):
+            try:
+                await vm.kill()
+            except VmmError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def _forget(self, vm: FirecrackerVm) -> None:
+        with contextlib.suppress(ValueError):
+            self._vms.remove(vm)
+
+
+def check_spec(spec: VmSpec, *, restoring: bool) -> None:
+    """Raise VmmError for what Firecracker cannot run."""
+    if isinstance(spec.network, UserNet):
+        raise VmmError(f"{spec.name}: Firecracker supports only TAP networking; user-mode "
+                       "networking (UserNet/slirp) is a QEMU feature. Use TapNet.")
+    for disk in spec.disks:
+        if isinstance(disk, NbdDisk):
+            raise VmmError(f"{spec.name}: Firecracker opens only files and block devices, not "
+                           f"NBD sockets ({disk.socket}); an NBD-backed stack needs a kernel "
+                           "block device (nbd-client /dev/nbdX or ublk) given as a FileDisk")
+        if disk.format != "raw":
+            raise VmmError(f"{spec.name}: Firecracker reads raw images only, not "
+                           f"{disk.format} ({disk.path})")
+        if disk.serial is not None and not _DRIVE_ID.match(disk.serial):
+            raise VmmError(f"{spec.name}: drive serial {disk.serial!r} must be alphanumeric "
+                           "or '_' (Firecracker uses it as the drive id)")
+    if not restoring:
+        if spec.kernel is None:
+            raise VmmError(f"{spec.name}: Firecracker needs a kernel (vmlinux) to boot")
+        if spec.memory is not None:
+            raise VmmError(f"{spec.name}: Firecracker keeps fresh guest RAM anonymous; a "
+                           "memory file is only used when restoring a snapshot")
+    elif spec.memory is not None and spec.memory.shared:
+        raise VmmError(f"{spec.name}: Firecracker maps snapshot memory copy-on-write; "
+                       "restore with MemoryBacking(shared=False)")
+
+
+def drive_ids(spec: VmSpec) -> list[str]:
+    """The drive id of each disk: its serial (which the guest reads back as the virtio-blk
+    id), else `rootfs` for the first and `diskN` for the others."""
+    ids = []
+    for i, disk in enumerate(spec.disks):
+        ids.append(disk.serial or ("rootfs" if i == 0 else f"disk{i}"))
+    if len(set(ids)) != len(ids):
+        raise VmmError(f"{spec.name}: duplicate drive ids {ids}")
+    return ids
+
+
+class FirecrackerVm:
+    """One Firecracker process running one guest. Create through `FirecrackerDriver`."""
+
+    def __init__(self, driver: FirecrackerDriver, spec: VmSpec, timeouts: BootTimeouts
+                 ) -> None:
+        self._driver = driver
+        self._spec = spec
+        self.timeouts = timeouts
+        self._state = VmState.CREATED
+        self._proc: procs.ProcessHandle | None = None
+        self._api: httpx.AsyncClient | None = None
+        self._work_dir: Path | None = None
+        self._owns_work_dir = False
+        self._kill_task: asyncio.Task[None] | None = None
+        self.argv: list[str] = []
+        self.started_at: float | None = None
+        self.api_ready_s: float | None = None
+
+    # -- properties -----------------------------------------------------------------
+
+    @property
+    def spec(self) -> VmSpec:
+        return self._spec
+
+    @property
+    def state(self) -> VmState:
+        return self._state
+
+    @property
+    def pid(self) -> int | None:
+        if self._proc is None or self._proc.returncode is not None:
+            return None
+        return self._proc.pid
+
+    @property
+    def work_dir(self) -> Path:
+        if self._work_dir is None:
+            raise VmmStateError(f"{self._spec.name}: not started")
+        return self._work_dir
+
+    @property
+    def files(self) -> _Files:
+        return _Files(self.work_dir)
+
+    @property
+    def api_socket(self) -> Path:
+        return self.files.api_socket
+
+    @property
+    def serial_log(self) -> Path:
+        return self.files.serial_log
+
+    @property
+    def envd_address(self) -> tuple[str, int]:
+        net = self._spec.network
+        if isinstance(net, TapNet):
+            return net.guest_ip, ENVD_PORT
+        raise VmmStateError(f"{self._spec.name}: VM has no network")
+
+    @property
+    def envd_url(self) -> str:
+        host, port = self.envd_address
+        return f"http://{host}:{port}"
+
+    def serial_tail(self, lines: int = _TAIL_LINES) -> str:
+        return procs.tail(self.serial_log, lines) if self._work_dir else ""
+
+    def stderr_tail(self, lines: int = _TAIL_LINES) -> str:
+        return procs.tail(self.files.stderr_log, lines) if self._work_dir else ""
+
+    def _tails(self) -> dict[str, str]:
+        return {"serial_tail": self.serial_tail(), "stderr_tail": self.stderr_tail()}
+
+    def __repr__(self) -> str:
+        return f"<FirecrackerVm {self._spec.name} {self._state.value} pid={self.pid}>"
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # -- API ----------------------------------------------------------------------------
+
+    async def api(self, method: str, path: str, body: dict[str, Any] | None = None, *,
+                  timeout_s: float = _API_CALL_S) -> Any:
+        """One API request; a `fault_message` answer becomes VmmError carrying it."""
+        if self._api is None or self._state is VmState.KILLED:
+            raise VmmStateError(f"{self._spec.name}: no API connection (state "
+                                f"{self._state.value})")
+        try:
+            resp = await self._api.request(method, path, json=body, timeout=timeout_s)
+        except httpx.TimeoutException as exc:
+            raise VmmTimeout(f"{self._spec.name}: {method} {path} took over {timeout_s}s",
+                             **self._tails()) from exc
+        except httpx.HTTPError as exc:
+            rc = await self._died()
+            if rc is not None:
+                raise VmmStartError(f"{self._spec.name}: Firecracker exited with code {rc} "
+                                    f"(during {method} {path})", **self._tails()) from exc
+            raise VmmError(f"{self._spec.name}: {method} {path}: {exc!r}") from exc
+        if resp.status_code >= 300:
+            try:
+                fault = resp.json().get("fault_message", resp.text)
+            except ValueError:
+                fault = resp.text
+            raise VmmError(f"{self._spec.name}: {method} {path} failed "
+                           f"({resp.status_code}): {fault}")
+        return resp.json() if resp.content else None
+
+    async def _died(self) -> int | None:
+        if self._proc is None:
+            return None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._proc.wait(), 0.2)
+        return self._proc.returncode
+
+    async def instance_state(self) -> str:
+        """Firecracker's own view: "Not started", "Running" or "Paused" (GET /)."""
+        info = await self.api("GET", "/")
+        return str(info["state"])
+
+    # -- start ------------------------------------------------------------------------
+
+    async def _start(self, *, state_file: Path | None, resume: bool = True) -> None:
+        if self._state is not VmState.CREATED:
+            raise VmmStateError(f"{self._spec.name}: already started")
+        spec = self._spec
+        check_spec(spec, restoring=state_file is not None)
+        if spec.kernel is not None and not spec.kernel.is_file():
+            raise VmmStartError(f"{spec.name}: kernel not found: {spec.kernel}")
+        mem_file = None
+        if state_file is not None:
+            mem_file = spec.memory.path if spec.memory else snapshot_mem_path(state_file)
+            for f in (state_file, mem_file):
+                if not f.is_file():
+                    raise VmmStartError(f"{spec.name}: snapshot file not found: {f}")
+        self._state = VmState.STARTING
+        self._driver._vms.append(self)
+        try:
+            self._make_work_dir()
+            await self._spawn()
+            await self._connect_api()
+            if state_file is None:
+                await self._configure_and_start()
+            else:
+                assert mem_file is not None
+                await self._load_snapshot(state_file, mem_file, resume=resume)
+        except BaseException:
+            # Never leave a process or file behind, whatever went wrong (cancel included).
+            try:
+                await self.kill()
+            except VmmError as exc:
+                log.error("cleanup after failed start of %s failed: %s", spec.name, exc)
+            raise
+
+    def _make_work_dir(self) -> None:
+        spec = self._spec
+        if spec.work_dir is None:
+            self._driver.run_dir.mkdir(parents=True, exist_ok=True)
+            safe = re.sub(r"[^A-Za-z0-9_.-]", "_", spec.name)[:40]
+            self._work_dir = Path(tempfile.mkdtemp(prefix=f"{safe}-", dir=self._driver.run_dir))
+            self._owns_work_dir = True
+        else:
+            self._owns_work_dir = not spec.work_dir.exists()
+            spec.work_dir.mkdir(parents=True, exist_ok=True)
+            self._work_dir = spec.work_dir
+        if len(str(self.api_socket)) > 107:
+            raise VmmStartError(f"work dir path too long for a unix socket: {self._work_dir}")
+
+    async def _spawn(self) -> None:
+        files = self.files
+        files.api_socket.unlink(missing_ok=True)  # Firecracker refuses an existing path
+        self.argv = [self._driver.firecracker, "--api-sock", str(files.api_socket)]
+        net = self._spec.network
+        if isinstance(net, TapNet) and net.netns:
+            self.argv = ["ip", "netns", "exec", net.netns, *self.argv]
+        out = await asyncio.to_thread(open, files.serial_log, "wb")
+        err = await asyncio.to_thread(open, files.stderr_log, "wb")
+        with out, err:
+            try:
+                self._proc = await asyncio.create_subprocess_exec(
+                    *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err,
+                    start_new_session=True,
+                    preexec_fn=procs.die_with_parent if self._driver.die_with_parent else None)
+            except OSError as exc:
+                raise VmmStartError(f"{self._spec.name}: cannot run {self.argv[0]}: {exc}") \
+                    from exc
+        self.started_at = asyncio.get_running_loop().time()
+        log.debug("%s: started pid %d: %s", self._spec.name, self._proc.pid,
+                  shlex.join(self.argv))
+
+    async def _connect_api(self) -> None:
+        """Poll GET / until the API answers, the process exits or vmm_ready_s passes."""
+        assert self._proc is not None and self.started_at is not None
+        loop = asyncio.get_running_loop()
+        deadline = self.started_at + self.timeouts.vmm_ready_s
+        sock = self.api_socket
+        client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=str(sock)),
+                                   base_url="http://localhost", trust_env=False,
+                                   timeout=httpx.Timeout(_API_CALL_S, connect=0.5))
+        try:
+            while True:
+                if self._proc.returncode is not None:
+                    raise VmmStartError(f"{self._spec.name}: Firecracker exited with code "
+                                        f"{self._proc.returncode} during startup",
+                                        **self._tails())
+                if sock.exists():
+                    with contextlib.suppress(httpx.TransportError):
+                        resp = await client.get("/")
+                        if resp.status_code == 200:
+                            self._api = client
+                            self.api_ready_s = loop.time() - self.started_at
+                            return
+                if loop.time() > deadline:
+                    raise VmmTimeout(f"{self._spec.name}: Firecracker API did not answer "
+                                     f"within {self.timeouts.vmm_ready_s}s", **self._tails())
+                await asyncio.sleep(0.005)
+        finally:
+            if self._api is not client:
+                await client.aclose()
+
+    async def _configure_and_start(self) -> None:
+        spec, drv = self._spec, self._driver
+        assert spec.kernel is not None
+        await self.api("PUT", "/machine-config", {
+            "vcpu_count": spec.vcpus, "mem_size_mib": spec.mem_mib,
+            "track_dirty_pages": drv.track_dirty_pages})
+        boot: dict[str, Any] = {"kernel_image_path": str(spec.kernel),
+                                "boot_args": spec.cmdline}
+        if spec.initrd is not None:
+            boot["initrd_path"] = str(spec.initrd)
+        await self.api("PUT", "/boot-source", boot)
+        # is_root_device makes Firecracker append root=/dev/vda; skip it when the cmdline
+        # already names a root, so the two cannot disagree.
+        cmdline_root = any(t.startswith("root=") for t in spec.cmdline.split())
+        for i, (drive_id, disk) in enumerate(zip(drive_ids(spec), spec.disks, strict=True)):
+            assert isinstance(disk, FileDisk)
+            await self.api("PUT", f"/drives/{drive_id}", {
+                "drive_id": drive_id, "path_on_host": str(disk.path),
+                "is_root_device": i == 0 and not cmdline_root,
+                "is_read_only": disk.read_only})
+        if isinstance(spec.network, TapNet):
+            await self.api("PUT", f"/network-interfaces/{_IFACE_ID}", {
+                "iface_id": _IFACE_ID, "host_dev_name": spec.network.tap,
+                "guest_mac": spec.network.mac})
+        if drv.balloon is not None:
+            b = drv.balloon
+            await self.api("PUT", "/balloon", {
+                "amount_mib": b.amount_mib, "deflate_on_oom": b.deflate_on_oom,
+                "stats_polling_interval_s": b.stats_polling_interval_s,
+                "free_page_reporting": b.free_page_reporting})
+        await self.api("PUT", "/actions", {"action_type": "InstanceStart"})
+        self._state = VmState.RUNNING
+
+    async def _load_snapshot(self, state_file: Path, mem_file: Path, *, resume: bool) -> None:
+        spec = self._spec
+        body: dict[str, Any] = {
+            "snapshot_path": str(state_file),
+            "mem_backend": {"backend_type": "File", "backend_path": str(mem_file)},
+            "track_dirty_pages": self._driver.track_dirty_pages,
+            # Disk paths are re-pointed below while paused, before the guest runs.
+            "resume_vm": resume and not spec.disks,
+        }
+        if isinstance(spec.network, TapNet):
+            # The snapshot names the TAP of the saved VM; each restored VM has its own.
+            body["network_overrides"] = [{"iface_id": _IFACE_ID,
+                                          "host_dev_name": spec.network.tap}]
+        await self.api("PUT", "/snapshot/load", body, timeout_s=_SNAPSHOT_S)
+        self._state = VmState.RUNNING if body["resume_vm"] else VmState.PAUSED
+        # Firecracker reopens the saved drive paths on load (they must still exist);
+        # PATCH swaps in this VM's own copies.
+        for drive_id, disk in zip(drive_ids(spec), spec.disks, strict=True):
+            assert isinstance(disk, FileDisk)
+            await self.api("PATCH", f"/drives/{drive_id}",
+                           {"drive_id": drive_id, "path_on_host": str(disk.path)})
+        if resume:
+            await self.resume()
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def _require(self, *states: VmState) -> None:
+        if self._state not in states:
+            raise VmmStateError(f"{self._spec.name}: is {self._state.value}, needs one of "
+                                f"{', '.join(s.value for s in states)}")
+
+    async def wait_for_envd(self, timeout_s: float | None = None) -> float:
+        self._require(VmState.RUNNING)
+        timeout_s = self.timeouts.envd_ready_s if timeout_s is None else timeout_s
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        url = self.envd_url
+        proc = self._proc
+        assert proc is not None
+        try:
+            async with asyncio.timeout(timeout_s):
+                await wait_for_health(url, alive=lambda: proc.returncode is None)
+        except TimeoutError:
+            raise VmmBootTimeout(f"{self._spec.name}: envd did not answer {url}/health within "
+                                 f"{timeout_s:g}s", **self._tails()) from None
+        if proc.returncode is not None:
+            raise VmmStartError(f"{self._spec.name}: Firecracker exited with code "
+                                f"{proc.returncode} before envd answered", **self._tails())
+        return loop.time() - t0
+
+    async def pause(self) -> None:
+        self._require(VmState.RUNNING, VmState.PAUSED)
+        if self._state is VmState.RUNNING:
+            await self.api("PATCH", "/vm", {"state": "Paused"})
+            self._state = VmState.PAUSED
+
+    async def resume(self) -> None:
+        self._require(VmState.RUNNING, VmState.PAUSED)
+        if self._state is VmState.PAUSED:
+            await self.api("PATCH", "/vm", {"state": "Resumed"})
+            self._state = VmState.RUNNING
+
+    async def save_state(self, dest: Path, *, diff: bool = False) -> None:
+        """Snapshot into `dest` (device state) and `snapshot_mem_path(dest)` (memory); the
+        VM is left PAUSED. diff=True writes only pages dirtied since the last snapshot
+        (with track_dirty_pages): merge it onto its base before restoring."""
+        self._require(VmState.RUNNING, VmState.PAUSED)
+        dest = Path(dest)
+        await self.pause()
+        await self.api("PUT", "/snapshot/create", {
+            "snapshot_type": "Diff" if diff else "Full", "snapshot_path": str(dest),
+            "mem_file_path": str(snapshot_mem_path(dest))}, timeout_s=_SNAPSHOT_S)
+
+    # -- balloon --------------------------------------------------------------------------
+
+    async def balloon_stats(self) -> dict[str, Any]:
+        """GET /balloon/statistics (needs a BalloonConfig with a polling interval)."""
+        self._require(VmState.RUNNING, VmState.PAUSED)
+        return dict(await self.api("GET", "/balloon/statistics"))
+
+    async def set_balloon(self, amount_mib: int) -> None:
+        """Inflate/deflate the balloon to `amount_mib` (PATCH /balloon)."""
+        self._require(VmState.RUNNING, VmState.PAUSED)
+        await self.api("PATCH", "/balloon", {"amount_mib": amount_mib})
+
+    # -- teardown -----------------------------------------------------------------------
+
+    async def kill(self) -> None:
+        """Idempotent; shielded, so a cancelled caller cannot leave a half-killed VM.
+        A no-op after detach(): the VM then belongs to whoever adopts it."""
+        if self._state in (VmState.KILLED, VmState.DETACHED) and self._kill_task is None:
+            return
+        if self._kill_task is None:
+            self._kill_task = asyncio.ensure_future(self._kill())
+        await asyncio.shield(self._kill_task)
+
+    async def aclose(self) -> None:
+        await self.kill()
+
+    async def _kill(self) -> None:
+        proc, api = self._proc, self._api
+        gone = True
+        # 1. Signals: Firecracker has no graceful-quit API call (SendCtrlAltDel only asks
+        #    the guest to reboot), and it exits on SIGTERM.
+        if proc is not None:
+            gone = await procs.terminate(proc, grace_s=self.timeouts.kill_s)
+        # 2. Close the API client after the process, so no request races its exit.
+        if api is not None:
+            with contextlib.suppress(Exception):
+                await api.aclose()
+        self._api = None
+        # 3. Files last, once nothing writes to them.
+        self._remove_files()
+        self._state = VmState.KILLED
+        self._driver._forget(self)
+        if not gone:
+            raise VmmError(f"{self._spec.name}: Firecracker pid "
+                           f"{proc.pid if proc else '?'} survived SIGKILL")
+
+    def _remove_files(self) -> None:
+        if self._work_dir is None:
+            return
+        files = _Files(self._work_dir)
+        files.api_socket.unlink(missing_ok=True)
+        if self._spec.keep_work_dir:
+            return
+        if self._owns_work_dir:
+            shutil.rmtree(self._work_dir, ignore_errors=True)
+        else:
+            for p in (files.serial_log, files.stderr_log):
+                p.unlink(missing_ok=True)
+
+    # -- detach / adopt -------------------------------------------------------------------
+
+    def facts(self) -> dict[str, Any]:
+        self._require(VmState.RUNNING, VmState.PAUSED)
+        assert self._proc is not None and self._work_dir is not None
+        return {
+            "driver": "firecracker",
+            "name": self._spec.name,
+            "pid": self._proc.pid,
+            "pid_start": procs.start_time(self._proc.pid),
+            "work_dir": str(self._work_dir),
+            "owns_work_dir": self._owns_work_dir,
+            "argv": list(self.argv),
+        }
+
+    async def detach(self) -> None:
+        self._require(VmState.RUNNING, VmState.PAUSED)
+        if self._api is not None:
+            with contextlib.suppress(Exception):
+                await self._api.aclose()
+        self._api = None
+        self._proc = None
+        self._state = VmState.DETACHED
+        self._driver._forget(self)
+
+    async def _adopt(self, facts: dict[str, Any]) -> bool:
+        """Re-attach to the process in `facts`; False (leftovers removed) when it is gone."""
+        if facts.get("driver") != "firecracker":
+            raise VmmError(f"{self._spec.name}: facts are not from the Firecracker driver: "
+                           f"{facts}")
+        self._work_dir = Path(facts["work_dir"])
+        self._owns_work_dir = bool(facts.get("owns_work_dir"))
+        self.argv = list(facts.get("argv", []))
+        pid, started = int(facts["pid"]), facts.get("pid_start")
+        if started is None or procs.start_time(pid) != started:
+            self._remove_files()
+            self._state = VmState.KILLED
+            return False
+        self._proc = procs.AdoptedProcess(pid, int(started))
+        self._state = VmState.STARTING
+        self._driver._vms.append(self)
+        try:
+            self.started_at = asyncio.get_running_loop().time()
+            await self._connect_api()
+            status = await self.instance_state()
+        except BaseException:
+            gone = self._proc.returncode is not None
+            await self.kill()
+            if gone:
+                return False
+            raise
+        self._state = VmState.PAUSED if status == "Paused" else VmState.RUNNING
+        return True
