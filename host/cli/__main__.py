@@ -1,0 +1,5 @@
+"""`python -m host.cli`."""
+
+from . import main
+
+main()

@@ -1,0 +1,202 @@
+"""envd through the sandbox proxy: commands (Connect streaming, framed here) and files.
+
+Every request goes to the proxy (`--sandbox-url`) with `E2b-Sandbox-Id` and
+`E2b-Sandbox-Port: 49983`, and carries the sandbox's `envdAccessToken` when it has one.
+
+The Connect protocol for a server-streaming call is small enough to frame by hand: the
+request body is one envelope (flags byte, 4-byte big-endian length, JSON message), the
+response is a sequence of envelopes, the last one flagged 0x02 with `{"error": ...}` when
+the call failed. This keeps the CLI free of the e2b SDK.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+from urllib.parse import urlencode
+
+import httpx
+
+from .errors import ApiError, CliError
+from .rest import USER_AGENT, raise_for_status, transport_errors
+
+ENVD_PORT = 49983
+CHUNK = 1024 * 1024
+_END_STREAM = 0x02
+_COMPRESSED = 0x01
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int
+    status: str
+    error: str | None = None
+
+
+def shell_command(argv: tuple[str, ...] | list[str]) -> str:
+    """One argument is a shell command line; several are quoted into one."""
+    import shlex
+    return argv[0] if len(argv) == 1 else shlex.join(argv)
+
+
+class Envd:
+    """envd of one sandbox, reached through the proxy at `sandbox_url`."""
+
+    def __init__(self, sandbox_url: str, sandbox_id: str, access_token: str | None) -> None:
+        self.sandbox_url = sandbox_url.rstrip("/")
+        self.sandbox_id = sandbox_id
+        self.access_token = access_token
+        self._http = httpx.Client(base_url=self.sandbox_url, headers=self.headers(),
+                                  timeout=httpx.Timeout(60.0, connect=10.0, read=None))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def headers(self) -> dict[str, str]:
+        h = {"E2b-Sandbox-Id": self.sandbox_id, "E2b-Sandbox-Port": str(ENVD_PORT),
+             "User-Agent": USER_AGENT}
+        if self.access_token:
+            h["X-Access-Token"] = self.access_token
+        return h
+
+    @staticmethod
+    def _user_header(user: str | None) -> dict[str, str]:
+        if not user:
+            return {}
+        return {"Authorization": "Basic " + base64.b64encode(f"{user}:".encode()).decode()}
+
+    # --- commands -----------------------------------------------------------------------
+
+    def exec(self, command: str, *, user: str | None = None, cwd: str | None = None,
+             envs: dict[str, str] | None = None, stdout: IO[bytes], stderr: IO[bytes],
+             on_start: Callable[[int], None] | None = None) -> ExecResult:
+        """Run `bash -l -c command`, streaming its output live; returns its exit status."""
+        process: dict[str, Any] = {"cmd": "/bin/bash", "args": ["-l", "-c", command],
+                                   "envs": dict(envs or {})}
+        if cwd:
+            process["cwd"] = cwd
+        message = json.dumps({"process": process, "stdin": False}).encode()
+        headers = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1",
+                   "Keepalive-Ping-Interval": "30", **self._user_header(user)}
+        body = struct.pack(">BI", 0, len(message)) + message
+        with transport_errors(self.sandbox_url), self._http.stream(
+                "POST", "/process.Process/Start", content=body, headers=headers) as resp:
+            raise_for_status(resp, what="envd")
+            for msg in _envelopes(resp.iter_bytes()):
+                event = msg.get("event") or {}
+                if "start" in event and on_start is not None:
+                    on_start(int(event["start"].get("pid", 0)))
+                elif "data" in event:
+                    data = event["data"]
+                    for key, sink in (("stdout", stdout), ("stderr", stderr), ("pty", stdout)):
+                        if key in data:
+                            sink.write(base64.b64decode(data[key]))
+                            sink.flush()
+                elif "end" in event:
+                    end = event["end"]
+                    return ExecResult(int(end.get("exitCode", 0)), str(end.get("status", "")),
+                                      end.get("error"))
+        raise CliError("envd closed the command stream without an exit status")
+
+    def kill_process(self, pid: int) -> None:
+        """Best effort SIGKILL of a process started by `exec` (unary Connect, JSON)."""
+        with transport_errors(self.sandbox_url):
+            self._http.post("/process.Process/SendSignal",
+                            json={"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"},
+                            headers={"Connect-Protocol-Version": "1"}, timeout=5.0)
+
+    # --- files --------------------------------------------------------------------------
+
+    def upload(self, local: Path, remote: str, *, user: str | None = None) -> int:
+        """Stream `local` to `remote` (application/octet-stream); returns bytes sent."""
+        try:
+            f = local.open("rb")
+        except OSError as exc:
+            raise CliError(f"cannot read {local}: {exc.strerror or exc}") from exc
+        size = os.fstat(f.fileno()).st_size
+
+        def chunks() -> Iterator[bytes]:
+            while block := f.read(CHUNK):
+                yield block
+
+        params = {"path": remote, **({"username": user} if user else {})}
+        with f, transport_errors(self.sandbox_url):
+            resp = self._http.post("/files", params=params, content=chunks(),
+                                   headers={"Content-Type": "application/octet-stream",
+                                            "Content-Length": str(size)})
+        raise_for_status(resp, what="envd")
+        return size
+
+    def download(self, remote: str, local: Path, *, user: str | None = None) -> int:
+        """Stream `remote` into `local` (written to a temp file, renamed at the end)."""
+        params = {"path": remote, **({"username": user} if user else {})}
+        tmp = local.with_name(f".{local.name}.aenv-part")
+        written = 0
+        with transport_errors(self.sandbox_url), self._http.stream(
+                "GET", "/files", params=params) as resp:
+            raise_for_status(resp, what="envd")
+            try:
+                with tmp.open("wb") as out:
+                    for block in resp.iter_bytes(CHUNK):
+                        out.write(block)
+                        written += len(block)
+                tmp.replace(local)
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                raise CliError(f"cannot write {local}: {exc.strerror or exc}") from exc
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+        return written
+
+    # --- terminal -----------------------------------------------------------------------
+
+    def terminal_url(self, *, cols: int, rows: int, cmd: str | None = None,
+                     user: str | None = None, cwd: str | None = None) -> str:
+        params: dict[str, str] = {"cols": str(cols), "rows": str(rows)}
+        for key, value in (("cmd", cmd), ("user", user), ("cwd", cwd)):
+            if value:
+                params[key] = value
+        base = self.sandbox_url.replace("https://", "wss://", 1).replace("http://", "ws://", 1)
+        return f"{base}/terminal?{urlencode(params)}"
+
+
+def _envelopes(stream: Iterator[bytes]) -> Iterator[dict[str, Any]]:
+    """Decode Connect envelopes; raise ApiError for an end-of-stream error."""
+    buf = b""
+    for chunk in stream:
+        buf += chunk
+        while len(buf) >= 5:
+            flags, length = struct.unpack(">BI", buf[:5])
+            if len(buf) < 5 + length:
+                break
+            payload, buf = buf[5:5 + length], buf[5 + length:]
+            if flags & _COMPRESSED:
+                raise CliError("envd sent a compressed message the CLI did not ask for")
+            msg = json.loads(payload or b"{}")
+            if flags & _END_STREAM:
+                err = msg.get("error")
+                if err:
+                    raise ApiError(_connect_status(err.get("code", "")),
+                                   f"{err.get('code', 'unknown')}: {err.get('message', '')}",
+                                   what="envd")
+                return
+            yield msg
+    if buf:
+        raise CliError("envd stream ended in the middle of a message")
+
+
+# Connect error code -> the HTTP status it corresponds to (connectrpc.com/docs/protocol)
+_CONNECT_HTTP = {"invalid_argument": 400, "unauthenticated": 401, "permission_denied": 403,
+                 "not_found": 404, "already_exists": 409, "failed_precondition": 412,
+                 "unavailable": 503, "deadline_exceeded": 504}
+
+
+def _connect_status(code: str) -> int:
+    return _CONNECT_HTTP.get(code, 500)
