@@ -7,6 +7,7 @@ so it never touches another service's (or another test's) VMs and networks.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -152,6 +153,17 @@ class HostService:
             return dict(db.execute("SELECT id, state FROM sandboxes").fetchall())
         finally:
             db.close()
+
+    def recovered_from(self, state: str) -> set[str]:
+        """Sandboxes that recovery found in `state` (its events say so)."""
+        db = sqlite3.connect(f"file:{self.state / 'state.db'}?mode=ro", uri=True)
+        try:
+            rows = db.execute("SELECT sandbox_id, detail FROM events").fetchall()
+        finally:
+            db.close()
+        return {sid for sid, detail in rows
+                if json.loads(detail).get("op") == "recovered"
+                and json.loads(detail).get("from") == state}
 
     # ---- teardown ------------------------------------------------------------------------
 

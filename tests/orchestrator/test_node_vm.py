@@ -165,7 +165,10 @@ def test_ttl_expiry_pauses_by_default_and_kills_without_autopause(svc: HostServi
         k = c.post("/v2/sandboxes", json={"templateID": "base", "timeout": 3,
                                           "autoPause": False}).json()
         _wait_state(c, p["sandboxID"], "paused")
-        _wait_state(c, k["sandboxID"], None)
+        _wait_state(c, k["sandboxID"], None)  # 404 from `killing` on
+        deadline = time.monotonic() + 60
+        while svc.db_states()[k["sandboxID"]] != "killed" and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert svc.db_states()[k["sandboxID"]] == "killed"
         assert k["sandboxID"] not in svc.vm_sandbox_ids()
         assert p["sandboxID"] not in svc.vm_sandbox_ids()
@@ -286,7 +289,7 @@ def test_crash_during_create_pause_resume_fork(sdk_env: HostService, delay_s: fl
             if st != "killed":
                 assert c.delete(f"/sandboxes/{sid}").status_code == 204
     _, left = _check_consistent(svc)
-    creating = {sid for sid, st in mid.items() if st == "creating"}
+    creating = svc.recovered_from("creating")
     if orphans or left:
         # Known host.runtime gap: QemuProcess.spawn writes <vm dir>/pid only after QMP
         # connects, so a service killed in that window leaves a QEMU that kill()/
