@@ -329,9 +329,10 @@ def exec(ctx: click.Context, sandbox_id: str, command: tuple[str, ...], user: st
         ctx.exit(130)
     finally:
         envd.close()
-    if result.error:
-        click.echo(f"aenv: {result.error}", err=True)
     code = result.exit_code
+    if not result.exited:  # killed by a signal: say so (an exit status speaks for itself)
+        click.echo(f"aenv: remote command {result.error or result.status}", err=True)
+        code = code if code > 0 else EXIT_GENERIC
     ctx.exit(code if 0 <= code <= 255 else EXIT_GENERIC)
 
 

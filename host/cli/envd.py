@@ -36,6 +36,7 @@ _COMPRESSED = 0x01
 class ExecResult:
     exit_code: int
     status: str
+    exited: bool = True
     error: str | None = None
 
 
@@ -101,7 +102,7 @@ class Envd:
                 elif "end" in event:
                     end = event["end"]
                     return ExecResult(int(end.get("exitCode", 0)), str(end.get("status", "")),
-                                      end.get("error"))
+                                      bool(end.get("exited", False)), end.get("error"))
         raise CliError("envd closed the command stream without an exit status")
 
     def kill_process(self, pid: int) -> None:

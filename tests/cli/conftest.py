@@ -1,0 +1,85 @@
+"""Fixtures for the CLI tests.
+
+What is real and what is not: the REST API (`build_api_app`), the sandbox proxy
+(`build_proxy_app`) and envd (`python -m envd`, a real process) are the real code, served
+by uvicorn on loopback ports. The sandbox LIFECYCLE is the in-memory orchestrator test
+double of tests/api/double.py: no VM runs, and its `route()` points every sandbox at the
+one real envd process. Everything started here is stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from click.testing import CliRunner, Result
+
+from host.api import ApiKeys, build_api_app
+from host.cli import cli
+from host.proxy import build_proxy_app
+from tests.api.conftest import API_KEY, ServerThread, free_port
+from tests.api.double import FakeOrchestrator
+from tests.proxy.conftest import start_process, stop_process
+
+DOMAIN = "sbx.test"
+_ENV = ("AENV_API_URL", "E2B_API_URL", "AENV_API_KEY", "E2B_API_KEY", "E2B_SANDBOX_URL",
+        "AENV_STATE_DIR", "E2B_DOMAIN")
+
+
+@pytest.fixture(autouse=True)
+def clean_environ(monkeypatch: pytest.MonkeyPatch, tmp_path_factory) -> None:
+    """No ambient AENV_*/E2B_* settings, and no readable service key file."""
+    for name in _ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AENV_STATE_DIR", str(tmp_path_factory.mktemp("no-state")))
+
+
+@pytest.fixture(scope="session")
+def envd_port() -> Iterator[int]:
+    """A real envd process on a loopback port (commands run as `user` by default)."""
+    port = free_port()
+    proc = start_process([sys.executable, "-m", "envd", "--host", "127.0.0.1", "--port",
+                          str(port), "--default-user", os.environ.get("ENVD_TEST_USER", "user")],
+                         health=f"http://127.0.0.1:{port}/health")
+    try:
+        yield port
+    finally:
+        stop_process(proc)
+
+
+@pytest.fixture
+def orch(envd_port: int) -> FakeOrchestrator:
+    o = FakeOrchestrator(domain=DOMAIN)
+    o.upstream = ("127.0.0.1", envd_port)
+    return o
+
+
+@dataclass
+class Stack:
+    orch: FakeOrchestrator
+    api_url: str
+    sandbox_url: str
+
+    def argv(self, *args: str, key: str | None = API_KEY) -> list[str]:
+        out = ["--api-url", self.api_url, "--sandbox-url", self.sandbox_url]
+        if key is not None:
+            out += ["--api-key", key]
+        return out + list(args)
+
+    def env(self, key: str = API_KEY) -> dict[str, str]:
+        return {"AENV_API_URL": self.api_url, "E2B_SANDBOX_URL": self.sandbox_url,
+                "AENV_API_KEY": key}
+
+    def run(self, *args: str, key: str | None = API_KEY) -> Result:
+        return CliRunner().invoke(cli, self.argv(*args, key=key), catch_exceptions=False)
+
+
+@pytest.fixture
+def stack(orch: FakeOrchestrator) -> Iterator[Stack]:
+    api_app = build_api_app(orch, ApiKeys([API_KEY]), domain=DOMAIN)
+    proxy_app = build_proxy_app(orch, DOMAIN, api_app=api_app)
+    with ServerThread(api_app) as api, ServerThread(proxy_app, lifespan="on") as proxy:
+        yield Stack(orch, api.url, proxy.url)
