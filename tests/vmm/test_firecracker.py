@@ -1,0 +1,498 @@
+"""FirecrackerDriver against a FAKE Firecracker (tests/vmm/fake_firecracker.py).
+
+Firecracker cannot run on the development host (no binary; KVM there is PVM-only), so
+none of these tests boots a guest. The driver's real process management runs against a
+fake `firecracker` executable whose API server validates every request against a
+hand-written schema of Firecracker's published OpenAPI document
+(firecracker_api_schema.py) and simulates its documented state rules. What the tests
+show: the exact requests the driver sends, in order, their bodies, error mapping, and
+process/file cleanup. What they cannot show: that a real Firecracker boots our kernel and
+image with them, or that its snapshots restore.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped]
+import pytest
+
+from host.vmm import (
+    BootTimeouts,
+    FileDisk,
+    MemoryBacking,
+    NbdDisk,
+    TapNet,
+    UserNet,
+    Vm,
+    VmmDriver,
+    VmmError,
+    VmmStartError,
+    VmmStateError,
+    VmmTimeout,
+    VmSpec,
+    VmState,
+    pick_driver,
+)
+from host.vmm import firecracker as fcmod
+from host.vmm.firecracker import (
+    BalloonConfig,
+    FirecrackerDriver,
+    firecracker_usable,
+    snapshot_mem_path,
+)
+
+from . import firecracker_api_schema as api
+from .helpers import procs_mentioning
+
+FAKE = Path(__file__).with_name("fake_firecracker.py")
+Call = tuple[str, str, Any]
+
+
+class FakeFc:
+    """The fake binary plus what it recorded."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.log = tmp / "api.jsonl"
+        self.binary = tmp / "bin" / "firecracker"
+        self.binary.parent.mkdir()
+        self.binary.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE}" "$@"\n')
+        self.binary.chmod(0o755)
+        self.run_dir = tmp / "run"
+
+    def records(self) -> list[dict[str, Any]]:
+        if not self.log.exists():
+            return []
+        return [json.loads(line) for line in self.log.read_text().splitlines()]
+
+    def calls(self) -> list[Call]:
+        return [(r["method"], r["path"], r["body"]) for r in self.records()]
+
+    def clear(self) -> None:
+        self.log.unlink(missing_ok=True)
+
+    def driver(self, **kw: Any) -> FirecrackerDriver:
+        return FirecrackerDriver(firecracker=str(self.binary), run_dir=self.run_dir, **kw)
+
+    def assert_all_accepted(self) -> None:
+        bad = [r for r in self.records() if r["status"] >= 300]
+        assert not bad, bad
+
+    def assert_nothing_left(self) -> None:
+        assert procs_mentioning(str(self.tmp)) == []
+        assert not self.run_dir.exists() or list(self.run_dir.iterdir()) == []
+
+
+@pytest.fixture
+def fake_fc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeFc]:
+    """A fake `firecracker` recording to api.jsonl; checks no process outlives the test."""
+    fc = FakeFc(tmp_path)
+    monkeypatch.setenv("FAKE_FC_LOG", str(fc.log))
+    monkeypatch.delenv("FAKE_FC_MODE", raising=False)
+    monkeypatch.delenv("FAKE_FC_FAIL", raising=False)
+    yield fc
+    assert procs_mentioning(str(tmp_path)) == []
+
+
+@pytest.fixture
+def spec(tmp_path: Path) -> VmSpec:
+    kernel = tmp_path / "vmlinux"
+    kernel.write_bytes(b"\x7fELF fake kernel")
+    root, data = tmp_path / "root.ext4", tmp_path / "data.img"
+    root.write_bytes(b"root")
+    data.write_bytes(b"data")
+    return VmSpec(kernel=kernel, cmdline="console=ttyS0 quiet", vcpus=2, mem_mib=256,
+                  disks=(FileDisk(path=root, read_only=True),
+                         FileDisk(path=data, serial="data")),
+                  network=TapNet(tap="tap7", guest_ip="10.11.0.2", mac="06:00:0a:0b:00:02"),
+                  name="fc-test")
+
+
+def boot_calls(spec: VmSpec, *, dirty: bool = False) -> list[Call]:
+    return [
+        ("PUT", "/machine-config", {"vcpu_count": 2, "mem_size_mib": 256,
+                                    "track_dirty_pages": dirty}),
+        ("PUT", "/boot-source", {"kernel_image_path": str(spec.kernel),
+                                 "boot_args": "console=ttyS0 quiet"}),
+        ("PUT", "/drives/rootfs", {"drive_id": "rootfs",
+                                   "path_on_host": str(spec.disks[0].path),  # type: ignore[union-attr]
+                                   "is_root_device": True, "is_read_only": True}),
+        ("PUT", "/drives/data", {"drive_id": "data",
+                                 "path_on_host": str(spec.disks[1].path),  # type: ignore[union-attr]
+                                 "is_root_device": False, "is_read_only": False}),
+        ("PUT", "/network-interfaces/eth0", {"iface_id": "eth0", "host_dev_name": "tap7",
+                                             "guest_mac": "06:00:0a:0b:00:02"}),
+        ("PUT", "/actions", {"action_type": "InstanceStart"}),
+    ]
+
+
+# -- boot ---------------------------------------------------------------------------------
+
+
+async def test_boot_sends_exact_request_sequence_to_fake_firecracker(
+        fake_fc: FakeFc, spec: VmSpec) -> None:
+    driver = fake_fc.driver()
+    vm = await driver.start(spec)
+    try:
+        assert isinstance(vm, Vm) and isinstance(driver, VmmDriver)
+        assert vm.state is VmState.RUNNING and vm.pid is not None
+        assert vm.argv[1:] == ["--api-sock", str(vm.api_socket)]
+        assert fake_fc.calls() == boot_calls(spec)
+        fake_fc.assert_all_accepted()
+        assert await vm.instance_state() == "Running"
+        assert "fake guest booted: console=ttyS0 quiet" in vm.serial_tail()
+        assert vm.envd_url == "http://10.11.0.2:49983"
+        assert driver.vms == [vm]
+    finally:
+        await vm.kill()
+    fake_fc.assert_nothing_left()
+    assert driver.vms == []
+
+
+async def test_boot_cmdline_with_root_leaves_no_root_drive_and_passes_initrd(
+        fake_fc: FakeFc, spec: VmSpec, tmp_path: Path) -> None:
+    initrd = tmp_path / "initrd"
+    initrd.write_bytes(b"x")
+    spec2 = VmSpec(kernel=spec.kernel, cmdline="root=/dev/vdb", initrd=initrd,
+                   disks=spec.disks, network=None)
+    async with await fake_fc.driver().start(spec2):
+        calls = fake_fc.calls()
+    assert calls[1][2] == {"kernel_image_path": str(spec.kernel), "boot_args": "root=/dev/vdb",
+                           "initrd_path": str(initrd)}
+    assert [c[2]["is_root_device"] for c in calls if c[1].startswith("/drives/")] == [
+        False, False]
+    assert not any(c[1].startswith("/network-interfaces") for c in calls)
+    fake_fc.assert_all_accepted()
+
+
+async def test_balloon_configured_before_start_then_stats_and_update(
+        fake_fc: FakeFc, spec: VmSpec) -> None:
+    balloon = BalloonConfig(amount_mib=64, deflate_on_oom=True, stats_polling_interval_s=2,
+                            free_page_reporting=True)
+    async with await fake_fc.driver(balloon=balloon).start(spec) as vm:
+        assert fake_fc.calls()[-2:] == [
+            ("PUT", "/balloon", {"amount_mib": 64, "deflate_on_oom": True,
+                                 "stats_polling_interval_s": 2, "free_page_reporting": True}),
+            ("PUT", "/actions", {"action_type": "InstanceStart"}),
+        ]
+        fake_fc.clear()
+        stats = await vm.balloon_stats()
+        assert stats["target_mib"] == 64 and stats["actual_mib"] == 64
+        await vm.set_balloon(128)
+        assert (await vm.balloon_stats())["target_mib"] == 128
+        assert fake_fc.calls() == [("GET", "/balloon/statistics", None),
+                                   ("PATCH", "/balloon", {"amount_mib": 128}),
+                                   ("GET", "/balloon/statistics", None)]
+        with pytest.raises(VmmError, match="too large"):
+            await vm.set_balloon(10_000)
+
+
+async def test_balloon_calls_without_a_balloon_report_firecrackers_fault(
+        fake_fc: FakeFc, spec: VmSpec) -> None:
+    async with await fake_fc.driver().start(spec) as vm:
+        with pytest.raises(VmmError, match=r"PATCH /balloon failed \(400\): Balloon device "
+                                           "not configured"):
+            await vm.set_balloon(8)
+
+
+# -- pause / resume / snapshots -----------------------------------------------------------
+
+
+async def test_pause_resume_are_patch_vm_and_idempotent(fake_fc: FakeFc, spec: VmSpec) -> None:
+    async with await fake_fc.driver().start(spec) as vm:
+        fake_fc.clear()
+        await vm.pause()
+        await vm.pause()
+        assert vm.state is VmState.PAUSED and await vm.instance_state() == "Paused"
+        await vm.resume()
+        await vm.resume()
+        state: VmState = vm.state  # (mypy narrowed vm.state to PAUSED above)
+        assert state is VmState.RUNNING
+        assert fake_fc.calls() == [("PATCH", "/vm", {"state": "Paused"}),
+                                   ("PATCH", "/vm", {"state": "Resumed"})]
+
+
+async def test_full_snapshot_then_restore_repoints_drives_then_resumes(
+        fake_fc: FakeFc, spec: VmSpec, tmp_path: Path) -> None:
+    dest = tmp_path / "snap" / "vm.state"
+    dest.parent.mkdir()
+    driver = fake_fc.driver()
+    async with await driver.start(spec) as vm:
+        fake_fc.clear()
+        await vm.save_state(dest)
+        assert vm.state is VmState.PAUSED
+        assert fake_fc.calls() == [
+            ("PATCH", "/vm", {"state": "Paused"}),
+            ("PUT", "/snapshot/create", {"snapshot_type": "Full", "snapshot_path": str(dest),
+                                         "mem_file_path": str(tmp_path / "snap/vm.state.mem")}),
+        ]
+    assert dest.is_file() and snapshot_mem_path(dest).is_file()
+
+    # The restored VM gets its own disk copies and TAP.
+    copies = []
+    for disk in spec.disks:
+        assert isinstance(disk, FileDisk)
+        copy = disk.path.with_name("copy-" + disk.path.name)
+        copy.write_bytes(disk.path.read_bytes())
+        copies.append(FileDisk(path=copy, read_only=disk.read_only, serial=disk.serial))
+    child = VmSpec(kernel=spec.kernel, cmdline=spec.cmdline, vcpus=2, mem_mib=256,
+                   disks=tuple(copies), network=TapNet(tap="tap8", guest_ip="10.11.0.6"),
+                   name="child")
+    fake_fc.clear()
+    async with await driver.restore(child, dest) as vm2:
+        assert vm2.state is VmState.RUNNING
+        assert await vm2.instance_state() == "Running"
+        assert fake_fc.calls() == [
+            ("PUT", "/snapshot/load", {
+                "snapshot_path": str(dest),
+                "mem_backend": {"backend_type": "File",
+                                "backend_path": str(snapshot_mem_path(dest))},
+                "track_dirty_pages": False, "resume_vm": False,
+                "network_overrides": [{"iface_id": "eth0", "host_dev_name": "tap8"}]}),
+            ("PATCH", "/drives/rootfs", {"drive_id": "rootfs",
+                                         "path_on_host": str(copies[0].path)}),
+            ("PATCH", "/drives/data", {"drive_id": "data", "path_on_host": str(copies[1].path)}),
+            ("PATCH", "/vm", {"state": "Resumed"}),
+        ]
+        fake_fc.assert_all_accepted()
+
+
+async def test_restore_without_disks_resumes_in_the_load_request(
+        fake_fc: FakeFc, spec: VmSpec, tmp_path: Path) -> None:
+    bare = VmSpec(kernel=spec.kernel, network=None, name="bare")
+    dest = tmp_path / "bare.state"
+    driver = fake_fc.driver()
+    async with await driver.start(bare) as vm:
+        await vm.save_state(dest)
+    fake_fc.clear()
+    async with await driver.restore(bare, dest) as vm2:
+        assert vm2.state is VmState.RUNNING
+        assert fake_fc.calls() == [("PUT", "/snapshot/load", {
+            "snapshot_path": str(dest),
+            "mem_backend": {"backend_type": "File", "backend_path": str(dest) + ".mem"},
+            "track_dirty_pages": False, "resume_vm": True})]
+    fake_fc.clear()
+    async with await driver.restore(bare, dest, resume=False) as vm3:
+        assert vm3.state is VmState.PAUSED and await vm3.instance_state() == "Paused"
+        assert fake_fc.calls()[0][2]["resume_vm"] is False
+        assert [c[1] for c in fake_fc.calls()] == ["/snapshot/load"]  # GET / unrecorded
+        await vm3.resume()
+        assert await vm3.instance_state() == "Running"
+
+
+async def test_diff_snapshots_need_dirty_tracking_and_send_diff_type(
+        fake_fc: FakeFc, spec: VmSpec, tmp_path: Path) -> None:
+    driver = fake_fc.driver(track_dirty_pages=True)
+    async with await driver.start(spec) as vm:
+        assert fake_fc.calls()[0] == boot_calls(spec, dirty=True)[0]
+        await vm.save_state(tmp_path / "base")
+        fake_fc.clear()
+        await vm.save_state(tmp_path / "layer1", diff=True)  # already paused: no PATCH
+        assert fake_fc.calls() == [("PUT", "/snapshot/create", {
+            "snapshot_type": "Diff", "snapshot_path": str(tmp_path / "layer1"),
+            "mem_file_path": str(tmp_path / "layer1.mem")})]
+    fake_fc.clear()
+    bare = VmSpec(kernel=spec.kernel, network=None, disks=spec.disks, name="r")
+    async with await driver.restore(bare, tmp_path / "base", resume=False):
+        assert fake_fc.calls()[0][2]["track_dirty_pages"] is True
+
+
+async def test_restore_from_a_private_memory_file(fake_fc: FakeFc, spec: VmSpec,
+                                                  tmp_path: Path) -> None:
+    bare = VmSpec(kernel=spec.kernel, network=None, name="m")
+    dest = tmp_path / "m.state"
+    driver = fake_fc.driver()
+    async with await driver.start(bare) as vm:
+        await vm.save_state(dest)
+    base = tmp_path / "base.mem"
+    snapshot_mem_path(dest).rename(base)
+    fake_fc.clear()
+    child = VmSpec(kernel=spec.kernel, network=None, name="m",
+                   memory=MemoryBacking(path=base, shared=False))
+    async with await driver.restore(child, dest):
+        body = fake_fc.calls()[0][2]
+        assert body["mem_backend"] == {"backend_type": "File", "backend_path": str(base)}
+    shared = VmSpec(kernel=spec.kernel, network=None, memory=MemoryBacking(path=base))
+    with pytest.raises(VmmError, match="copy-on-write"):
+        await driver.restore(shared, dest)
+
+
+async def test_restore_with_missing_memory_file_starts_nothing(
+        fake_fc: FakeFc, spec: VmSpec, tmp_path: Path) -> None:
+    state = tmp_path / "lonely.state"
+    state.write_text("{}")
+    with pytest.raises(VmmStartError, match="snapshot file not found.*lonely.state.mem"):
+        await fake_fc.driver().restore(spec, state)
+    assert fake_fc.calls() == []
+    fake_fc.assert_nothing_left()
+
+
+# -- errors --------------------------------------------------------------------------------
+
+
+async def test_api_fault_message_becomes_vmm_error_and_nothing_is_left(
+        fake_fc: FakeFc, spec: VmSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_FC_FAIL", "PUT /boot-source")
+    driver = fake_fc.driver()
+    with pytest.raises(VmmError, match=r"PUT /boot-source failed \(400\): injected fault"):
+        await driver.start(spec)
+    assert [c[1] for c in fake_fc.calls()] == ["/machine-config", "/boot-source"]
+    assert driver.vms == []
+    fake_fc.assert_nothing_left()
+
+
+async def test_fake_enforces_firecracker_state_rules_and_schema(
+        fake_fc: FakeFc, spec: VmSpec) -> None:
+    """The fake answers what Firecracker documents; the driver reports it verbatim."""
+    async with await fake_fc.driver().start(spec) as vm:
+        with pytest.raises(VmmError, match="not supported after starting the microVM"):
+            await vm.api("PUT", "/machine-config", {"vcpu_count": 1, "mem_size_mib": 128})
+        with pytest.raises(VmmError, match="not paused"):
+            await vm.api("PUT", "/snapshot/create", {"snapshot_path": "/x", "mem_file_path": "/y"})
+        with pytest.raises(VmmError, match="schema: Additional properties"):
+            await vm.api("PATCH", "/vm", {"state": "Paused", "extra": 1})
+        with pytest.raises(VmmError, match="schema: 'Running' is not one of"):
+            await vm.api("PATCH", "/vm", {"state": "Running"})
+        with pytest.raises(VmmError, match="does not match the id from the body"):
+            await vm.api("PATCH", "/drives/rootfs", {"drive_id": "other"})
+        with pytest.raises(VmmError, match="Invalid request method and/or path"):
+            await vm.api("DELETE", "/vm")
+        assert vm.state is VmState.RUNNING  # failed calls change nothing
+
+
+async def test_vmm_that_never_opens_its_socket_times_out_and_is_reaped(
+        fake_fc: FakeFc, spec: VmSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_FC_MODE", "never-listen")
+    driver = fake_fc.driver()
+    with pytest.raises(VmmTimeout, match="API did not answer within 1.0s") as info:
+        await driver.start(spec, timeouts=BootTimeouts(vmm_ready_s=1.0, kill_s=2.0))
+    assert "not opening the API socket" in info.value.stderr_tail
+    assert driver.vms == []
+    fake_fc.assert_nothing_left()
+
+
+async def test_vmm_exiting_at_startup_is_a_start_error_with_stderr(
+        fake_fc: FakeFc, spec: VmSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_FC_MODE", "exit")
+    with pytest.raises(VmmStartError, match="exited with code 3 during startup") as info:
+        await fake_fc.driver().start(spec)
+    assert "told to exit" in info.value.stderr_tail
+    fake_fc.assert_nothing_left()
+
+
+async def test_missing_binary_is_a_start_error(fake_fc: FakeFc, spec: VmSpec) -> None:
+    driver = FirecrackerDriver(firecracker=str(fake_fc.tmp / "nope"), run_dir=fake_fc.run_dir)
+    with pytest.raises(VmmStartError, match="cannot run"):
+        await driver.start(spec)
+    fake_fc.assert_nothing_left()
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"network": UserNet()}, "supports only TAP networking"),
+    ({"disks": (NbdDisk(socket=Path("/tmp/nbd.sock"), export="root"),)},
+     "kernel block device.*nbd.*ublk"),
+    ({"disks": (FileDisk(path=Path("/x.qcow2"), format="qcow2"),)}, "raw images only"),
+    ({"disks": (FileDisk(path=Path("/x"), serial="bad-id"),)}, "alphanumeric"),
+    ({"kernel": None}, "needs a kernel"),
+    ({"memory": MemoryBacking(path=Path("/m"))}, "memory file is only used when restoring"),
+])
+async def test_unsupported_specs_are_rejected_before_spawning(
+        fake_fc: FakeFc, spec: VmSpec, change: dict[str, Any], message: str) -> None:
+    fields = {k: getattr(spec, k) for k in ("kernel", "cmdline", "disks", "network", "memory")}
+    with pytest.raises(VmmError, match=message):
+        await fake_fc.driver().start(VmSpec(**{**fields, **change}))
+    assert fake_fc.calls() == [] and not fake_fc.run_dir.exists()
+
+
+# -- teardown / adopt -----------------------------------------------------------------------
+
+
+async def test_kill_is_idempotent_and_removes_socket_and_work_dir(
+        fake_fc: FakeFc, spec: VmSpec) -> None:
+    vm = await fake_fc.driver().start(spec)
+    sock, work, pid = vm.api_socket, vm.work_dir, vm.pid
+    assert sock.exists() and pid is not None
+    await vm.kill()
+    await vm.kill()
+    await vm.aclose()
+    assert vm.state is VmState.KILLED and vm.pid is None
+    assert not sock.exists() and not work.exists()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    with pytest.raises(VmmStateError):
+        await vm.pause()
+
+
+async def test_kill_with_caller_work_dir_keeps_the_dir_removes_our_files(
+        fake_fc: FakeFc, spec: VmSpec, tmp_path: Path) -> None:
+    work = tmp_path / "w"
+    work.mkdir()
+    (work / "mine.txt").write_text("keep")
+    vm = await fake_fc.driver().start(VmSpec(kernel=spec.kernel, network=None, work_dir=work))
+    await vm.kill()
+    assert sorted(p.name for p in work.iterdir()) == ["mine.txt"]
+
+
+async def test_detach_then_adopt_reads_state_from_the_api(fake_fc: FakeFc, spec: VmSpec) -> None:
+    driver = FirecrackerDriver(firecracker=str(fake_fc.binary), run_dir=fake_fc.run_dir,
+                               die_with_parent=False)
+    vm = await driver.start(spec)
+    await vm.pause()
+    facts = json.loads(json.dumps(vm.facts()))
+    await vm.detach()
+    assert vm.state is VmState.DETACHED
+    vm2 = await driver.adopt(spec, facts)
+    assert vm2 is not None and vm2.state is VmState.PAUSED and vm2.pid == facts["pid"]
+    await vm2.kill()
+    assert await driver.adopt(spec, facts) is None
+    fake_fc.assert_nothing_left()
+
+
+# -- picking and the schema itself ------------------------------------------------------------
+
+
+def test_firecracker_usable_needs_binary_and_a_standard_kvm(
+        monkeypatch: pytest.MonkeyPatch, fake_fc: FakeFc) -> None:
+    assert firecracker_usable(str(fake_fc.tmp / "nope"))[0] is False
+    monkeypatch.setattr(fcmod, "_kvm_openable", lambda: True)
+    monkeypatch.setattr(fcmod, "_pvm_loaded", lambda: True)
+    ok, why = firecracker_usable(str(fake_fc.binary))
+    assert not ok and "kvm-pvm" in why
+    monkeypatch.setattr(fcmod, "_pvm_loaded", lambda: False)
+    assert firecracker_usable(str(fake_fc.binary))[0] is True
+    monkeypatch.setattr(fcmod, "_kvm_openable", lambda: False)
+    assert "/dev/kvm" in firecracker_usable(str(fake_fc.binary))[1]
+
+
+def test_pick_driver_by_name_returns_the_firecracker_driver() -> None:
+    driver = pick_driver("firecracker", firecracker="/opt/fc")
+    assert isinstance(driver, FirecrackerDriver) and driver.firecracker == "/opt/fc"
+
+
+@pytest.mark.parametrize(("method", "path", "body"), [
+    ("PUT", "/machine-config", {"vcpu_count": 0, "mem_size_mib": 128}),
+    ("PUT", "/machine-config", {"mem_size_mib": 128}),
+    ("PUT", "/boot-source", {"boot_args": "x"}),
+    ("PUT", "/drives/a", {"drive_id": "a", "path_on_host": "/x"}),
+    ("PUT", "/network-interfaces/eth0", {"iface_id": "eth0", "tap": "tap0"}),
+    ("PUT", "/actions", {"action_type": "Start"}),
+    ("PUT", "/snapshot/create", {"snapshot_path": "/s", "mem_file_path": "/m",
+                                 "snapshot_type": "Incremental"}),
+    ("PUT", "/snapshot/load", {"snapshot_path": "/s"}),
+    ("PUT", "/snapshot/load", {"snapshot_path": "/s", "mem_file_path": "/m",
+                               "mem_backend": {"backend_type": "File", "backend_path": "/m"}}),
+    ("PUT", "/snapshot/load", {"snapshot_path": "/s",
+                               "mem_backend": {"backend_type": "Shm", "backend_path": "/m"}}),
+    ("PATCH", "/balloon", {"amount_mib": 1, "deflate_on_oom": True}),
+])
+def test_schema_rejects_what_firecracker_rejects(method: str, path: str, body: Any) -> None:
+    found = api.match(method, path)
+    assert found is not None and found[1] is not None
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(body, found[1])
