@@ -2,8 +2,9 @@
 its REST API on a unix socket.
 
 A `FirecrackerVm` owns the process (its own session), the API socket, the serial log (the
-process's stdout: Firecracker writes the guest's ttyS0 there), its stderr log and the work
-dir; `kill()` leaves none of them behind.
+process's stdout: Firecracker writes the guest's ttyS0 there), its stderr and log file
+(--log-path, so its messages stay out of the serial log) and the work dir; `kill()` leaves
+none of them behind.
 
 Boot: PUT /machine-config, /boot-source, /drives/{id}, /network-interfaces/{id},
 optionally /balloon, then PUT /actions InstanceStart. Pause/resume: PATCH /vm.
@@ -95,6 +96,11 @@ class _Files:
     @property
     def stderr_log(self) -> Path:
         return self.work_dir / "firecracker.stderr"
+
+    @property
+    def vmm_log(self) -> Path:
+        """Firecracker's own log (--log-path); without it, it logs into the serial stream."""
+        return self.work_dir / "firecracker.log"
 
 
 class FirecrackerDriver:
@@ -276,7 +282,11 @@ class FirecrackerVm:
         return procs.tail(self.serial_log, lines) if self._work_dir else ""
 
     def stderr_tail(self, lines: int = _TAIL_LINES) -> str:
-        return procs.tail(self.files.stderr_log, lines) if self._work_dir else ""
+        """The tails of Firecracker's stderr and of its log file."""
+        if self._work_dir is None:
+            return ""
+        parts = (procs.tail(self.files.stderr_log, lines), procs.tail(self.files.vmm_log, lines))
+        return "\n".join(p for p in parts if p)
 
     def _tails(self) -> dict[str, str]:
         return {"serial_tail": self.serial_tail(), "stderr_tail": self.stderr_tail()}
@@ -381,7 +391,8 @@ class FirecrackerVm:
     async def _spawn(self) -> None:
         files = self.files
         files.api_socket.unlink(missing_ok=True)  # Firecracker refuses an existing path
-        self.argv = [self._driver.firecracker, "--api-sock", str(files.api_socket)]
+        self.argv = [self._driver.firecracker, "--api-sock", str(files.api_socket),
+                     "--log-path", str(files.vmm_log)]
         net = self._spec.network
         if isinstance(net, TapNet) and net.netns:
             self.argv = ["ip", "netns", "exec", net.netns, *self.argv]
@@ -592,7 +603,7 @@ class FirecrackerVm:
         if self._owns_work_dir:
             shutil.rmtree(self._work_dir, ignore_errors=True)
         else:
-            for p in (files.serial_log, files.stderr_log):
+            for p in (files.serial_log, files.stderr_log, files.vmm_log):
                 p.unlink(missing_ok=True)
 
     # -- detach / adopt -------------------------------------------------------------------

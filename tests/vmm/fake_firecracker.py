@@ -1,6 +1,6 @@
 """A stand-in `firecracker` executable for the driver tests (no real Firecracker here).
 
-Run as `fake_firecracker.py --api-sock PATH`: serves a tiny HTTP/1.1 API on the unix
+Run as `fake_firecracker.py --api-sock PATH [--log-path PATH]`: serves a tiny HTTP/1.1 API on the unix
 socket that validates every request against `firecracker_api_schema` (method, path,
 body; path ids must match body ids), simulates the state rules Firecracker documents and
 answers 204/200 or 400 {"fault_message": ...} like the real one:
@@ -271,24 +271,33 @@ async def serve(fc: FakeFirecracker, reader: asyncio.StreamReader,
         writer.close()
 
 
-async def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] != "--api-sock":
-        print(f"usage: firecracker --api-sock PATH (got {argv})", file=sys.stderr)
+def main(argv: list[str]) -> int:
+    opts = dict(zip(argv[::2], argv[1::2], strict=False))
+    if len(argv) % 2 or set(opts) - {"--api-sock", "--log-path"} or "--api-sock" not in opts:
+        print(f"usage: firecracker --api-sock PATH [--log-path PATH] (got {argv})",
+              file=sys.stderr)
         return 2
-    sock = Path(argv[1])
+    if "--log-path" in opts:  # Firecracker creates the log file and logs there, not stdout
+        with open(opts["--log-path"], "a") as log:
+            log.write("fake firecracker: logger configured\n")
     mode = os.environ.get("FAKE_FC_MODE", "")
     if mode == "exit":
         print("fake firecracker: told to exit", file=sys.stderr)
         return 3
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    if mode == "never-listen":
-        print("fake firecracker: not opening the API socket", file=sys.stderr, flush=True)
-        await stop.wait()
-        return 0
+    sock = Path(opts["--api-sock"])
     if sock.exists():
         print(f"Failed to open the API socket: {sock} exists", file=sys.stderr)
         return 1
+    return asyncio.run(run(sock, listen=mode != "never-listen"))
+
+
+async def run(sock: Path, *, listen: bool) -> int:
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    if not listen:
+        print("fake firecracker: not opening the API socket", file=sys.stderr, flush=True)
+        await stop.wait()
+        return 0
     fc = FakeFirecracker()
     server = await asyncio.start_unix_server(lambda r, w: serve(fc, r, w), path=str(sock))
     print(f"fake firecracker listening on {sock} at {time.time():.3f}", file=sys.stderr,
@@ -299,4 +308,4 @@ async def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main(sys.argv[1:])))
+    sys.exit(main(sys.argv[1:]))

@@ -142,7 +142,9 @@ async def test_boot_sends_exact_request_sequence_to_fake_firecracker(
     try:
         assert isinstance(vm, Vm) and isinstance(driver, VmmDriver)
         assert vm.state is VmState.RUNNING and vm.pid is not None
-        assert vm.argv[1:] == ["--api-sock", str(vm.api_socket)]
+        assert vm.argv[1:] == ["--api-sock", str(vm.api_socket),
+                               "--log-path", str(vm.work_dir / "firecracker.log")]
+        assert "logger configured" in vm.stderr_tail()
         assert fake_fc.calls() == boot_calls(spec)
         fake_fc.assert_all_accepted()
         assert await vm.instance_state() == "Running"
