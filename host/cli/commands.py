@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -139,7 +139,7 @@ def start(ctx: click.Context, template: str, timeout_s: int, envs: Sequence[str]
 @click.pass_context
 def ls(ctx: click.Context, state: str | None, as_json: bool) -> None:
     """List sandboxes."""
-    items = settings(ctx).api.list(state)
+    items = settings(ctx).api.list_sandboxes(state)
     if as_json:
         emit_json(items)
         return
@@ -299,14 +299,14 @@ def metrics(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
 
 # --- inside the sandbox ------------------------------------------------------------------
 
-@cli.command(context_settings={"ignore_unknown_options": True})
+@cli.command("exec", context_settings={"ignore_unknown_options": True})
 @click.argument("sandbox_id")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.option("--user", "-u", default=None, help="Run as this user (default: envd's).")
 @click.option("--cwd", default=None)
 @click.option("--env", "envs", multiple=True, metavar="K=V")
 @click.pass_context
-def exec(ctx: click.Context, sandbox_id: str, command: tuple[str, ...], user: str | None,
+def exec_command(ctx: click.Context, sandbox_id: str, command: tuple[str, ...], user: str | None,
          cwd: str | None, envs: Sequence[str]) -> None:
     """Run COMMAND in the sandbox (`aenv exec ID -- CMD...`), exit with its exit code.
 
@@ -317,8 +317,8 @@ def exec(ctx: click.Context, sandbox_id: str, command: tuple[str, ...], user: st
     pid: list[int] = []
     try:
         result = envd.exec(shell_command(command), user=user, cwd=cwd, envs=env,
-                           stdout=click.get_binary_stream("stdout"),
-                           stderr=click.get_binary_stream("stderr"), on_start=pid.append)
+                           stdout=sys.stdout.buffer,
+                           stderr=sys.stderr.buffer, on_start=pid.append)
     except KeyboardInterrupt:
         if pid:
             try:
@@ -348,7 +348,7 @@ def _terminal(ctx: click.Context, sandbox_id: str, command: str | None, user: st
     ctx.exit(code if 0 <= code <= 255 else EXIT_GENERIC)
 
 
-_terminal_options = [
+_terminal_options: list[Callable[[Any], Any]] = [
     click.argument("sandbox_id"),
     click.option("--cmd", "command", default=None, help="Run this instead of a login shell."),
     click.option("--user", "-u", default=None),

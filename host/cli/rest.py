@@ -73,7 +73,7 @@ class ApiClient:
     def create(self, body: dict[str, Any]) -> dict[str, Any]:
         return self.request("POST", "/v2/sandboxes", json_body=body).json()  # type: ignore[no-any-return]
 
-    def list(self, state: str | None) -> list[dict[str, Any]]:
+    def list_sandboxes(self, state: str | None) -> list[dict[str, Any]]:
         """Every page of GET /v2/sandboxes."""
         out: list[dict[str, Any]] = []
         params: dict[str, str] = {}

@@ -79,9 +79,8 @@ class _Session:
         except OSError:
             pass
         finally:
-            rcvd = self.ws.close_rcvd
-            if rcvd is not None:
-                self.close_code, self.close_reason = rcvd.code, rcvd.reason
+            with contextlib.suppress(Exception):
+                self.close_code, self.close_reason = self.ws.close_code, self.ws.close_reason or ""
             self.done.set()
             with contextlib.suppress(OSError):
                 os.write(self.wake_w, b"x")

@@ -25,6 +25,7 @@ from tests.api.double import FakeOrchestrator
 from tests.proxy.conftest import start_process, stop_process
 
 DOMAIN = "sbx.test"
+REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 _ENV = ("AENV_API_URL", "E2B_API_URL", "AENV_API_KEY", "E2B_API_KEY", "E2B_SANDBOX_URL",
         "AENV_STATE_DIR", "E2B_DOMAIN")
 

@@ -1,0 +1,133 @@
+"""`aenv terminal` under a real pseudo-terminal, against the real envd `/terminal`
+WebSocket through the real proxy (sandbox lifecycle: the test double, see conftest.py).
+
+The CLI runs as a subprocess whose stdin/stdout/stderr are the slave side of a pty we
+opened; we keep the slave fd too, so we can read its termios mode while the CLI runs (raw)
+and after it exits (restored)."""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import subprocess
+import sys
+import termios
+import time
+
+import pytest
+
+from .conftest import REPO_ROOT, Stack
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs a Linux pty")
+
+
+def _read_until(fd: int, needle: bytes, buf: bytearray, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while needle not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"{needle!r} not seen in {bytes(buf)[-2000:]!r}")
+        ready, _, _ = select.select([fd], [], [], left)
+        if ready:
+            try:
+                buf += os.read(fd, 65536)
+            except OSError:
+                raise AssertionError(f"pty closed before {needle!r}: {bytes(buf)!r}") from None
+
+
+def _drain(fd: int, buf: bytearray) -> None:
+    while select.select([fd], [], [], 0.2)[0]:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            return
+        if not chunk:
+            return
+        buf += chunk
+
+
+def _spawn(stack: Stack, *args: str) -> tuple[subprocess.Popen[bytes], int, int]:
+    master, slave = pty.openpty()
+    env = {**os.environ, **stack.env()}
+    proc = subprocess.Popen([sys.executable, "-m", "host.cli", *args], cwd=REPO_ROOT, env=env,
+                            stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+    return proc, master, slave
+
+
+def test_terminal_echo_exit_code_and_mode_restored(stack: Stack) -> None:
+    sid = stack.run("start").stdout.strip()
+    master, slave = pty.openpty()
+    before = termios.tcgetattr(slave)
+    assert before[3] & termios.ICANON and before[3] & termios.ECHO
+    os.close(master)
+    os.close(slave)
+
+    proc, master, slave = _spawn(stack, "terminal", sid)
+    buf = bytearray()
+    try:
+        before = termios.tcgetattr(slave)
+        # the remote shell ran with our size and prints a prompt once it is up
+        _read_until(master, b"$ ", buf)
+        raw = termios.tcgetattr(slave)
+        assert not raw[3] & termios.ICANON and not raw[3] & termios.ECHO  # raw while running
+        os.write(master, b"stty size; echo h''i; exit 3\r")
+        try:
+            proc.wait(timeout=30)
+        finally:
+            _drain(master, buf)
+        text = bytes(buf).decode(errors="replace")
+        assert proc.returncode == 3, text
+        assert "Traceback" not in text
+        assert "\r\nhi\r\n" in text, text
+        assert "24 80" in text, text  # the pty's default size went up with the connection
+        after = termios.tcgetattr(slave)
+        assert after == before  # the CLI restored the local terminal mode
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+        os.close(slave)
+
+
+def test_terminal_resize_on_sigwinch(stack: Stack) -> None:
+    import fcntl
+    import signal
+    import struct
+
+    sid = stack.run("start").stdout.strip()
+    proc, master, slave = _spawn(stack, "terminal", sid)
+    buf = bytearray()
+    try:
+        _read_until(master, b"$ ", buf)
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 132, 0, 0))
+        proc.send_signal(signal.SIGWINCH)
+        time.sleep(0.5)
+        os.write(master, b"stty size; exit 0\r")
+        assert proc.wait(timeout=30) == 0
+        _drain(master, buf)
+        assert "50 132" in bytes(buf).decode(errors="replace")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+        os.close(slave)
+
+
+def test_terminal_cmd_without_tty_and_not_found(stack: Stack) -> None:
+    sid = stack.run("start").stdout.strip()
+    env = {**os.environ, **stack.env()}
+    r = subprocess.run([sys.executable, "-m", "host.cli", "terminal", sid, "--cmd",
+                        "echo piped; exit 5"], cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
+                       capture_output=True, timeout=60, check=False)
+    assert r.returncode == 5, r.stderr
+    assert b"piped" in r.stdout
+
+    r = subprocess.run([sys.executable, "-m", "host.cli", "terminal", "nosuchsandbox"],
+                       cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                       timeout=60, check=False)
+    assert r.returncode == 4
+    assert r.stderr.decode().startswith("aenv: API error 404: ")
+    assert b"Traceback" not in r.stderr
