@@ -16,6 +16,8 @@ Environment knobs (inherited through the driver's spawn):
   FAKE_FC_LOG      append one JSON line per request: method, path, body, status
   FAKE_FC_MODE     "never-listen": run without opening the socket; "exit": exit 3 at once
   FAKE_FC_FAIL     "METHOD PATH": answer that request with 400 and an injected fault
+  FAKE_FC_CRASH    "METHOD PATH": exit with code 9 on receiving that request
+  FAKE_FC_HANG     "METHOD PATH": never answer that request
 """
 
 from __future__ import annotations
@@ -253,6 +255,12 @@ async def serve(fc: FakeFirecracker, reader: asyncio.StreamReader,
             except ValueError:
                 status, reply = 400, {"fault_message": "body is not JSON"}
             else:
+                if os.environ.get("FAKE_FC_CRASH") == f"{method} {target}":
+                    print(f"fake firecracker: crashing on {method} {target}", file=sys.stderr,
+                          flush=True)
+                    os._exit(9)
+                if os.environ.get("FAKE_FC_HANG") == f"{method} {target}":
+                    await asyncio.Event().wait()
                 status, reply = fc.handle(method, target, body)
                 if status == 200 and reply is None:
                     status = 204
@@ -302,8 +310,8 @@ async def run(sock: Path, *, listen: bool) -> int:
     server = await asyncio.start_unix_server(lambda r, w: serve(fc, r, w), path=str(sock))
     print(f"fake firecracker listening on {sock} at {time.time():.3f}", file=sys.stderr,
           flush=True)
-    async with server:
-        await stop.wait()
+    await stop.wait()
+    server.close()  # not wait_closed(): a hung request (FAKE_FC_HANG) must not delay exit
     return 0
 
 

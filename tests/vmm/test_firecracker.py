@@ -349,6 +349,25 @@ async def test_api_fault_message_becomes_vmm_error_and_nothing_is_left(
     fake_fc.assert_nothing_left()
 
 
+async def test_vmm_dying_during_a_request_is_a_start_error(
+        fake_fc: FakeFc, spec: VmSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_FC_CRASH", "PUT /actions")
+    with pytest.raises(VmmStartError, match=r"exited with code 9 \(during PUT /actions\)") \
+            as info:
+        await fake_fc.driver().start(spec)
+    assert "crashing on PUT /actions" in info.value.stderr_tail
+    fake_fc.assert_nothing_left()
+
+
+async def test_api_request_that_never_answers_is_a_timeout(
+        fake_fc: FakeFc, spec: VmSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_FC_HANG", "PATCH /vm")
+    async with await fake_fc.driver().start(spec) as vm:
+        with pytest.raises(VmmTimeout, match=r"PATCH /vm took over 0.3s"):
+            await vm.api("PATCH", "/vm", {"state": "Paused"}, timeout_s=0.3)
+    fake_fc.assert_nothing_left()
+
+
 async def test_fake_enforces_firecracker_state_rules_and_schema(
         fake_fc: FakeFc, spec: VmSpec) -> None:
     """The fake answers what Firecracker documents; the driver reports it verbatim."""
