@@ -194,3 +194,49 @@ def test_fork_snapshots_logs_metrics(stack: Stack) -> None:
     r = stack.run("metrics", sid, "--json")
     assert r.exit_code == 0 and len(json.loads(r.stdout)) == 3
     assert stack.run("metrics", sid).exit_code == 0
+
+
+def test_exec_signal_killed_command(stack: Stack) -> None:
+    sid = _start(stack)
+    r = stack.run("exec", sid, "--", "kill -9 $$")
+    assert r.exit_code != 0
+    assert r.stderr.startswith("aenv: remote command ")
+    assert "Traceback" not in r.output
+
+
+def test_exec_ctrl_c_kills_remote_process(stack: Stack) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from .conftest import REPO_ROOT
+
+    sid = _start(stack)
+    marker = f"aenv-cli-sleep-{sid}"
+    env = {**os.environ, **stack.env()}
+    proc = subprocess.Popen([sys.executable, "-m", "host.cli", "exec", sid, "--",
+                             f"echo started; exec -a {marker} sleep 60"],
+                            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == b"started\n"
+        # positive control: the pattern finds the running process before the interrupt
+        r = stack.run("exec", sid, "--", f"pgrep -f '^{marker}' || true")
+        assert r.stdout.strip(), "the remote sleep is not visible to pgrep"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert b"interrupted" in err and b"Traceback" not in err
+    deadline = time.monotonic() + 10
+    while True:
+        r = stack.run("exec", sid, "--", f"pgrep -f '^{marker}' || true")
+        if not r.stdout.strip():
+            break
+        assert time.monotonic() < deadline, "remote process still running"
+        time.sleep(0.2)
