@@ -30,6 +30,7 @@ from host.vmm import (
     TapNet,
     UserNet,
     Vm,
+    VmmBootTimeout,
     VmmDriver,
     VmmError,
     VmmStartError,
@@ -43,6 +44,7 @@ from host.vmm import firecracker as fcmod
 from host.vmm.firecracker import (
     BalloonConfig,
     FirecrackerDriver,
+    FirecrackerVm,
     firecracker_usable,
     snapshot_mem_path,
 )
@@ -473,6 +475,24 @@ async def test_detach_then_adopt_reads_state_from_the_api(fake_fc: FakeFc, spec:
     await vm2.kill()
     assert await driver.adopt(spec, facts) is None
     fake_fc.assert_nothing_left()
+
+
+async def test_boot_kills_the_vm_when_envd_never_answers(fake_fc: FakeFc, spec: VmSpec) -> None:
+    """The fake boots no guest: envd (at an unroutable TEST-NET address) never answers."""
+    quiet = VmSpec(kernel=spec.kernel, network=TapNet(tap="tap7", guest_ip="192.0.2.1"))
+    driver = fake_fc.driver()
+    with pytest.raises(VmmBootTimeout, match=r"192.0.2.1:49983/health within 0.3s") as info:
+        await driver.boot(quiet, timeouts=BootTimeouts(envd_ready_s=0.3))
+    assert "fake guest booted" in info.value.serial_tail
+    assert driver.vms == []
+    fake_fc.assert_nothing_left()
+
+
+def test_vm_class_has_the_whole_vm_protocol_surface(fake_fc: FakeFc, spec: VmSpec) -> None:
+    members = {n for n in dir(Vm) if not n.startswith("_")} | {"__aenter__", "__aexit__"}
+    assert [n for n in members if not hasattr(FirecrackerVm, n)] == []
+    vm = FirecrackerVm(fake_fc.driver(), spec, BootTimeouts())
+    assert vm.pid is None and vm.state is VmState.CREATED and vm.serial_tail() == ""
 
 
 # -- picking and the schema itself ------------------------------------------------------------
