@@ -1,0 +1,332 @@
+"""The e2b Python SDK (2.63.0) against the real service, mode B (spec §1.7): the flows of
+spec §5 and the acceptance script §6.1, one step per test where they can stand alone.
+
+Most tests share one sandbox (`box`, module scope) because every create is a VM restore
+under TCG; the lifecycle tests (pause/resume, snapshot, fork, kill) make their own."""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .conftest import E2EService
+
+pytestmark = [pytest.mark.vm, pytest.mark.slow]
+
+TAG = uuid.uuid4().hex[:8]
+ENVD = 49983
+
+
+@pytest.fixture(scope="module")
+def env(service: E2EService) -> Iterator[E2EService]:
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in service.sdk_env().items():
+            mp.setenv(k, v)
+        mp.setenv("E2B_DOMAIN", "sbx.localhost")
+        yield service
+
+
+@pytest.fixture(scope="module")
+def box(env: E2EService):
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(timeout=600, metadata={"suite": "e2e", "run": TAG},
+                         envs={"FOO": "bar"})
+    try:
+        yield sbx
+    finally:
+        sbx.kill()
+
+
+def _proxy_get(svc: E2EService, host: str, path: str = "/") -> httpx.Response:
+    """A request to the proxy address carrying the sandbox host name (mode B: no DNS)."""
+    return httpx.get(f"{svc.sandbox_url}{path}", headers={"Host": host}, timeout=30)
+
+
+def _wait_port(svc: E2EService, host: str, path: str = "/", timeout_s: float = 60) -> httpx.Response:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = _proxy_get(svc, host, path)
+        if r.status_code != 502 or time.monotonic() > deadline:
+            return r
+        time.sleep(0.5)
+
+
+# ---- create / info / list / timeout ------------------------------------------------------
+
+def test_create_metadata_envs_and_info(box) -> None:
+    from e2b import SandboxState
+
+    sid = box.sandbox_id
+    assert sid.isalnum() and sid == sid.lower()
+    info = box.get_info()
+    assert info.sandbox_id == sid and info.state == SandboxState.RUNNING
+    assert info.metadata == {"suite": "e2e", "run": TAG}
+    assert box.commands.run("echo $FOO").stdout.strip() == "bar"
+    assert box.is_running()
+
+
+def test_list_filters_and_pagination(box) -> None:
+    from e2b import Sandbox, SandboxQuery, SandboxState
+
+    second = Sandbox.create(timeout=300, metadata={"suite": "e2e", "run": TAG, "n": "2"})
+    try:
+        q = SandboxQuery(metadata={"run": TAG}, state=[SandboxState.RUNNING])
+        items = Sandbox.list(query=q, limit=10).next_items()
+        assert {i.sandbox_id for i in items} == {box.sandbox_id, second.sandbox_id}
+        only = Sandbox.list(query=SandboxQuery(metadata={"run": TAG, "n": "2"})).next_items()
+        assert [i.sandbox_id for i in only] == [second.sandbox_id]
+        assert Sandbox.list(query=SandboxQuery(metadata={"run": TAG},
+                                               state=[SandboxState.PAUSED])).next_items() == []
+        page = Sandbox.list(query=q, limit=1)
+        first = page.next_items()
+        assert len(first) == 1 and page.has_next and page.next_token
+        rest = page.next_items()
+        assert len(rest) == 1 and not page.has_next
+        assert {first[0].sandbox_id, rest[0].sandbox_id} == {box.sandbox_id, second.sandbox_id}
+    finally:
+        second.kill()
+
+
+def test_set_timeout(box) -> None:
+    before = box.get_info().end_at
+    box.set_timeout(900)
+    after = box.get_info().end_at
+    assert after > before
+
+
+# ---- commands ----------------------------------------------------------------------------
+
+def test_commands_run_and_streaming(box) -> None:
+    from e2b import CommandExitException
+
+    r = box.commands.run("echo hi && echo err 1>&2")
+    assert (r.stdout, r.stderr, r.exit_code) == ("hi\n", "err\n", 0)
+    assert box.commands.run("echo $X", envs={"X": "1"}).stdout.strip() == "1"
+    assert box.commands.run("pwd", cwd="/tmp").stdout.strip() == "/tmp"
+    assert box.commands.run("whoami", user="root").stdout.strip() == "root"
+    with pytest.raises(CommandExitException) as e:
+        box.commands.run("exit 3")
+    assert e.value.exit_code == 3
+    streamed: list[str] = []
+    box.commands.run("for i in 1 2 3; do echo $i; sleep 0.2; done", on_stdout=streamed.append)
+    assert "".join(streamed) == "1\n2\n3\n" and len(streamed) >= 2
+
+
+def test_stdin(box) -> None:
+    h = box.commands.run("cat", background=True, stdin=True, timeout=0)
+    assert any(p.pid == h.pid for p in box.commands.list())
+    box.commands.send_stdin(h.pid, "hello\n")
+    box.commands.close_stdin(h.pid)
+    assert h.wait().stdout == "hello\n"
+
+
+def test_background_connect_kill(box) -> None:
+    from e2b import CommandExitException
+
+    bg = box.commands.run("sleep 100", background=True, timeout=0)
+    bg.disconnect()
+    again = box.commands.connect(bg.pid, timeout=0)
+    assert box.commands.kill(bg.pid) is True
+    with pytest.raises(CommandExitException):
+        again.wait()
+    assert box.commands.kill(999999) is False
+
+
+# ---- files -------------------------------------------------------------------------------
+
+def test_files(box) -> None:
+    from e2b import FileNotFoundException, FileType
+
+    w = box.files.write("/home/user/dir/a.txt", "hello")
+    assert w.path == "/home/user/dir/a.txt" and w.name == "a.txt"
+    assert box.files.read("/home/user/dir/a.txt") == "hello"
+    assert box.files.read("dir/a.txt", format="bytes") == bytearray(b"hello")
+    box.files.write("/home/user/m1.txt", "1")
+    names = {e.name for e in box.files.list("/home/user")}
+    assert {"dir", "m1.txt"} <= names
+    assert box.files.exists("/home/user/m1.txt") and not box.files.exists("/home/user/nope")
+    assert box.files.make_dir("/home/user/newdir") is True
+    e = box.files.rename("/home/user/m1.txt", "/home/user/newdir/m1.txt")
+    assert e.path == "/home/user/newdir/m1.txt" and e.type == FileType.FILE
+    box.files.remove("/home/user/newdir")
+    assert not box.files.exists("/home/user/newdir")
+    with pytest.raises(FileNotFoundException):
+        box.files.read("/home/user/nope")
+
+
+def test_signed_urls(box, env: E2EService) -> None:
+    """Mode B signed URLs point at E2B_SANDBOX_URL with no routing info (spec §1.7 B):
+    a non-browser client adds the routing headers; the signature is the only auth."""
+    route = {"E2b-Sandbox-Id": box.sandbox_id, "E2b-Sandbox-Port": str(ENVD)}
+    up = box.upload_url("/home/user/signed.txt", use_signature_expiration=120)
+    assert up.startswith(env.sandbox_url)
+    r = httpx.post(up, files={"file": ("/home/user/signed.txt", b"signed")}, headers=route)
+    assert r.status_code == 200, r.text
+    down = box.download_url("/home/user/signed.txt", use_signature_expiration=120)
+    assert httpx.get(down, headers=route).text == "signed"
+    bad = down.replace("signature=v1_", "signature=v1_X")
+    assert httpx.get(bad, headers=route).status_code == 401
+
+
+def test_watch_dir(box) -> None:
+    box.files.make_dir("/home/user/w")
+    wh = box.files.watch_dir("/home/user/w")
+    try:
+        box.files.write("/home/user/w/watched.txt", "x")
+        deadline = time.monotonic() + 10
+        evs: list = []
+        while time.monotonic() < deadline:
+            evs += wh.get_new_events()
+            if any(ev.name.endswith("watched.txt") for ev in evs):
+                break
+            time.sleep(0.3)
+        assert any(ev.name.endswith("watched.txt") for ev in evs), evs
+    finally:
+        wh.stop()
+
+
+def test_pty(box) -> None:
+    from e2b import PtySize
+
+    out = bytearray()
+    h = box.pty.create(PtySize(rows=24, cols=80), timeout=0)
+    box.pty.resize(h.pid, PtySize(rows=30, cols=100))
+    box.pty.send_stdin(h.pid, b"stty size; echo pty-ok; exit\n")
+    h.wait(on_pty=out.extend)
+    assert b"30 100" in out and b"pty-ok" in out, out
+    h2 = box.pty.create(PtySize(rows=24, cols=80), timeout=0)
+    assert box.pty.kill(h2.pid) is True
+    assert box.pty.kill(h2.pid) is False
+
+
+# ---- user ports through the proxy --------------------------------------------------------
+
+def test_user_http_server_via_proxy(box, env: E2EService) -> None:
+    box.files.write("/home/user/www/index.html", "hello from the guest")
+    box.commands.run("python3 -m http.server 8000", background=True, timeout=0,
+                     cwd="/home/user/www")
+    host = box.get_host(8000)
+    assert host == f"8000-{box.sandbox_id}.sbx.localhost"
+    r = _wait_port(env, host, "/index.html")
+    assert r.status_code == 200 and r.text == "hello from the guest"
+    closed = _proxy_get(env, f"8001-{box.sandbox_id}.sbx.localhost")
+    assert closed.status_code == 502 and "port is not open" in closed.json()["message"]
+
+
+def test_websocket_via_proxy(box, env: E2EService) -> None:
+    from websockets.sync.client import connect
+
+    script = (Path(__file__).with_name("guest_ws_echo.py")).read_text()
+    box.files.write("/home/user/ws_echo.py", script)
+    box.commands.run("python3 /home/user/ws_echo.py 8765", background=True, timeout=0)
+    host = box.get_host(8765)
+    deadline = time.monotonic() + 60
+    while True:
+        sock = socket.create_connection(("127.0.0.1", env.proxy_port), timeout=30)
+        try:
+            ws = connect(f"ws://{host}:{env.proxy_port}/echo", sock=sock, open_timeout=30)
+            break
+        except Exception:
+            sock.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    with ws:
+        ws.send("ping over the proxy")
+        assert ws.recv(timeout=30) == "ping over the proxy"
+        blob = bytes(range(256)) * 300
+        ws.send(blob)
+        assert ws.recv(timeout=30) == blob
+
+
+# ---- lifecycle ---------------------------------------------------------------------------
+
+def test_pause_connect_keeps_data_and_process(env: E2EService) -> None:
+    from e2b import Sandbox, SandboxState
+
+    sbx = Sandbox.create(timeout=600)
+    try:
+        sbx.files.write("/home/user/persist.txt", "kept")
+        bg = sbx.commands.run("sleep 1000", background=True, timeout=0)
+        assert sbx.pause() is True
+        assert Sandbox.pause(sbx.sandbox_id) is False  # 409 -> already paused
+        assert Sandbox.get_info(sbx.sandbox_id).state == SandboxState.PAUSED
+        assert not sbx.is_running()
+        s2 = Sandbox.connect(sbx.sandbox_id, timeout=300)
+        assert s2.sandbox_id == sbx.sandbox_id
+        assert Sandbox.get_info(sbx.sandbox_id).state == SandboxState.RUNNING
+        assert s2.files.read("/home/user/persist.txt") == "kept"
+        assert any(p.pid == bg.pid for p in s2.commands.list())
+        assert sbx.commands.run("echo same-token").stdout == "same-token\n"
+        s2.connect()  # running -> 200
+    finally:
+        sbx.kill()
+
+
+def test_snapshot_then_create_from_it(env: E2EService) -> None:
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(timeout=600)
+    made = [sbx]
+    try:
+        sbx.files.write("/home/user/snap.txt", "in-snapshot")
+        snap = sbx.create_snapshot()
+        assert sbx.is_running()
+        clone = Sandbox.create(template=snap.snapshot_id, timeout=300)
+        made.append(clone)
+        assert clone.sandbox_id != sbx.sandbox_id
+        assert clone.files.read("/home/user/snap.txt") == "in-snapshot"
+        assert Sandbox.delete_snapshot(snap.snapshot_id) is True
+    finally:
+        for s in made:
+            s.kill()
+
+
+def test_fork_three(env: E2EService) -> None:
+    from e2b import Sandbox
+
+    parent = Sandbox.create(timeout=600)
+    kids: list = []
+    try:
+        parent.files.write("/home/user/parent.txt", "from-parent")
+        res = parent.fork(count=3, timeout=300)
+        kids = [k for k in res if isinstance(k, Sandbox)]
+        assert len(kids) == 3, res
+        assert len({parent.sandbox_id, *(k.sandbox_id for k in kids)}) == 4
+        for k in kids:
+            assert k.files.read("/home/user/parent.txt") == "from-parent"
+        kids[0].files.write("/home/user/parent.txt", "changed")
+        assert parent.files.read("/home/user/parent.txt") == "from-parent"
+    finally:
+        for s in [parent, *kids]:
+            s.kill()
+
+
+def test_metrics_kill_and_not_found(env: E2EService) -> None:
+    from e2b import Sandbox, SandboxNotFoundException
+
+    sbx = Sandbox.create(timeout=300)
+    sid = sbx.sandbox_id
+    m = sbx.get_metrics()
+    assert isinstance(m, list)
+    for point in m:
+        assert point.cpu_count >= 1 and point.mem_total > 0
+    assert sbx.kill() is True
+    assert not sbx.is_running()
+    assert Sandbox.kill(sid) is False
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.get_info(sid)
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.connect(sid)
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.get_info("inonexistent0")
+    assert Sandbox.kill("inonexistent0") is False
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.connect("inonexistent0")
