@@ -131,3 +131,17 @@ def test_terminal_cmd_without_tty_and_not_found(stack: Stack) -> None:
     assert r.returncode == 4
     assert r.stderr.decode().startswith("aenv: API error 404: ")
     assert b"Traceback" not in r.stderr
+
+
+def test_piped_stdin_to_interactive_shell_and_connect_resumes(stack: Stack) -> None:
+    sid = stack.run("start").stdout.strip()
+    assert stack.run("pause", sid).exit_code == 0
+    env = {**os.environ, **stack.env()}
+    # `connect` resumes the paused sandbox first; stdin is not a tty: no raw mode, and EOF
+    # goes up as ^D
+    r = subprocess.run([sys.executable, "-m", "host.cli", "connect", sid],
+                       cwd=REPO_ROOT, env=env, input=b"echo piped-in\nexit 2\n",
+                       capture_output=True, timeout=60, check=False)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert b"piped-in" in r.stdout
+    assert stack.orch.sandboxes[sid].state.public == "running"
