@@ -240,3 +240,11 @@ def test_exec_ctrl_c_kills_remote_process(stack: Stack) -> None:
             break
         assert time.monotonic() < deadline, "remote process still running"
         time.sleep(0.2)
+
+
+def test_exec_on_paused_sandbox_is_one_line(stack: Stack) -> None:
+    sid = _start(stack)
+    stack.run("pause", sid)
+    r = stack.run("exec", sid, "--", "true")
+    assert r.exit_code != 0
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.output
