@@ -121,7 +121,7 @@ def boot_calls(spec: VmSpec, *, dirty: bool = False) -> list[Call]:
         ("PUT", "/machine-config", {"vcpu_count": 2, "mem_size_mib": 256,
                                     "track_dirty_pages": dirty}),
         ("PUT", "/boot-source", {"kernel_image_path": str(spec.kernel),
-                                 "boot_args": "console=ttyS0 quiet"}),
+                                 "boot_args": "reboot=k panic=1 pci=off console=ttyS0 quiet"}),
         ("PUT", "/drives/rootfs", {"drive_id": "rootfs",
                                    "path_on_host": str(spec.disks[0].path),  # type: ignore[union-attr]
                                    "is_root_device": True, "is_read_only": True}),
@@ -150,7 +150,7 @@ async def test_boot_sends_exact_request_sequence_to_fake_firecracker(
         assert fake_fc.calls() == boot_calls(spec)
         fake_fc.assert_all_accepted()
         assert await vm.instance_state() == "Running"
-        assert "fake guest booted: console=ttyS0 quiet" in vm.serial_tail()
+        assert "fake guest booted: reboot=k panic=1 pci=off console=ttyS0" in vm.serial_tail()
         assert vm.envd_url == "http://10.11.0.2:49983"
         assert driver.vms == [vm]
     finally:
@@ -167,7 +167,8 @@ async def test_boot_cmdline_with_root_leaves_no_root_drive_and_passes_initrd(
                    disks=spec.disks, network=None)
     async with await fake_fc.driver().start(spec2):
         calls = fake_fc.calls()
-    assert calls[1][2] == {"kernel_image_path": str(spec.kernel), "boot_args": "root=/dev/vdb",
+    assert calls[1][2] == {"kernel_image_path": str(spec.kernel),
+                           "boot_args": "console=ttyS0 reboot=k panic=1 pci=off root=/dev/vdb",
                            "initrd_path": str(initrd)}
     assert [c[2]["is_root_device"] for c in calls if c[1].startswith("/drives/")] == [
         False, False]
@@ -493,6 +494,14 @@ def test_vm_class_has_the_whole_vm_protocol_surface(fake_fc: FakeFc, spec: VmSpe
     assert [n for n in members if not hasattr(FirecrackerVm, n)] == []
     vm = FirecrackerVm(fake_fc.driver(), spec, BootTimeouts())
     assert vm.pid is None and vm.state is VmState.CREATED and vm.serial_tail() == ""
+
+
+@pytest.mark.parametrize(("base", "expected"), [
+    ("", "console=ttyS0 reboot=k panic=1 pci=off"),
+    ("console=hvc0 panic=-1 init=/x", "reboot=k pci=off console=hvc0 panic=-1 init=/x"),
+])
+def test_boot_args_add_only_what_is_missing(base: str, expected: str) -> None:
+    assert fcmod.boot_args(base) == expected
 
 
 # -- picking and the schema itself ------------------------------------------------------------
