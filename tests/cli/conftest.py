@@ -31,7 +31,7 @@ _ENV = ("AENV_API_URL", "E2B_API_URL", "AENV_API_KEY", "E2B_API_KEY", "E2B_SANDB
 
 
 @pytest.fixture(autouse=True)
-def clean_environ(monkeypatch: pytest.MonkeyPatch, tmp_path_factory) -> None:
+def clean_environ(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
     """No ambient AENV_*/E2B_* settings, and no readable service key file."""
     for name in _ENV:
         monkeypatch.delenv(name, raising=False)

@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from host.orchestrator.states import SandboxState
 
 from .conftest import Stack
@@ -101,7 +103,7 @@ def test_bad_and_missing_key(stack: Stack) -> None:
     assert "missing X-API-Key header" in r.stderr and "AENV_API_KEY" in r.stderr
 
 
-def test_key_from_env_and_key_file(stack: Stack, tmp_path: Path, monkeypatch) -> None:
+def test_key_from_env_and_key_file(stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("E2B_API_KEY", "e2b_test_key")
     assert stack.run("ls", key=None).exit_code == 0
     monkeypatch.delenv("E2B_API_KEY")
