@@ -13,7 +13,7 @@
     AENV_NETWORK     --network      auto              auto | netns | user
     AENV_NETWORK_PREFIX / AENV_NETWORK_POOL   namespace/veth name prefix (aenv-) and the
                      guest address pool (10.200.0.0/16): distinct per service on one host
-    AENV_ENVD_TIMEOUT_S --envd-timeout 60             restore -> envd /health (TCG under load: more)
+    AENV_ENVD_TIMEOUT_S --envd-timeout 180            restore -> envd /health (generous: TCG under load)
     AENV_IMAGE, AENV_CPU_COUNT, AENV_MEMORY_MB, AENV_DISK_MB   the default template's machine
 """
 
@@ -53,7 +53,7 @@ class Config:
     disk_mb: int = 2048
     default_template: str = "base"
     ttl_interval_s: float = 1.0
-    envd_timeout_s: float = 60.0
+    envd_timeout_s: float = 180.0
     log_level: str = "info"
 
     @property
