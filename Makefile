@@ -20,7 +20,7 @@ envd:             ## freeze envd into one static executable: out/envd
 kernel:           ## build (or reuse) the guest kernel: $(AENV_CACHE)/kernel/<hash>/{bzImage,vmlinux}
 	kernel/build.sh
 
-image: envd       ## build (or reuse) the rootfs layers and manifest
+image: envd kernel ## build (or reuse) the rootfs layers and manifest
 	rootfs/build.sh
 
 run:              ## run the host service on this machine's defaults
