@@ -330,3 +330,32 @@ def test_metrics_kill_and_not_found(env: E2EService) -> None:
     assert Sandbox.kill("inonexistent0") is False
     with pytest.raises(SandboxNotFoundException):
         Sandbox.connect("inonexistent0")
+
+
+@pytest.mark.xfail(strict=True, reason="proxy/orchestrator gap: an open envd stream (a "
+                   "background command's Start/Connect) is not ended when its sandbox is "
+                   "paused or killed; the client hangs until its own timeout")
+@pytest.mark.parametrize("action", ["pause", "kill"])
+def test_streams_end_when_sandbox_goes(env: E2EService, action: str) -> None:
+    import threading
+
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(timeout=300)
+    try:
+        bg = sbx.commands.run("sleep 1000", background=True, timeout=0)
+        waiter = threading.Thread(target=lambda: _swallow(bg.wait), daemon=True)
+        waiter.start()
+        time.sleep(0.5)
+        getattr(sbx, action)()
+        waiter.join(15)
+        assert not waiter.is_alive(), f"stream still open 15 s after {action}"
+    finally:
+        sbx.kill()
+
+
+def _swallow(fn) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001, S110 - any end of the stream will do
+        pass
