@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
@@ -18,6 +19,9 @@ from dataclasses import dataclass
 import h11
 
 _READ_SIZE = 256 * 1024
+# A request that failed on a reused connection before any response byte is sent again on a
+# fresh one; body chunks already read from the client are kept (up to this much) for that.
+_REPLAY_LIMIT = 64 * 1024
 
 
 class UpstreamError(Exception):
@@ -50,10 +54,32 @@ class Connection:
         self.h11 = h11.Connection(h11.CLIENT)
         self.idle_since = time.monotonic()
         self.reused = False
+        self.received = False  # a byte of the current response has arrived
 
     def stale(self, expiry_s: float) -> bool:
-        return (self.reader.at_eof() or self.writer.is_closing()
-                or time.monotonic() - self.idle_since > expiry_s)
+        """An idle connection that must not be reused: expired, closed, or its peer has
+        closed / reset it or sent something while idle (never valid between responses)."""
+        if (self.writer.is_closing() or self.reader.at_eof()
+                or self.reader.exception() is not None
+                or time.monotonic() - self.idle_since > expiry_s):
+            return True
+        if getattr(self.reader, "_buffer", b""):  # unsolicited bytes while idle
+            return True
+        return not self._socket_quiet()
+
+    def _socket_quiet(self) -> bool:
+        """True if the socket has nothing to read and no error (EOF/RST not yet seen by the
+        event loop is caught here: a non-blocking MSG_PEEK on a duplicate of the fd)."""
+        ts = self.writer.get_extra_info("socket")
+        if ts is None:
+            return True
+        try:
+            with socket.socket(fileno=ts.dup().detach()) as sock:
+                return not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
 
     async def _send(self, event: h11.Event) -> None:
         data = self.h11.send(event)
@@ -63,6 +89,7 @@ class Connection:
 
     async def request(self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]],
                       body: AsyncIterator[bytes] | None) -> UpstreamResponse:
+        self.received = False
         try:
             await self._send(h11.Request(method=method, target=target, headers=headers))
             if body is not None:
@@ -90,6 +117,8 @@ class Connection:
             event = self.h11.next_event()
             if event is h11.NEED_DATA:
                 data = await self.reader.read(_READ_SIZE)
+                if data:
+                    self.received = True
                 self.h11.receive_data(data)  # b"" = EOF; h11 raises if that is premature
                 continue
             if event is h11.PAUSED:
@@ -157,18 +186,26 @@ class Pool:
     async def request(self, host: str, port: int, method: bytes, target: bytes,
                       headers: list[tuple[bytes, bytes]],
                       body: AsyncIterator[bytes] | None) -> UpstreamResponse:
+        """Send one request. On a reused connection that fails before any response byte
+        (the peer closed it while idle, or it is a dead connection to an address that now
+        belongs to someone else, who answers with a reset) the request is sent once more on
+        a fresh connection, provided the body read so far can be replayed in full (empty,
+        not started, or at most _REPLAY_LIMIT bytes kept); otherwise the error stands."""
         key = (host, port)
         conn = self._pop_idle(key)
-        if conn is not None and body is None:
-            try:
-                return await conn.request(method, target, headers, None)
-            except UpstreamError:
-                pass  # the server closed a kept-alive connection under us: retry once, fresh
-        elif conn is not None:
-            # a streamed body cannot be replayed: only use a pooled connection that is live
+        if conn is None:
+            conn = await self._open(key)
             return await conn.request(method, target, headers, body)
-        conn = await self._open(key)
-        return await conn.request(method, target, headers, body)
+        replay = _Replay(body) if body is not None else None
+        try:
+            return await conn.request(method, target, headers,
+                                      replay.first() if replay is not None else None)
+        except UpstreamError:
+            if conn.received or (replay is not None and not replay.replayable):
+                raise
+        fresh = await self._open(key)
+        return await fresh.request(method, target, headers,
+                                   replay.again() if replay is not None else None)
 
     def release(self, conn: Connection) -> None:
         idle = self._idle.setdefault(conn.key, [])
@@ -184,3 +221,35 @@ class Pool:
             for conn in idle:
                 conn.close()
         self._idle.clear()
+
+
+class _Replay:
+    """A request body read once from the client, keeping what was read (up to
+    _REPLAY_LIMIT) so that a retry can send it again and then go on with the rest."""
+
+    def __init__(self, source: AsyncIterator[bytes]) -> None:
+        self.source = source
+        self.kept: list[bytes] = []
+        self.size = 0
+        self.replayable = True
+        self.exhausted = False
+
+    async def first(self) -> AsyncIterator[bytes]:
+        async for chunk in self.source:
+            self.size += len(chunk)
+            if self.size > _REPLAY_LIMIT:
+                self.replayable = False
+                self.kept.clear()
+            elif self.replayable:
+                self.kept.append(chunk)
+            yield chunk
+        self.exhausted = True
+
+    async def again(self) -> AsyncIterator[bytes]:
+        assert self.replayable
+        for chunk in self.kept:
+            yield chunk
+        self.kept = []
+        if not self.exhausted:
+            async for chunk in self.source:
+                yield chunk
