@@ -359,3 +359,19 @@ def _swallow(fn) -> None:
         fn()
     except Exception:  # noqa: BLE001, S110 - any end of the stream will do
         pass
+
+
+def test_new_sandbox_on_a_killed_ones_address(env: E2EService) -> None:
+    """A killed sandbox's address goes to the next one; the proxy's pooled keep-alive
+    connection to the old VM must not make the new sandbox's first request fail
+    (host/proxy/upstream.py: ECONNRESET on a reused connection is retried fresh)."""
+    from e2b import Sandbox
+
+    for i in range(3):
+        sbx = Sandbox.create(timeout=120)
+        try:
+            # POSTs with bodies (not replayed before the fix), right after create
+            sbx.files.write("/tmp/first.txt", f"round-{i}")
+            assert sbx.commands.run("cat /tmp/first.txt").stdout == f"round-{i}"
+        finally:
+            sbx.kill()
