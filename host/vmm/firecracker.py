@@ -30,26 +30,24 @@ import logging
 import re
 import shlex
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 import httpx
 
 from . import proc as procs
 from .accel import _kvm_openable, _pvm_loaded
 from .driver import ENVD_PORT, BootTimeouts, FileDisk, NbdDisk, TapNet, UserNet, VmSpec, VmState
-from .errors import VmmBootTimeout, VmmError, VmmStartError, VmmStateError, VmmTimeout
+from .errors import VmmError, VmmStartError, VmmStateError, VmmTimeout
 from .qemu import default_run_dir
-from .readiness import wait_for_health
+from .vmbase import TAIL_LINES, DriverBase, VmBase
 
 log = logging.getLogger(__name__)
 
 DEFAULT_FIRECRACKER = "firecracker"
 _API_CALL_S = 10.0
 _SNAPSHOT_S = 120.0
-_TAIL_LINES = 30
 _IFACE_ID = "eth0"
 _DRIVE_ID = re.compile(r"^[A-Za-z0-9_]+$")  # Firecracker accepts only these in ids
 
@@ -103,7 +101,7 @@ class _Files:
         return self.work_dir / "firecracker.log"
 
 
-class FirecrackerDriver:
+class FirecrackerDriver(DriverBase["FirecrackerVm"]):
     """Starts Firecracker microVMs (KVM only; see `firecracker_usable`)."""
 
     name = "firecracker"
@@ -117,34 +115,14 @@ class FirecrackerDriver:
         balloon: BalloonConfig | None = None,
         track_dirty_pages: bool = False,
     ) -> None:
+        super().__init__(run_dir=run_dir or default_run_dir(), die_with_parent=die_with_parent)
         self.firecracker = firecracker
-        self.run_dir = run_dir or default_run_dir()
-        self.die_with_parent = die_with_parent
         self.balloon = balloon
         # Needed for Diff snapshots that hold only the pages written since the last one.
         self.track_dirty_pages = track_dirty_pages
-        self._vms: list[FirecrackerVm] = []
 
-    @property
-    def vms(self) -> list[FirecrackerVm]:
-        return list(self._vms)
-
-    async def start(self, spec: VmSpec, *, timeouts: BootTimeouts | None = None
-                    ) -> FirecrackerVm:
-        vm = FirecrackerVm(self, spec, timeouts or BootTimeouts())
-        await vm._start(state_file=None)
-        return vm
-
-    async def boot(self, spec: VmSpec, *, timeouts: BootTimeouts | None = None
-                   ) -> FirecrackerVm:
-        """start() + wait_for_envd(); the VM is killed if envd does not come up."""
-        vm = await self.start(spec, timeouts=timeouts)
-        try:
-            await vm.wait_for_envd()
-        except BaseException:
-            await vm.kill()
-            raise
-        return vm
+    def _new_vm(self, spec: VmSpec, timeouts: BootTimeouts | None) -> FirecrackerVm:
+        return FirecrackerVm(self, spec, timeouts or BootTimeouts())
 
     async def restore(
         self, spec: VmSpec, state: Path, *, timeouts: BootTimeouts | None = None,
@@ -152,28 +130,9 @@ class FirecrackerDriver:
     ) -> FirecrackerVm:
         """Guest memory comes from `spec.memory.path` (must be shared=False: Firecracker
         maps it copy-on-write) or else from `snapshot_mem_path(state)`."""
-        vm = FirecrackerVm(self, spec, timeouts or BootTimeouts())
+        vm = self._new_vm(spec, timeouts)
         await vm._start(state_file=Path(state), resume=resume)
         return vm
-
-    async def adopt(self, spec: VmSpec, facts: dict[str, Any], *,
-                    timeouts: BootTimeouts | None = None) -> FirecrackerVm | None:
-        vm = FirecrackerVm(self, spec, timeouts or BootTimeouts())
-        return vm if await vm._adopt(facts) else None
-
-    async def aclose(self) -> None:
-        errors: list[BaseException] = []
-        for vm in reversed(self.vms):
-            try:
-                await vm.kill()
-            except VmmError as exc:
-                errors.append(exc)
-        if errors:
-            raise errors[0]
-
-    def _forget(self, vm: FirecrackerVm) -> None:
-        with contextlib.suppress(ValueError):
-            self._vms.remove(vm)
 
 
 def check_spec(spec: VmSpec, *, restoring: bool) -> None:
@@ -229,45 +188,20 @@ def drive_ids(spec: VmSpec) -> list[str]:
     return ids
 
 
-class FirecrackerVm:
+class FirecrackerVm(VmBase):
     """One Firecracker process running one guest. Create through `FirecrackerDriver`."""
+
+    _VMM = "Firecracker"
+    _log = log
+    _driver: FirecrackerDriver
 
     def __init__(self, driver: FirecrackerDriver, spec: VmSpec, timeouts: BootTimeouts
                  ) -> None:
-        self._driver = driver
-        self._spec = spec
-        self.timeouts = timeouts
-        self._state = VmState.CREATED
-        self._proc: procs.ProcessHandle | None = None
+        super().__init__(driver, spec, timeouts)
         self._api: httpx.AsyncClient | None = None
-        self._work_dir: Path | None = None
-        self._owns_work_dir = False
-        self._kill_task: asyncio.Task[None] | None = None
-        self.argv: list[str] = []
-        self.started_at: float | None = None
         self.api_ready_s: float | None = None
 
     # -- properties -----------------------------------------------------------------
-
-    @property
-    def spec(self) -> VmSpec:
-        return self._spec
-
-    @property
-    def state(self) -> VmState:
-        return self._state
-
-    @property
-    def pid(self) -> int | None:
-        if self._proc is None or self._proc.returncode is not None:
-            return None
-        return self._proc.pid
-
-    @property
-    def work_dir(self) -> Path:
-        if self._work_dir is None:
-            raise VmmStateError(f"{self._spec.name}: not started")
-        return self._work_dir
 
     @property
     def files(self) -> _Files:
@@ -288,32 +222,20 @@ class FirecrackerVm:
             return net.guest_ip, ENVD_PORT
         raise VmmStateError(f"{self._spec.name}: VM has no network")
 
-    @property
-    def envd_url(self) -> str:
-        host, port = self.envd_address
-        return f"http://{host}:{port}"
-
-    def serial_tail(self, lines: int = _TAIL_LINES) -> str:
-        return procs.tail(self.serial_log, lines) if self._work_dir else ""
-
-    def stderr_tail(self, lines: int = _TAIL_LINES) -> str:
+    def stderr_tail(self, lines: int = TAIL_LINES) -> str:
         """The tails of Firecracker's stderr and of its log file."""
         if self._work_dir is None:
             return ""
         parts = (procs.tail(self.files.stderr_log, lines), procs.tail(self.files.vmm_log, lines))
         return "\n".join(p for p in parts if p)
 
-    def _tails(self) -> dict[str, str]:
-        return {"serial_tail": self.serial_tail(), "stderr_tail": self.stderr_tail()}
+    @property
+    def _control_socket(self) -> Path:
+        return self.api_socket
 
-    def __repr__(self) -> str:
-        return f"<FirecrackerVm {self._spec.name} {self._state.value} pid={self.pid}>"
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
+    def _log_files(self, work_dir: Path) -> tuple[Path, ...]:
+        files = _Files(work_dir)
+        return files.serial_log, files.stderr_log, files.vmm_log
 
     # -- API ----------------------------------------------------------------------------
 
@@ -342,13 +264,6 @@ class FirecrackerVm:
             raise VmmError(f"{self._spec.name}: {method} {path} failed "
                            f"({resp.status_code}): {fault}")
         return resp.json() if resp.content else None
-
-    async def _died(self) -> int | None:
-        if self._proc is None:
-            return None
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._proc.wait(), 0.2)
-        return self._proc.returncode
 
     async def instance_state(self) -> str:
         """Firecracker's own view: "Not started", "Running" or "Paused" (GET /)."""
@@ -382,26 +297,8 @@ class FirecrackerVm:
                 assert mem_file is not None
                 await self._load_snapshot(state_file, mem_file, resume=resume)
         except BaseException:
-            # Never leave a process or file behind, whatever went wrong (cancel included).
-            try:
-                await self.kill()
-            except VmmError as exc:
-                log.error("cleanup after failed start of %s failed: %s", spec.name, exc)
+            await self._kill_failed_start()
             raise
-
-    def _make_work_dir(self) -> None:
-        spec = self._spec
-        if spec.work_dir is None:
-            self._driver.run_dir.mkdir(parents=True, exist_ok=True)
-            safe = re.sub(r"[^A-Za-z0-9_.-]", "_", spec.name)[:40]
-            self._work_dir = Path(tempfile.mkdtemp(prefix=f"{safe}-", dir=self._driver.run_dir))
-            self._owns_work_dir = True
-        else:
-            self._owns_work_dir = not spec.work_dir.exists()
-            spec.work_dir.mkdir(parents=True, exist_ok=True)
-            self._work_dir = spec.work_dir
-        if len(str(self.api_socket)) > 107:
-            raise VmmStartError(f"work dir path too long for a unix socket: {self._work_dir}")
 
     async def _spawn(self) -> None:
         files = self.files
@@ -414,17 +311,7 @@ class FirecrackerVm:
         out = await asyncio.to_thread(open, files.serial_log, "wb")
         err = await asyncio.to_thread(open, files.stderr_log, "wb")
         with out, err:
-            try:
-                self._proc = await asyncio.create_subprocess_exec(
-                    *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err,
-                    start_new_session=True,
-                    preexec_fn=procs.die_with_parent if self._driver.die_with_parent else None)
-            except OSError as exc:
-                raise VmmStartError(f"{self._spec.name}: cannot run {self.argv[0]}: {exc}") \
-                    from exc
-        self.started_at = asyncio.get_running_loop().time()
-        log.debug("%s: started pid %d: %s", self._spec.name, self._proc.pid,
-                  shlex.join(self.argv))
+            await self._exec(stdout=out, stderr=err)
 
     async def _connect_api(self) -> None:
         """Poll GET / until the API answers, the process exits or vmm_ready_s passes."""
@@ -515,30 +402,6 @@ class FirecrackerVm:
 
     # -- lifecycle ----------------------------------------------------------------------
 
-    def _require(self, *states: VmState) -> None:
-        if self._state not in states:
-            raise VmmStateError(f"{self._spec.name}: is {self._state.value}, needs one of "
-                                f"{', '.join(s.value for s in states)}")
-
-    async def wait_for_envd(self, timeout_s: float | None = None) -> float:
-        self._require(VmState.RUNNING)
-        timeout_s = self.timeouts.envd_ready_s if timeout_s is None else timeout_s
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        url = self.envd_url
-        proc = self._proc
-        assert proc is not None
-        try:
-            async with asyncio.timeout(timeout_s):
-                await wait_for_health(url, alive=lambda: proc.returncode is None)
-        except TimeoutError:
-            raise VmmBootTimeout(f"{self._spec.name}: envd did not answer {url}/health within "
-                                 f"{timeout_s:g}s", **self._tails()) from None
-        if proc.returncode is not None:
-            raise VmmStartError(f"{self._spec.name}: Firecracker exited with code "
-                                f"{proc.returncode} before envd answered", **self._tails())
-        return loop.time() - t0
-
     async def pause(self) -> None:
         self._require(VmState.RUNNING, VmState.PAUSED)
         if self._state is VmState.RUNNING:
@@ -574,103 +437,18 @@ class FirecrackerVm:
         self._require(VmState.RUNNING, VmState.PAUSED)
         await self.api("PATCH", "/balloon", {"amount_mib": amount_mib})
 
-    # -- teardown -----------------------------------------------------------------------
+    # -- teardown / detach / adopt ---------------------------------------------------------
+    # Firecracker has no graceful-quit API call (SendCtrlAltDel only asks the guest to
+    # reboot), and it exits on SIGTERM: kill() only signals it.
 
-    async def kill(self) -> None:
-        """Idempotent; shielded, so a cancelled caller cannot leave a half-killed VM.
-        A no-op after detach(): the VM then belongs to whoever adopts it."""
-        if self._state in (VmState.KILLED, VmState.DETACHED) and self._kill_task is None:
-            return
-        if self._kill_task is None:
-            self._kill_task = asyncio.ensure_future(self._kill())
-        await asyncio.shield(self._kill_task)
-
-    async def aclose(self) -> None:
-        await self.kill()
-
-    async def _kill(self) -> None:
-        proc, api = self._proc, self._api
-        gone = True
-        # 1. Signals: Firecracker has no graceful-quit API call (SendCtrlAltDel only asks
-        #    the guest to reboot), and it exits on SIGTERM.
-        if proc is not None:
-            gone = await procs.terminate(proc, grace_s=self.timeouts.kill_s)
-        # 2. Close the API client after the process, so no request races its exit.
-        if api is not None:
-            with contextlib.suppress(Exception):
-                await api.aclose()
-        self._api = None
-        # 3. Files last, once nothing writes to them.
-        self._remove_files()
-        self._state = VmState.KILLED
-        self._driver._forget(self)
-        if not gone:
-            raise VmmError(f"{self._spec.name}: Firecracker pid "
-                           f"{proc.pid if proc else '?'} survived SIGKILL")
-
-    def _remove_files(self) -> None:
-        if self._work_dir is None:
-            return
-        files = _Files(self._work_dir)
-        files.api_socket.unlink(missing_ok=True)
-        if self._spec.keep_work_dir:
-            return
-        if self._owns_work_dir:
-            shutil.rmtree(self._work_dir, ignore_errors=True)
-        else:
-            for p in (files.serial_log, files.stderr_log, files.vmm_log):
-                p.unlink(missing_ok=True)
-
-    # -- detach / adopt -------------------------------------------------------------------
-
-    def facts(self) -> dict[str, Any]:
-        self._require(VmState.RUNNING, VmState.PAUSED)
-        assert self._proc is not None and self._work_dir is not None
-        return {
-            "driver": "firecracker",
-            "name": self._spec.name,
-            "pid": self._proc.pid,
-            "pid_start": procs.start_time(self._proc.pid),
-            "work_dir": str(self._work_dir),
-            "owns_work_dir": self._owns_work_dir,
-            "argv": list(self.argv),
-        }
-
-    async def detach(self) -> None:
-        self._require(VmState.RUNNING, VmState.PAUSED)
+    async def _close_control(self) -> None:
         if self._api is not None:
             with contextlib.suppress(Exception):
                 await self._api.aclose()
         self._api = None
-        self._proc = None
-        self._state = VmState.DETACHED
-        self._driver._forget(self)
 
-    async def _adopt(self, facts: dict[str, Any]) -> bool:
-        """Re-attach to the process in `facts`; False (leftovers removed) when it is gone."""
-        if facts.get("driver") != "firecracker":
-            raise VmmError(f"{self._spec.name}: facts are not from the Firecracker driver: "
-                           f"{facts}")
-        self._work_dir = Path(facts["work_dir"])
-        self._owns_work_dir = bool(facts.get("owns_work_dir"))
-        self.argv = list(facts.get("argv", []))
-        pid, started = int(facts["pid"]), facts.get("pid_start")
-        if started is None or procs.start_time(pid) != started:
-            self._remove_files()
-            self._state = VmState.KILLED
-            return False
-        self._proc = procs.AdoptedProcess(pid, int(started))
-        self._state = VmState.STARTING
-        self._driver._vms.append(self)
-        try:
-            self.started_at = asyncio.get_running_loop().time()
-            await self._connect_api()
-            status = await self.instance_state()
-        except BaseException:
-            gone = self._proc.returncode is not None
-            await self.kill()
-            if gone:
-                return False
-            raise
-        self._state = VmState.PAUSED if status == "Paused" else VmState.RUNNING
-        return True
+    async def _connect(self) -> None:
+        await self._connect_api()
+
+    async def _live_state(self) -> VmState:
+        return VmState.PAUSED if await self.instance_state() == "Paused" else VmState.RUNNING

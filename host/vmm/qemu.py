@@ -11,23 +11,21 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import shlex
-import shutil
 import socket
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 from qemu.qmp import ExecuteError, QMPClient, QMPError
 
 from . import proc as procs
 from .accel import DEFAULT_QEMU, detect_accel, host_tsc_khz
 from .driver import BootTimeouts, TapNet, UserNet, VmSpec, VmState
-from .errors import VmmBootTimeout, VmmError, VmmStartError, VmmStateError, VmmTimeout
+from .errors import VmmError, VmmStartError, VmmStateError, VmmTimeout
 from .qemu_cmdline import QemuRunFiles, build_argv
-from .readiness import wait_for_health
+from .vmbase import TAIL_LINES, DriverBase, VmBase
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +33,6 @@ _PORT_ATTEMPTS = 5
 _QMP_CALL_S = 10.0
 _MIGRATE_S = 120.0
 _MAX_BANDWIDTH = 100 * 1024**3  # bytes/s; the 7.2 default (32 MiB/s) makes snapshots slow
-_TAIL_LINES = 30
 
 
 def default_run_dir() -> Path:
@@ -53,7 +50,7 @@ class _PortTaken(Exception):
     """QEMU could not bind the forwarded host port (someone took it after we picked it)."""
 
 
-class QemuDriver:
+class QemuDriver(DriverBase["QemuVm"]):
     """Starts QEMU microVMs. KVM when it runs standard guests, else TCG (see accel.py)."""
 
     name = "qemu"
@@ -66,104 +63,42 @@ class QemuDriver:
         run_dir: Path | None = None,
         die_with_parent: bool = True,
     ) -> None:
+        super().__init__(run_dir=run_dir or default_run_dir(), die_with_parent=die_with_parent)
         self.qemu = qemu
         self._accel = accel
-        self.run_dir = run_dir or default_run_dir()
-        self.die_with_parent = die_with_parent
-        self._vms: list[QemuVm] = []
-
-    @property
-    def vms(self) -> list[QemuVm]:
-        return list(self._vms)
 
     async def accel(self) -> tuple[str, int | None]:
         """(accelerator, host TSC kHz); detection is blocking and cached, so run it off-loop."""
         name = self._accel or (await asyncio.to_thread(detect_accel, self.qemu)).name
         return name, await asyncio.to_thread(host_tsc_khz)
 
-    async def start(self, spec: VmSpec, *, timeouts: BootTimeouts | None = None) -> QemuVm:
-        vm = QemuVm(self, spec, timeouts or BootTimeouts())
-        await vm._start(state_file=None)
-        return vm
-
-    async def boot(self, spec: VmSpec, *, timeouts: BootTimeouts | None = None) -> QemuVm:
-        """start() + wait_for_envd(); the VM is killed if envd does not come up."""
-        vm = await self.start(spec, timeouts=timeouts)
-        try:
-            await vm.wait_for_envd()
-        except BaseException:
-            await vm.kill()
-            raise
-        return vm
+    def _new_vm(self, spec: VmSpec, timeouts: BootTimeouts | None) -> QemuVm:
+        return QemuVm(self, spec, timeouts or BootTimeouts())
 
     async def restore(
         self, spec: VmSpec, state: Path, *, timeouts: BootTimeouts | None = None,
         resume: bool = True,
     ) -> QemuVm:
-        vm = QemuVm(self, spec, timeouts or BootTimeouts())
+        vm = self._new_vm(spec, timeouts)
         await vm._start(state_file=Path(state), resume=resume)
         return vm
 
-    async def adopt(self, spec: VmSpec, facts: dict[str, Any], *,
-                    timeouts: BootTimeouts | None = None) -> QemuVm | None:
-        vm = QemuVm(self, spec, timeouts or BootTimeouts())
-        return vm if await vm._adopt(facts) else None
 
-    async def aclose(self) -> None:
-        errors: list[BaseException] = []
-        for vm in reversed(self.vms):
-            try:
-                await vm.kill()
-            except VmmError as exc:
-                errors.append(exc)
-        if errors:
-            raise errors[0]
-
-    def _forget(self, vm: QemuVm) -> None:
-        with contextlib.suppress(ValueError):
-            self._vms.remove(vm)
-
-
-class QemuVm:
+class QemuVm(VmBase):
     """One QEMU process running one guest. Create through `QemuDriver`."""
 
+    _VMM = "QEMU"
+    _log = log
+    _driver: QemuDriver
+
     def __init__(self, driver: QemuDriver, spec: VmSpec, timeouts: BootTimeouts) -> None:
-        self._driver = driver
-        self._spec = spec
-        self.timeouts = timeouts
-        self._state = VmState.CREATED
-        self._proc: procs.ProcessHandle | None = None
+        super().__init__(driver, spec, timeouts)
         self._qmp: QMPClient | None = None
-        self._work_dir: Path | None = None
-        self._owns_work_dir = False
         self._host_port: int | None = None
-        self._kill_task: asyncio.Task[None] | None = None
         self.accel: str | None = None
-        self.argv: list[str] = []
-        self.started_at: float | None = None  # loop time of the spawn
         self.qmp_ready_s: float | None = None  # spawn -> QMP negotiated
 
     # -- properties -----------------------------------------------------------------
-
-    @property
-    def spec(self) -> VmSpec:
-        return self._spec
-
-    @property
-    def state(self) -> VmState:
-        return self._state
-
-    @property
-    def pid(self) -> int | None:
-        if self._proc is None or self._proc.returncode is not None:
-            return None
-        return self._proc.pid
-
-    @property
-    def work_dir(self) -> Path:
-        if self._work_dir is None:
-            raise VmmStateError(f"{self._spec.name}: not started")
-        return self._work_dir
 
     @property
     def files(self) -> QemuRunFiles:
@@ -188,30 +123,18 @@ class QemuVm:
             return net.guest_ip, 49983
         raise VmmStateError(f"{self._spec.name}: VM has no network")
 
-    @property
-    def envd_url(self) -> str:
-        host, port = self.envd_address
-        return f"http://{host}:{port}"
-
-    def serial_tail(self, lines: int = _TAIL_LINES) -> str:
-        return procs.tail(self.serial_log, lines) if self._work_dir else ""
-
-    def stderr_tail(self, lines: int = _TAIL_LINES) -> str:
+    def stderr_tail(self, lines: int = TAIL_LINES) -> str:
         return procs.tail(self.stderr_log, lines) if self._work_dir else ""
 
-    def _tails(self) -> dict[str, str]:
-        return {"serial_tail": self.serial_tail(), "stderr_tail": self.stderr_tail()}
+    @property
+    def _control_socket(self) -> Path:
+        return self.files.qmp_socket
 
-    def __repr__(self) -> str:
-        return f"<QemuVm {self._spec.name} {self._state.value} pid={self.pid}>"
+    def _log_files(self, work_dir: Path) -> tuple[Path, ...]:
+        return QemuRunFiles.in_dir(work_dir).serial_log, work_dir / "qemu.stderr"
 
-    # -- context manager --------------------------------------------------------------
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
+    def _envd_timeout_note(self) -> str:
+        return f" (accel {self.accel})"
 
     # -- start ------------------------------------------------------------------------
 
@@ -233,26 +156,8 @@ class QemuVm:
             else:
                 await self._load_state(state_file, resume=resume)
         except BaseException:
-            # Never leave a process or file behind, whatever went wrong (cancel included).
-            try:
-                await self.kill()
-            except VmmError as exc:
-                log.error("cleanup after failed start of %s failed: %s", self._spec.name, exc)
+            await self._kill_failed_start()
             raise
-
-    def _make_work_dir(self) -> None:
-        spec = self._spec
-        if spec.work_dir is None:
-            self._driver.run_dir.mkdir(parents=True, exist_ok=True)
-            safe = re.sub(r"[^A-Za-z0-9_.-]", "_", spec.name)[:40]
-            self._work_dir = Path(tempfile.mkdtemp(prefix=f"{safe}-", dir=self._driver.run_dir))
-            self._owns_work_dir = True
-        else:
-            self._owns_work_dir = not spec.work_dir.exists()
-            spec.work_dir.mkdir(parents=True, exist_ok=True)
-            self._work_dir = spec.work_dir
-        if len(str(self.files.qmp_socket)) > 107:
-            raise VmmStartError(f"work dir path too long for a unix socket: {self._work_dir}")
 
     async def _launch(self, tsc_khz: int | None, *, incoming: bool) -> None:
         """Spawn QEMU and connect QMP, retrying with a new port if the picked one was
@@ -281,20 +186,9 @@ class QemuVm:
     async def _spawn(self) -> None:
         for stale in (self.files.qmp_socket,):
             stale.unlink(missing_ok=True)
-        loop = asyncio.get_running_loop()
         err = await asyncio.to_thread(open, self.stderr_log, "wb")
         with err:
-            try:
-                self._proc = await asyncio.create_subprocess_exec(
-                    *self.argv, stdin=asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.DEVNULL, stderr=err, start_new_session=True,
-                    preexec_fn=procs.die_with_parent if self._driver.die_with_parent else None)
-            except OSError as exc:
-                raise VmmStartError(f"{self._spec.name}: cannot run {self.argv[0]}: {exc}") \
-                    from exc
-        self.started_at = loop.time()
-        log.debug("%s: started pid %d: %s", self._spec.name, self._proc.pid,
-                  shlex.join(self.argv))
+            await self._exec(stdout=asyncio.subprocess.DEVNULL, stderr=err)
 
     async def _connect_qmp(self) -> None:
         assert self._proc is not None and self.started_at is not None
@@ -346,14 +240,6 @@ class QemuVm:
 
     # -- QMP --------------------------------------------------------------------------
 
-    async def _died(self) -> int | None:
-        """The exit code if QEMU has exited (waiting briefly for the reaper)."""
-        if self._proc is None:
-            return None
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._proc.wait(), 0.2)
-        return self._proc.returncode
-
     async def qmp(self, cmd: str, args: dict[str, Any] | None = None, *,
                   timeout_s: float = _QMP_CALL_S) -> Any:
         """Run one QMP command; errors become VmmError (VmmStartError if QEMU died)."""
@@ -379,30 +265,6 @@ class QemuVm:
         return str(res["status"])
 
     # -- lifecycle ----------------------------------------------------------------------
-
-    def _require(self, *states: VmState) -> None:
-        if self._state not in states:
-            raise VmmStateError(f"{self._spec.name}: is {self._state.value}, needs one of "
-                                f"{', '.join(s.value for s in states)}")
-
-    async def wait_for_envd(self, timeout_s: float | None = None) -> float:
-        self._require(VmState.RUNNING)
-        timeout_s = self.timeouts.envd_ready_s if timeout_s is None else timeout_s
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        url = self.envd_url
-        proc = self._proc
-        assert proc is not None
-        try:
-            async with asyncio.timeout(timeout_s):
-                await wait_for_health(url, alive=lambda: proc.returncode is None)
-        except TimeoutError:
-            raise VmmBootTimeout(f"{self._spec.name}: envd did not answer {url}/health within "
-                                 f"{timeout_s:g}s (accel {self.accel})", **self._tails()) from None
-        if proc.returncode is not None:
-            raise VmmStartError(f"{self._spec.name}: QEMU exited with code {proc.returncode} "
-                                "before envd answered", **self._tails())
-        return loop.time() - t0
 
     async def pause(self) -> None:
         self._require(VmState.RUNNING, VmState.PAUSED)
@@ -479,117 +341,39 @@ class QemuVm:
             raise VmmError(f"{self._spec.name}: unexpected status after restore: {status}",
                            **self._tails())
 
-    # -- teardown -----------------------------------------------------------------------
+    # -- teardown / detach / adopt ---------------------------------------------------------
 
-    async def kill(self) -> None:
-        """Idempotent; shielded, so a cancelled caller cannot leave a half-killed VM.
-        A no-op after detach(): the VM then belongs to whoever adopts it."""
-        if self._state in (VmState.KILLED, VmState.DETACHED) and self._kill_task is None:
-            return
-        if self._kill_task is None:
-            self._kill_task = asyncio.ensure_future(self._kill())
-        await asyncio.shield(self._kill_task)
-
-    async def aclose(self) -> None:
-        await self.kill()
-
-    async def _kill(self) -> None:
-        proc, qmp = self._proc, self._qmp
-        gone = True
-        # 1. Ask QEMU to quit over QMP: it flushes its block layer and closes NBD client
-        #    connections cleanly (the NBD servers are dependents owned by storage/).
+    async def _ask_quit(self, proc: procs.ProcessHandle) -> bool:
+        # QMP quit: QEMU flushes its block layer and closes NBD client connections cleanly
+        # (the NBD servers are dependents owned by storage/).
         asked = False
-        if proc is not None and proc.returncode is None and qmp is not None:
+        if proc.returncode is None and self._qmp is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(qmp.execute("quit"), 1.0)
+                await asyncio.wait_for(self._qmp.execute("quit"), 1.0)
                 asked = True
-        # 2. Then signals, with deadlines, until the process group is really gone.
-        if proc is not None:
-            gone = await procs.terminate(proc, grace_s=self.timeouts.kill_s, already_asked=asked)
-        # 3. Close QMP after the process: its reader sees EOF instead of a live QEMU
-        #    losing its monitor mid-command.
-        if qmp is not None:
-            with contextlib.suppress(Exception):
-                await qmp.disconnect()
-        self._qmp = None
-        # 4. Files last, once nothing writes to them.
-        self._remove_files()
-        self._state = VmState.KILLED
-        self._driver._forget(self)
-        if not gone:
-            raise VmmError(f"{self._spec.name}: QEMU pid {proc.pid if proc else '?'} "
-                           "survived SIGKILL")
+        return asked
 
-    # -- detach / adopt -------------------------------------------------------------------
-
-    def facts(self) -> dict[str, Any]:
-        self._require(VmState.RUNNING, VmState.PAUSED)
-        assert self._proc is not None and self._work_dir is not None
-        return {
-            "driver": "qemu",
-            "name": self._spec.name,
-            "pid": self._proc.pid,
-            "pid_start": procs.start_time(self._proc.pid),
-            "work_dir": str(self._work_dir),
-            "owns_work_dir": self._owns_work_dir,
-            "host_port": self._host_port,
-            "accel": self.accel,
-            "argv": list(self.argv),
-        }
-
-    async def detach(self) -> None:
-        self._require(VmState.RUNNING, VmState.PAUSED)
+    async def _close_control(self) -> None:
+        # After the process on kill: its reader sees EOF instead of a live QEMU losing its
+        # monitor mid-command.
         if self._qmp is not None:
             with contextlib.suppress(Exception):
                 await self._qmp.disconnect()
         self._qmp = None
-        self._proc = None
-        self._state = VmState.DETACHED
-        self._driver._forget(self)
 
-    async def _adopt(self, facts: dict[str, Any]) -> bool:
-        """Re-attach to the QEMU described by `facts`; False (leftovers removed) when it
-        is gone. A live QEMU that does not answer QMP is killed and VmmError raised."""
-        if facts.get("driver") != "qemu":
-            raise VmmError(f"{self._spec.name}: facts are not from the QEMU driver: {facts}")
-        self._work_dir = Path(facts["work_dir"])
-        self._owns_work_dir = bool(facts.get("owns_work_dir"))
+    def _facts_extra(self) -> dict[str, Any]:
+        return {"host_port": self._host_port, "accel": self.accel}
+
+    def _adopt_extra(self, facts: dict[str, Any]) -> None:
         self._host_port = facts.get("host_port")
         self.accel = facts.get("accel")
-        self.argv = list(facts.get("argv", []))
-        pid, started = int(facts["pid"]), facts.get("pid_start")
-        if started is None or procs.start_time(pid) != started:
-            self._remove_files()
-            self._state = VmState.KILLED
-            return False
-        self._proc = procs.AdoptedProcess(pid, int(started))
-        self._state = VmState.STARTING
-        self._driver._vms.append(self)
-        try:
-            self.started_at = asyncio.get_running_loop().time()
-            await self._connect_qmp()
-            status = await self.query_status()
-        except BaseException:
-            gone = self._proc.returncode is not None
-            await self.kill()
-            if gone:
-                return False
-            raise
-        self._state = VmState.PAUSED if status in ("paused", "postmigrate") else VmState.RUNNING
-        return True
 
-    def _remove_files(self) -> None:
-        if self._work_dir is None:
-            return
-        files = QemuRunFiles.in_dir(self._work_dir)
-        files.qmp_socket.unlink(missing_ok=True)
-        if self._spec.keep_work_dir:
-            return
-        if self._owns_work_dir:
-            shutil.rmtree(self._work_dir, ignore_errors=True)
-        else:
-            for p in (files.serial_log, self._work_dir / "qemu.stderr"):
-                p.unlink(missing_ok=True)
+    async def _connect(self) -> None:
+        await self._connect_qmp()
+
+    async def _live_state(self) -> VmState:
+        status = await self.query_status()
+        return VmState.PAUSED if status in ("paused", "postmigrate") else VmState.RUNNING
 
 
 @contextlib.asynccontextmanager
