@@ -375,3 +375,25 @@ def test_new_sandbox_on_a_killed_ones_address(env: E2EService) -> None:
             assert sbx.commands.run("cat /tmp/first.txt").stdout == f"round-{i}"
         finally:
             sbx.kill()
+
+
+async def test_async_watch_dir_stream_and_run(box) -> None:
+    """AsyncSandbox: watch_dir opens the WatchDir server stream (not the polling RPCs)."""
+    import asyncio
+
+    from e2b import AsyncSandbox
+
+    s = await AsyncSandbox.connect(box.sandbox_id)
+    await s.files.make_dir("/home/user/aw")
+    events: list = []
+    wh = await s.files.watch_dir("/home/user/aw", events.append, recursive=True, timeout=30)
+    try:
+        await s.files.write("/home/user/aw/async.txt", "x")
+        for _ in range(40):
+            if any(e.name.endswith("async.txt") for e in events):
+                break
+            await asyncio.sleep(0.25)
+    finally:
+        await wh.stop()
+    assert any(e.name.endswith("async.txt") for e in events), events
+    assert (await s.commands.run("echo async")).stdout == "async\n"
