@@ -246,6 +246,7 @@ class ProxyApp:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await body.aclose()  # returns the connection to the pool, or closes it
+            upstream.abandon()  # closes it if the body was cut off before its first read
 
     # --- WebSocket --------------------------------------------------------------------
 

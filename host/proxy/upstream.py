@@ -41,6 +41,12 @@ class UpstreamResponse:
     def aiter_body(self) -> AsyncGenerator[bytes, None]:
         return self.conn.body()
 
+    def abandon(self) -> None:
+        """Call after the body iterator was closed: a body never read to its end (or never
+        started: closing an unstarted generator runs none of its code) closes the
+        connection instead of leaving it open outside the pool."""
+        self.conn.abandon()
+
 
 class Connection:
     """One keep-alive HTTP/1.1 connection to an upstream."""
@@ -55,6 +61,7 @@ class Connection:
         self.idle_since = time.monotonic()
         self.reused = False
         self.received = False  # a byte of the current response has arrived
+        self.responding = False  # a response was handed out and not yet finished
 
     def stale(self, expiry_s: float) -> bool:
         """An idle connection that must not be reused: expired, closed, or its peer has
@@ -99,8 +106,10 @@ class Connection:
             while True:
                 event = await self._next_event()
                 if isinstance(event, h11.Response):
+                    self.responding = True
                     return UpstreamResponse(event.status_code, list(event.headers), self)
                 if isinstance(event, h11.InformationalResponse) and event.status_code == 101:
+                    self.responding = True
                     return UpstreamResponse(101, list(event.headers), self)
                 if isinstance(event, h11.ConnectionClosed):
                     raise UpstreamError("the upstream closed the connection before responding")
@@ -143,11 +152,16 @@ class Connection:
             self.finish(done)
 
     def finish(self, complete: bool) -> None:
+        self.responding = False
         if complete and self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE:
             self.h11.start_next_cycle()
             self.pool.release(self)
         else:
             self.close()
+
+    def abandon(self) -> None:
+        if self.responding:
+            self.finish(False)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -151,6 +151,7 @@ class Gates:
         self.first_chunk_seen = threading.Event()   # upstream got the first upload chunk
         self.client_got_first = threading.Event()   # client got the first download chunk
         self.download_ended = threading.Event()     # upstream stopped sending (done or cut)
+        self.blocks_sent = 0                        # download blocks the upstream got out
 
 
 @pytest.fixture
@@ -169,6 +170,13 @@ def streaming_upstream():
             try:
                 for _ in range(size // len(block)):
                     yield block
+                    gates.blocks_sent += 1
+                    # A real server suspends between writes. Without this the loop never
+                    # yields to its event loop: once the proxy drops the connection, uvicorn's
+                    # connection_lost callback and the disconnect cancellation never get to
+                    # run, and every write lands on the dead transport ("socket.send() raised
+                    # exception.") until all 64 GiB worth of blocks have been "sent".
+                    await asyncio.sleep(0)
             finally:
                 gates.download_ended.set()
         return StreamingResponse(gen(), media_type="application/octet-stream")
@@ -240,6 +248,7 @@ async def test_client_disconnect_releases_the_stream(proxy_url, orch, streaming_
                 break
     # the proxy dropped its upstream connection: the 64 GiB generator was stopped early
     assert await asyncio.to_thread(gates.download_ended.wait, 10)
+    assert gates.blocks_sent < 68719476736 // 65536
     # the proxy still answers promptly afterwards
     async with httpx.AsyncClient(base_url=proxy_url, timeout=10) as c:
         assert (await c.get("/health", headers=host(ENVD, orch.add().sandbox_id))).status_code == 204

@@ -95,3 +95,28 @@ async def test_refused_port() -> None:
     pool = Pool(connect_timeout_s=2)
     with pytest.raises(UpstreamUnreachable):
         await fetch(pool, free_port())
+
+
+async def test_a_body_closed_before_its_first_read_closes_the_connection() -> None:
+    """A client gone between the response head and the first body read: closing the
+    never-started body iterator runs none of its code, `abandon()` closes the connection
+    (neither pooled nor left open)."""
+    async with serve() as state:
+        pool = Pool()
+        resp = await pool.request("127.0.0.1", state["port"], b"GET", b"/", [(b"host", b"x")],
+                                  None)
+        body = resp.aiter_body()
+        await body.aclose()
+        assert not resp.conn.writer.is_closing()  # the unstarted generator did nothing
+        resp.abandon()
+        assert resp.conn.writer.is_closing() and not pool._idle.get(("127.0.0.1", state["port"]))
+        # a body read to its end is pooled, and abandon() after that changes nothing
+        resp = await pool.request("127.0.0.1", state["port"], b"GET", b"/", [(b"host", b"x")],
+                                  None)
+        body = resp.aiter_body()
+        assert b"".join([c async for c in body]) == b"ok"
+        await body.aclose()
+        resp.abandon()
+        assert not resp.conn.writer.is_closing()
+        assert pool._idle[("127.0.0.1", state["port"])] == [resp.conn]
+        await pool.aclose()
