@@ -193,7 +193,7 @@ def test_watch_dir(box) -> None:
 
 
 def test_pty(box) -> None:
-    from e2b import PtySize
+    from e2b import CommandExitException, PtySize
 
     out = bytearray()
     h = box.pty.create(PtySize(rows=24, cols=80), timeout=0)
@@ -203,6 +203,11 @@ def test_pty(box) -> None:
     assert b"30 100" in out and b"pty-ok" in out, out
     h2 = box.pty.create(PtySize(rows=24, cols=80), timeout=0)
     assert box.pty.kill(h2.pid) is True
+    # SIGKILL is asynchronous: the pid stays known until the process has ended. Once its
+    # stream reports the kill, the pid is gone and a second kill finds nothing.
+    with pytest.raises(CommandExitException) as killed:
+        h2.wait(on_pty=lambda _: None)
+    assert killed.value.exit_code == -1
     assert box.pty.kill(h2.pid) is False
 
 
