@@ -75,12 +75,13 @@ class ApiClient:
 
     def list_sandboxes(self, state: str | None) -> list[dict[str, Any]]:
         """Every page of GET /v2/sandboxes."""
+        return self._all_pages("/v2/sandboxes", {"state": state} if state else {})
+
+    def _all_pages(self, path: str, params: dict[str, str]) -> list[dict[str, Any]]:
+        """GET `path` page after page, following X-Next-Token until it is absent."""
         out: list[dict[str, Any]] = []
-        params: dict[str, str] = {}
-        if state:
-            params["state"] = state
         while True:
-            resp = self.request("GET", "/v2/sandboxes", params=params)
+            resp = self.request("GET", path, params=params)
             out.extend(resp.json())
             token = resp.headers.get("x-next-token")
             if not token:
@@ -130,17 +131,7 @@ class ApiClient:
                             json_body=body).json()
 
     def snapshots(self, sandbox_id: str | None) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        params: dict[str, str] = {}
-        if sandbox_id:
-            params["sandboxID"] = sandbox_id
-        while True:
-            resp = self.request("GET", "/snapshots", params=params)
-            out.extend(resp.json())
-            token = resp.headers.get("x-next-token")
-            if not token:
-                return out
-            params["nextToken"] = token
+        return self._all_pages("/snapshots", {"sandboxID": sandbox_id} if sandbox_id else {})
 
     def delete_snapshot(self, snapshot_id: str) -> None:
         self.request("DELETE", f"/templates/{_seg(snapshot_id)}")
