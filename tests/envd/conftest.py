@@ -12,11 +12,14 @@ the same tests against the frozen executable.
 from __future__ import annotations
 
 import os
+import pwd
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -102,6 +105,21 @@ def sdk_env(envd_url, monkeypatch):
     for key, value in sdk_environ(envd_url).items():
         monkeypatch.setenv(key, value)
     return envd_url
+
+
+@pytest.fixture
+def home_dir(request):
+    """A fresh directory under /home/user owned by `user` (named after the test module);
+    removed afterwards."""
+    user = pwd.getpwnam("user")
+    stem = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
+    path = Path(user.pw_dir) / f"{stem}-{uuid.uuid4().hex[:8]}"
+    path.mkdir()
+    os.chown(path, user.pw_uid, user.pw_gid)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class InProcessEnvd:

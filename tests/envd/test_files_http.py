@@ -11,7 +11,6 @@ import hashlib
 import io
 import os
 import pwd
-import shutil
 import socket
 import subprocess
 import time
@@ -34,26 +33,6 @@ def envd_url():
     """A private envd for this module: parallel suites restart the shared 49983 instance."""
     with private_envd() as (url, _):
         yield url
-
-
-@pytest.fixture
-def sdk_env(envd_url, monkeypatch):
-    """The SDK in debug mode, pointed at this module's envd."""
-    monkeypatch.setenv("E2B_DEBUG", "true")
-    monkeypatch.setenv("E2B_SANDBOX_URL", envd_url)
-    return envd_url
-
-
-@pytest.fixture
-def home_dir():
-    """A fresh directory under /home/user owned by `user`; removed afterwards."""
-    path = Path(USER.pw_dir) / f"files-test-{uuid.uuid4().hex[:8]}"
-    path.mkdir()
-    os.chown(path, USER.pw_uid, USER.pw_gid)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ import os
 import pwd
 import shutil
 import subprocess
-import uuid
 from pathlib import Path
 
 import pytest
@@ -17,17 +16,6 @@ JS_DIR = Path(__file__).resolve().parents[1] / "js"
 USER = pwd.getpwnam("user")
 
 pytestmark = pytest.mark.js
-
-
-@pytest.fixture
-def home_dir():
-    path = Path(USER.pw_dir) / f"js-files-{uuid.uuid4().hex[:8]}"
-    path.mkdir()
-    os.chown(path, USER.pw_uid, USER.pw_gid)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def test_js_sdk_files(home_dir):

@@ -11,7 +11,6 @@ import base64
 import json
 import os
 import pwd
-import shutil
 import struct
 import time
 import uuid
@@ -39,26 +38,6 @@ def envd_instance():
 @pytest.fixture(scope="module")
 def envd_url(envd_instance):
     return envd_instance[0]
-
-
-@pytest.fixture
-def sdk_env(envd_url, monkeypatch):
-    """The SDK in debug mode, pointed at this module's envd."""
-    monkeypatch.setenv("E2B_DEBUG", "true")
-    monkeypatch.setenv("E2B_SANDBOX_URL", envd_url)
-    return envd_url
-
-
-@pytest.fixture
-def home_dir():
-    """A fresh directory under /home/user owned by `user`; removed afterwards."""
-    path = Path(USER.pw_dir) / f"fs-test-{uuid.uuid4().hex[:8]}"
-    path.mkdir()
-    os.chown(path, USER.pw_uid, USER.pw_gid)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

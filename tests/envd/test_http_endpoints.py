@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
-import shutil
 import signal
 import socket
 import subprocess
@@ -95,17 +94,6 @@ def secured_envd() -> Iterator[str]:
         })
         assert r.status_code == 204, r.text
         yield url
-
-
-@pytest.fixture
-def home_dir():
-    path = Path(USER.pw_dir) / f"http-test-{uuid.uuid4().hex[:8]}"
-    path.mkdir()
-    os.chown(path, USER.pw_uid, USER.pw_gid)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 AUTH = {"X-Access-Token": TOKEN}
