@@ -1,9 +1,10 @@
 """The durable store of sealed layers and snapshot manifests: `posix_fs` or `oss` (S3).
 
-Layers live under `layers/<hex>.lsmt`, manifests under `manifests/<name>.json`. Both are
-made visible atomically: posix_fs writes a temp file, fsyncs and renames; oss uploads a
-layer with a multipart upload (an object appears only when the upload completes) and a
-manifest with one PUT, after its layers. So a crash never leaves half a snapshot visible.
+Layers live under `layers/<hex>.lsmt`, manifests under `manifests/<name>.json`, and other
+immutable files (memory snapshots) under `files/<key>`. All are made visible atomically:
+posix_fs writes a temp file (or hard-links one), fsyncs and renames; oss uploads with a
+multipart upload (an object appears only when the upload completes) and a manifest with one
+PUT, after everything it names. So a crash never leaves half a snapshot visible.
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ def _check_name(name: str) -> str:
     return name
 
 
+def _check_key(key: str) -> str:
+    """A file key: relative, `/`-separated, no empty, `.` or `..` parts, no dot-files."""
+    parts = key.split("/")
+    if not key or any(not p or p.startswith(".") for p in parts):
+        raise ValueError(f"bad file key {key!r}")
+    return key
+
+
 class Repository(Protocol):
     """Where layers and manifests are kept durably."""
 
@@ -45,6 +54,10 @@ class Repository(Protocol):
     def put_manifest(self, name: str, manifest: dict[str, Any]) -> None: ...
     def get_manifest(self, name: str) -> dict[str, Any]: ...
     def list_manifests(self) -> list[str]: ...
+    def put_file(self, key: str, path: str | os.PathLike[str]) -> None: ...
+    def fetch_file(self, key: str, dest: str | os.PathLike[str]) -> None: ...
+    def has_file(self, key: str) -> bool: ...
+    def delete_files(self, prefix: str) -> None: ...
 
 
 class PosixFsRepository:
@@ -82,14 +95,14 @@ class PosixFsRepository:
         dst = self._layer(digest)
         if dst.exists():
             return
-        with self._atomic(dst) as tmp, open(path, "rb") as src, open(tmp, "wb") as out:
+        with _atomic(dst) as tmp, open(path, "rb") as src, open(tmp, "wb") as out:
             shutil.copyfileobj(src, out, 1 << 20)
             out.flush()
             os.fsync(out.fileno())
 
     def put_manifest(self, name: str, manifest: dict[str, Any]) -> None:
         dst = self.root / "manifests" / f"{_check_name(name)}.json"
-        with self._atomic(dst) as tmp, open(tmp, "w") as out:
+        with _atomic(dst) as tmp, open(tmp, "w") as out:
             json.dump(manifest, out, sort_keys=True)
             out.flush()
             os.fsync(out.fileno())
@@ -105,22 +118,89 @@ class PosixFsRepository:
     def list_manifests(self) -> list[str]:
         return sorted(p.stem for p in (self.root / "manifests").glob("*.json"))
 
-    @contextlib.contextmanager
-    def _atomic(self, dst: Path) -> Iterator[Path]:
-        fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=".tmp-")
-        os.close(fd)
+    # Files are immutable once put: a hard link shares the bytes when source and repository
+    # are on one filesystem (a pause's memory diff is then "uploaded" in microseconds).
+
+    def _file(self, key: str) -> Path:
+        return self.root / "files" / _check_key(key)
+
+    def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        dst = self._file(key)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        _link_or_copy(Path(path), dst)
+
+    def fetch_file(self, key: str, dest: str | os.PathLike[str]) -> None:
+        src = self._file(key)
+        if not src.exists():
+            raise LayerNotFoundError(f"file {key} not in {self.root}")
+        Path(dest).parent.mkdir(parents=True, exist_ok=True)
+        _link_or_copy(src, Path(dest))
+
+    def has_file(self, key: str) -> bool:
+        return self._file(key).is_file()
+
+    def delete_files(self, prefix: str) -> None:
+        target = self.root / "files" / _check_key(prefix.rstrip("/"))
+        if target.is_dir():
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            target.unlink(missing_ok=True)
+
+
+
+@contextlib.contextmanager
+def _atomic(dst: Path) -> Iterator[Path]:
+    """A temp path next to `dst`, renamed over it (and the directory fsynced) on success."""
+    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=".tmp-")
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, dst)
+        dfd = os.open(dst.parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            yield Path(tmp)
-            os.replace(tmp, dst)
-            dfd = os.open(dst.parent, os.O_RDONLY | os.O_DIRECTORY)
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """Make `dst` an atomic, durable copy of `src`: a hard link when both are on one
+    filesystem, else a copy that keeps holes (memory files are mostly zeros)."""
+    with _atomic(dst) as tmp:
+        tmp.unlink()
+        try:
+            os.link(src, tmp)
+        except OSError:
+            _copy_sparse(src, tmp)
+
+
+def _copy_sparse(src: Path, dst: Path) -> None:
+    with open(src, "rb") as f, open(dst, "wb") as out:
+        size = os.fstat(f.fileno()).st_size
+        pos = 0
+        while pos < size:
             try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+                data = os.lseek(f.fileno(), pos, os.SEEK_DATA)
+            except OSError:  # ENXIO: only a hole is left
+                break
+            hole = os.lseek(f.fileno(), data, os.SEEK_HOLE)
+            f.seek(data)
+            out.seek(data)
+            left = hole - data
+            while left > 0:
+                buf = f.read(min(left, 1 << 20))
+                if not buf:
+                    break
+                out.write(buf)
+                left -= len(buf)
+            pos = hole
+        out.truncate(size)
+        out.flush()
+        os.fsync(out.fileno())
 
 
 @contextlib.contextmanager
@@ -212,6 +292,42 @@ class OssRepository:
                 return doc
         except LayerNotFoundError as exc:
             raise RepositoryError(f"no manifest {name!r}") from exc
+
+    def _file_key(self, key: str) -> str:
+        return f"{self.prefix}files/{_check_key(key)}"
+
+    def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        # always uploaded (a retried snapshot may reuse a key); multipart above the
+        # threshold, so the object appears whole or not at all
+        with _map_boto_errors(f"upload {key}"):
+            self.s3.upload_file(str(path), self.bucket, self._file_key(key),
+                                Config=self._transfer)
+
+    def fetch_file(self, key: str, dest: str | os.PathLike[str]) -> None:
+        dst = Path(dest)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        with _atomic(dst) as tmp, _map_boto_errors(f"file {key}"):
+            self.s3.download_file(self.bucket, self._file_key(key), str(tmp),
+                                  Config=self._transfer)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+
+    def has_file(self, key: str) -> bool:
+        try:
+            with _map_boto_errors(f"file {key}"):
+                self.s3.head_object(Bucket=self.bucket, Key=self._file_key(key))
+            return True
+        except LayerNotFoundError:
+            return False
+
+    def delete_files(self, prefix: str) -> None:
+        root = self._file_key(prefix.rstrip("/")) + "/"
+        with _map_boto_errors(f"delete {prefix}"):
+            for page in self.s3.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.bucket, Prefix=root):
+                keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+                if keys:
+                    self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": keys})
 
     def list_manifests(self) -> list[str]:
         names = []
