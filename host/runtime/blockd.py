@@ -49,10 +49,9 @@ class BlockServerHandle:
         argv = [self.config.block_server_python or sys.executable, "-m",
                 "host.storage.blockserver", "--socket-dir", str(self.socket_dir),
                 "--state-dir", str(self.config.state_dir / "storage"),
-                "--repo", self.config.repository_spec]
-        if self.config.cache_dir is not None:
-            argv += ["--cache-dir", str(self.config.cache_dir),
-                     "--cache-mib", str(self.config.cache_mib)]
+                "--repo", self.config.repository_spec,
+                "--cache-dir", str(self.config.chunk_cache_dir),
+                "--cache-mib", str(self.config.cache_mib)]
         repo_root = Path(__file__).resolve().parents[2]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root),

@@ -27,7 +27,7 @@ class RuntimeConfig:
     state_dir: Path = Path("/var/lib/aenv")
     run_dir: Path = Path("/run/aenv/rt")
     repository: str | None = None  # default: posix_fs:<state_dir>/repo
-    cache_dir: Path | None = None  # chunk cache for remote (oss) layers
+    cache_dir: Path | None = None  # chunk cache for remote (oss) layers; default <state>/cache
     cache_mib: int = 10240
     image_cache: Path | None = None  # $AENV_CACHE (make kernel image outputs)
     network: str = "auto"
@@ -43,6 +43,10 @@ class RuntimeConfig:
     @property
     def repository_spec(self) -> str:
         return self.repository or f"posix_fs:{self.state_dir / 'repo'}"
+
+    @property
+    def chunk_cache_dir(self) -> Path:
+        return self.cache_dir or self.state_dir / "cache"
 
     @property
     def memory_dir(self) -> Path:

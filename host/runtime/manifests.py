@@ -17,7 +17,7 @@ from host.storage.repository import PosixFsRepository, open_repository
 from .errors import SnapshotNotFoundError
 
 PREFIX = "snapshot-"
-VERSION = 1
+VERSION = 2  # 2: memory paths relative to memory/, plus the `files` to fetch
 
 
 class ManifestStore:

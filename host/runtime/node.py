@@ -6,7 +6,12 @@ Layout (see `RuntimeConfig`):
     <state_dir>/memory/<snapshot id>/mem/       memory diff + devstate (pauses, forks)
     <state_dir>/storage/                        the block server's layers and stacks
     <run_dir>/vms/<sandbox id>/                 QMP socket, serial log, QEMU stderr, pid
-    repository: layers + `snapshot-<id>` manifests (the commit point of a snapshot)
+    repository: layers, `snapshot-<id>` manifests (the commit point of a snapshot) and the
+                memory files as `memory/<path under memory/>`
+
+The repository is the durable copy; `memory/` is a local cache of it: a snapshot's
+manifest lists every memory file it needs (relative to `memory/`), and `start` fetches the
+missing ones, so a fresh node (empty state dir) resumes from the repository alone.
 
 Stacks are named `sbx-<sandbox id>` (sandboxes) and `tpl-<template id>` (template builds).
 """
@@ -33,7 +38,13 @@ from host.network import (
 )
 from host.orchestrator.model import NetworkConfig
 from host.orchestrator.runtime import MachineSpec, Placement, SnapshotRef
-from host.storage.errors import StackExistsError, StackNotFoundError, StorageError
+from host.storage.errors import (
+    LayerNotFoundError,
+    RepositoryError,
+    StackExistsError,
+    StackNotFoundError,
+    StorageError,
+)
 from host.vmm.accel import detect_accel, host_tsc_khz
 from host.vmm.driver import ENVD_PORT, MemoryBacking, NbdDisk, TapNet, UserNet, VmSpec
 from host.vmm.image import find_image
@@ -63,6 +74,8 @@ from .manifests import VERSION, ManifestStore
 from .vmproc import QemuProcess, family_argv, family_digest, is_our_qemu, qemu_pids_under
 
 log = logging.getLogger(__name__)
+
+MEMORY_KEY = "memory/"  # repository file keys of memory snapshots: memory/<relpath>
 
 
 def _policy(cfg: NetworkConfig) -> NetworkPolicy:
@@ -126,6 +139,7 @@ class NodeRuntime:
         self._busy: set[str] = set()      # sandbox ids being started
         self._building: set[str] = set()  # template ids being built
         self._accel: tuple[str, int | None] | None = None
+        self._fetching: dict[str, asyncio.Lock] = {}  # memory relpath -> its download
         self._open = False
         self.last_timings: dict[str, float] = {}
 
@@ -223,6 +237,51 @@ class NodeRuntime:
             return path.resolve().relative_to(self.config.memory_dir.resolve()).parts[0]
         except (ValueError, IndexError):
             return None
+
+    def _rel(self, path: Path) -> str:
+        """`path` (under memory/) as the relative name manifests and repository keys use."""
+        return path.resolve().relative_to(self.config.memory_dir.resolve()).as_posix()
+
+    def _mem(self, name: str) -> Path:
+        """A manifest's memory path on this node (version-1 manifests hold absolute ones)."""
+        return self.config.memory_dir / name
+
+    async def _upload_memory(self, own_dir: Path) -> list[str]:
+        """Put the files of a new snapshot's own memory dir into the repository (before its
+        manifest); returns their relative names."""
+        files = sorted(p for p in own_dir.rglob("*") if p.is_file())
+        repo = self.manifests.repo
+        for f in files:
+            await asyncio.to_thread(repo.put_file, MEMORY_KEY + self._rel(f), f)
+        return [self._rel(f) for f in files]
+
+    async def _fetch_memory(self, m: dict[str, Any]) -> None:
+        """Make every memory file the manifest lists present locally, fetching the missing
+        ones from the repository (one download per file, however many starts wait on it)."""
+        repo = self.manifests.repo
+        for name in m["memory"].get("files", ()):
+            path = self._mem(name)
+            if path.exists():
+                continue
+            lock = self._fetching.setdefault(name, asyncio.Lock())
+            async with lock:
+                if path.exists():
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    await asyncio.to_thread(repo.fetch_file, MEMORY_KEY + name, path)
+                except LayerNotFoundError as exc:
+                    raise SnapshotCorruptError(
+                        f"snapshot {m['snapshot_id']}: memory file {name} is missing from "
+                        f"the repository") from exc
+                except (RepositoryError, OSError) as exc:
+                    raise SandboxStartError(
+                        f"snapshot {m['snapshot_id']}: fetching memory file {name} from "
+                        f"the repository failed: {exc}") from exc
+                finally:
+                    self._fetching.pop(name, None)
+                log.info("fetched %s from the repository in %.2fs (%d bytes)", name,
+                         time.perf_counter() - t0, path.stat().st_size)
 
     def _spec(self, m: dict[str, Any], *, name: str, memory: MemoryBacking, stack: str,
               network: TapNet | UserNet) -> VmSpec:
@@ -334,11 +393,15 @@ class NodeRuntime:
             await self._drop_stack(stack)
             await self._drop_net(stack)
             net_made = False
+            t3 = time.perf_counter()
+            files = await self._upload_memory(base.dir)
+            timings["upload_memory_s"] = time.perf_counter() - t3
             m.update({
                 "created_at": time.time(), "parent_id": None,
                 "config_sha256": self._digest(spec),
-                "memory": {"base_dir": str(base.dir), "base_id": base.id,
-                           "devstate": str(base.template_path), "snapshot_dir": None},
+                "memory": {"base_dir": self._rel(base.dir), "base_id": base.id,
+                           "devstate": self._rel(base.template_path), "snapshot_dir": None,
+                           "files": files},
                 "disk": {"layers": list(info.layers), "virtual_size": info.virtual_size},
                 "depends_on": [template_id],
                 "timings": {k: round(v, 3) for k, v in timings.items()},
@@ -378,11 +441,15 @@ class NodeRuntime:
             raise SandboxStartError(
                 f"snapshot {snapshot.snapshot_id} was taken with {m.get('network_mode')} "
                 f"networking; this node runs {self.mode}")
+        t_fetch = time.perf_counter()
+        await self._fetch_memory(m)
+        fetch_s = time.perf_counter() - t_fetch
         try:
-            base = await asyncio.to_thread(BaseImage.load, m["memory"]["base_dir"])
+            base = await asyncio.to_thread(BaseImage.load, self._mem(m["memory"]["base_dir"]))
             memsnap = None
             if m["memory"].get("snapshot_dir"):
-                memsnap = await asyncio.to_thread(MemSnapshot.load, m["memory"]["snapshot_dir"])
+                memsnap = await asyncio.to_thread(MemSnapshot.load,
+                                                  self._mem(m["memory"]["snapshot_dir"]))
         except MemSnapError as exc:
             raise SnapshotCorruptError(f"snapshot {snapshot.snapshot_id}: {exc}") from exc
         except OSError as exc:
@@ -392,7 +459,7 @@ class NodeRuntime:
         machine = MachineSpec(**m["machine"])
         vm: QemuProcess | None = None
         net_made = stack_made = False
-        timings: dict[str, float] = {}
+        timings: dict[str, float] = {"fetch_memory_s": fetch_s}
         try:
             _net, vnet, host, port, host_port = await self._make_net(sid, policy)
             net_made = True
@@ -496,6 +563,11 @@ class NodeRuntime:
                             "chain_len": float(snap.stats.get("chain_len", 0))})
             depends = {o for o in (self._owner(p) for p in (base.mem_path, *snap.diffs)) if o}
             depends.add(snapshot_id)
+            t_up = time.perf_counter()
+            own = await self._upload_memory(snap.dir)
+            timings["upload_memory_s"] = time.perf_counter() - t_up
+            base_files = [self._rel(f) for f in base.dir.iterdir() if f.is_file()]
+            files = sorted({*base_files, *(self._rel(d) for d in snap.diffs), *own})
             src = await self.manifests.get(sb.snapshot_id)
             m: dict[str, Any] = {
                 "version": VERSION, "kind": "snapshot", "snapshot_id": snapshot_id,
@@ -503,9 +575,10 @@ class NodeRuntime:
                 "sandbox_id": sb.sandbox_id, "machine": dataclasses.asdict(sb.machine),
                 "network_mode": sb.mode, "image": src.get("image"), "kernel": src["kernel"],
                 "cmdline": src["cmdline"], "config_sha256": sb.config_sha256,
-                "memory": {"base_dir": str(base.dir), "base_id": base.id,
-                           "snapshot_dir": str(snap.dir), "devstate": str(snap.devstate),
-                           "diffs": [str(d) for d in snap.diffs]},
+                "memory": {"base_dir": self._rel(base.dir), "base_id": base.id,
+                           "snapshot_dir": self._rel(snap.dir),
+                           "devstate": self._rel(snap.devstate),
+                           "diffs": [self._rel(d) for d in snap.diffs], "files": files},
                 "disk": {"layers": list(info.layers), "virtual_size": info.virtual_size},
                 "depends_on": sorted(depends),
             }
@@ -659,12 +732,22 @@ class NodeRuntime:
         sb.policy = policy
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
-        """Remove the manifest, then every memory dir no manifest or live sandbox uses.
-        Disk layers stay in the repository (no layer GC in host/storage yet)."""
+        """Remove the manifest, then every memory dir (local and in the repository) no
+        manifest or live sandbox uses. Disk layers stay in the repository (no layer GC in
+        host/storage yet)."""
+        gone: set[str] = {snapshot_id}
+        with contextlib.suppress(SnapshotNotFoundError):
+            gone |= set((await self.manifests.get(snapshot_id)).get("depends_on", ()))
         await self.manifests.delete(snapshot_id)
-        await self._gc_memory()
+        used = await self._gc_memory()
+        for owner in sorted(gone - used):
+            try:
+                await asyncio.to_thread(self.manifests.repo.delete_files, MEMORY_KEY + owner)
+            except (RepositoryError, OSError) as exc:
+                log.warning("removing memory of %s from the repository: %s", owner, exc)
 
-    async def _gc_memory(self) -> None:
+    async def _gc_memory(self) -> set[str]:
+        """Remove local memory dirs nothing uses; returns the snapshot ids still used."""
         manifests = await self.manifests.all()
         used: set[str] = set(manifests) | set(self._building)
         for m in manifests.values():
@@ -677,11 +760,11 @@ class NodeRuntime:
                 with contextlib.suppress(MemSnapError):
                     snap = MemSnapshot.load(sb.memsnap_dir)
                     used |= {o for o in (self._owner(d) for d in snap.diffs) if o}
-        if not self.config.memory_dir.is_dir():
-            return
-        for d in self.config.memory_dir.iterdir():
-            if d.name not in used:
-                await asyncio.to_thread(shutil.rmtree, d, True)
+        if self.config.memory_dir.is_dir():
+            for d in self.config.memory_dir.iterdir():
+                if d.name not in used:
+                    await asyncio.to_thread(shutil.rmtree, d, True)
+        return used
 
     async def console_log(self, sandbox_id: str, limit: int = 1000) -> list[str]:
         sb = self._get(sandbox_id)

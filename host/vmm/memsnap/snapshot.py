@@ -76,7 +76,8 @@ class MemSnapshot:
             m = json.loads(path.read_text())
             return cls(
                 d, bytes.fromhex(m["base_sha256"]), bytes.fromhex(m["config_sha256"]),
-                tuple(Path(p) for p in m["diffs"]), tuple(bytes.fromhex(x) for x in m["digests"]),
+                tuple(Path(os.path.normpath(d / p)) for p in m["diffs"]),
+                tuple(bytes.fromhex(x) for x in m["digests"]),
                 d / m["devstate"], bytes.fromhex(m["devstate_sha256"]), dict(m.get("stats", {})),
             )
         except FileNotFoundError as exc:
@@ -87,7 +88,10 @@ class MemSnapshot:
     def _manifest(self) -> bytes:
         return json.dumps({
             "version": 1, "base_sha256": self.base_sha256.hex(), "config_sha256": self.config_sha256.hex(),
-            "diffs": [os.fspath(p) for p in self.diffs], "digests": [x.hex() for x in self.digests],
+            # relative to the snapshot dir: a memory dir tree can be moved or fetched
+            # elsewhere (another node's state dir) and still load
+            "diffs": [os.path.relpath(p, self.dir) for p in self.diffs],
+            "digests": [x.hex() for x in self.digests],
             "devstate": self.devstate.name, "devstate_sha256": self.devstate_sha256.hex(),
             "stats": self.stats,
         }, indent=1).encode()
