@@ -8,6 +8,8 @@
     AENV_PROXY_PORT  --proxy-port   3001              sandbox proxy (envd and user ports)
     AENV_DOMAIN      --domain       sbx.localhost     returned as `domain` to the SDKs
     AENV_REPOSITORY  --repository   posix_fs:<state>/repo   or oss://...
+    AENV_CACHE_DIR   --cache-dir    <state>/cache     local cache of remote (oss) layer chunks
+    AENV_CACHE_MIB   --cache-mib    10240             its bound
     AENV_TLS         --tls          off               serve both listeners over HTTPS
     AENV_VMM         --vmm          auto              auto | qemu
     AENV_NETWORK     --network      auto              auto | netns | user
@@ -24,6 +26,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import parse_qs, urlparse
 
 VMM_DRIVERS = ("auto", "qemu")
 NETWORK_MODES = ("auto", "netns", "user")
@@ -42,6 +45,8 @@ class Config:
     proxy_port: int = 3001
     domain: str = "sbx.localhost"
     repository: str | None = None
+    cache_dir: Path | None = None
+    cache_mib: int = 10240
     tls: bool = False
     vmm: str = "auto"
     network: str = "auto"
@@ -92,6 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--proxy-port", type=int)
     p.add_argument("--domain")
     p.add_argument("--repository", help="posix_fs:/path (default) or oss://bucket/prefix")
+    p.add_argument("--cache-dir", type=Path,
+                   help="local cache of repository layer chunks (default <state>/cache)")
+    p.add_argument("--cache-mib", type=int, help="bound of that cache (MiB)")
     p.add_argument("--tls", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--vmm", choices=VMM_DRIVERS)
     p.add_argument("--network", choices=NETWORK_MODES)
@@ -112,6 +120,7 @@ _ENV: dict[str, tuple[str, type]] = {
     "listen": ("AENV_LISTEN", str), "api_port": ("AENV_API_PORT", int),
     "proxy_port": ("AENV_PROXY_PORT", int), "domain": ("AENV_DOMAIN", str),
     "repository": ("AENV_REPOSITORY", str), "tls": ("AENV_TLS", bool),
+    "cache_dir": ("AENV_CACHE_DIR", Path), "cache_mib": ("AENV_CACHE_MIB", int),
     "vmm": ("AENV_VMM", str), "network": ("AENV_NETWORK", str),
     "network_prefix": ("AENV_NETWORK_PREFIX", str), "network_pool": ("AENV_NETWORK_POOL", str),
     "image": ("AENV_IMAGE", str),
@@ -158,6 +167,13 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"domain must be a DNS name, got {cfg.domain!r}")
     if cfg.cpu_count < 1 or cfg.memory_mb < 128 or cfg.disk_mb < 0:
         raise ConfigError("cpu_count >= 1, memory_mb >= 128, disk_mb >= 0")
+    if cfg.cache_mib < 64:
+        raise ConfigError(f"cache_mib must be at least 64, got {cfg.cache_mib}")
+    if cfg.repository and cfg.repository.startswith(("oss://", "s3://")):
+        query = parse_qs(urlparse(cfg.repository).query)
+        if not query.get("region"):
+            raise ConfigError("an oss repository needs its region given explicitly: "
+                              "oss://BUCKET/PREFIX?endpoint=URL&region=REGION")
     if len(str(cfg.run_dir)) > 60:
         raise ConfigError(f"run_dir {cfg.run_dir} is too long for unix socket paths "
                           "(keep it under 60 characters)")

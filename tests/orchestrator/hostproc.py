@@ -31,10 +31,12 @@ def free_port() -> int:
 
 class HostService:
     def __init__(self, root: Path, *, prefix: str = "aot-", pool: str = "10.214.0.0/20",
-                 memory_mb: int = 256, ttl_interval_s: float = 0.5) -> None:
+                 memory_mb: int = 256, ttl_interval_s: float = 0.5,
+                 extra: list[str] | None = None, tag: str = "aot") -> None:
         self.root = root
         self.state = root / "state"
-        self.run = Path(f"/tmp/aot{os.getpid()}")
+        self.run = Path(f"/tmp/{tag}{os.getpid()}")
+        self.extra = list(extra or [])  # more `python -m host` flags
         self.prefix = prefix
         self.pool = pool
         self.memory_mb = memory_mb
@@ -65,7 +67,7 @@ class HostService:
                 "--network-prefix", self.prefix, "--network-pool", self.pool,
                 "--ttl-interval", str(self.ttl_interval_s),
                 # 20 concurrent TCG restores on a shared 2-core host can take minutes
-                "--envd-timeout", "240"]
+                "--envd-timeout", "240", *self.extra]
         self.proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         log.close()
