@@ -27,6 +27,11 @@ def test_env_then_flags() -> None:
     assert cfg.state_dir == Path("/srv/aenv") and cfg.db_path == Path("/srv/aenv/state.db")
     assert cfg.api_port == 4100 and cfg.tls is False
     assert cfg.domain == "sbx.example.test" and cfg.memory_mb == 256
+    cfg = parse_config(["--cache-mib", "512"], {
+        "AENV_CACHE_DIR": "/srv/cache",
+        "AENV_REPOSITORY": "oss://b/p?endpoint=http://127.0.0.1:9000&region=us-east-1"})
+    assert cfg.cache_dir == Path("/srv/cache") and cfg.cache_mib == 512
+    assert cfg.repository_spec.startswith("oss://b/p")
 
 
 @pytest.mark.parametrize(("argv", "env"), [
@@ -37,6 +42,8 @@ def test_env_then_flags() -> None:
     ([], {"AENV_VMM": "firecracker"}),
     (["--domain", "http://x"], {}),
     (["--run-dir", "/tmp/" + "x" * 80], {}),
+    (["--cache-mib", "8"], {}),
+    (["--repository", "oss://bucket/prefix?endpoint=http://127.0.0.1:9000"], {}),
 ])
 def test_invalid(argv: list[str], env: dict[str, str]) -> None:
     with pytest.raises(ConfigError):
