@@ -9,7 +9,8 @@
     AENV_DOMAIN      --domain       sbx.localhost     returned as `domain` to the SDKs
     AENV_REPOSITORY  --repository   posix_fs:<state>/repo   or oss://...
     AENV_CACHE_DIR   --cache-dir    <state>/cache     local cache of remote (oss) layer chunks
-    AENV_CACHE_MIB   --cache-mib    10240             its bound
+    AENV_CACHE_MIB   --cache-mib    10240             its bound, and that of the local copies
+                                                      of remote memory snapshots (<state>/memory)
     AENV_TLS         --tls          off               serve both listeners over HTTPS
     AENV_VMM         --vmm          auto              auto | qemu
     AENV_NETWORK     --network      auto              auto | netns | user

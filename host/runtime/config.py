@@ -15,8 +15,11 @@ class RuntimeConfig:
       (image digest -> LSMT layer digest cache), `blockserver.log`.
     - `run_dir`: volatile: `storage/{nbd,control}.sock`, `vms/<sandbox id>/` (QMP socket,
       serial log, QEMU stderr). Keep it short: unix socket paths are limited to 107 bytes.
-    - `repository`: the block server's layer repository and where snapshot manifests are
-      committed (`posix_fs:/path` or `oss://...`).
+    - `repository`: the block server's layer repository and where snapshots (manifests
+      and memory files) are committed (`posix_fs:/path` or `oss://...`).
+    - `cache_dir`/`cache_mib`: the chunk cache of remote layers; `memory_cache_mib`: the
+      bound of `memory/` when the repository is remote (least recently used snapshots
+      no live sandbox needs are evicted; they are fetched again when used).
     - `network`: "auto" (namespaces when host/network can make them, else user-mode
       networking), "netns" or "user". Every snapshot records its mode; a node restores only
       snapshots of its own mode (the guest's network config is part of its memory).
@@ -29,6 +32,7 @@ class RuntimeConfig:
     repository: str | None = None  # default: posix_fs:<state_dir>/repo
     cache_dir: Path | None = None  # chunk cache for remote (oss) layers; default <state>/cache
     cache_mib: int = 10240
+    memory_cache_mib: int = 10240  # bound of memory/ with a remote repository (LRU of snapshots)
     image_cache: Path | None = None  # $AENV_CACHE (make kernel image outputs)
     network: str = "auto"
     network_prefix: str = "aenv-"

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ from host.storage.errors import (
     StackNotFoundError,
     StorageError,
 )
+from host.storage.repository import PosixFsRepository
 from host.vmm.accel import detect_accel, host_tsc_khz
 from host.vmm.driver import ENVD_PORT, MemoryBacking, NbdDisk, TapNet, UserNet, VmSpec
 from host.vmm.image import find_image
@@ -140,6 +142,7 @@ class NodeRuntime:
         self._building: set[str] = set()  # template ids being built
         self._accel: tuple[str, int | None] | None = None
         self._fetching: dict[str, asyncio.Lock] = {}  # memory relpath -> its download
+        self._writing: set[str] = set()  # snapshot ids whose memory is being written
         self._open = False
         self.last_timings: dict[str, float] = {}
 
@@ -262,6 +265,8 @@ class NodeRuntime:
         for name in m["memory"].get("files", ()):
             path = self._mem(name)
             if path.exists():
+                with contextlib.suppress(OSError):  # recently used, for the cache's LRU
+                    os.utime(self._mem(name.split("/", 1)[0]))
                 continue
             lock = self._fetching.setdefault(name, asyncio.Lock())
             async with lock:
@@ -430,9 +435,11 @@ class NodeRuntime:
             raise NodeRuntimeError(f"sandbox {sandbox_id} already exists on this node")
         self._busy.add(sandbox_id)
         try:
-            return await self._start(sandbox_id, snapshot, network)
+            placement = await self._start(sandbox_id, snapshot, network)
         finally:
             self._busy.discard(sandbox_id)
+        await self._trim_memory_cache()
+        return placement
 
     async def _start(self, sid: str, snapshot: SnapshotRef, network: NetworkConfig) -> Placement:
         t0 = time.perf_counter()
@@ -522,7 +529,13 @@ class NodeRuntime:
         async with sb.lock:
             if self._sbx.get(sandbox_id) is not sb:
                 raise SandboxNotFoundError(f"sandbox {sandbox_id} went away")
-            return await self._snapshot(sb, snapshot_id, stop=stop)
+            self._writing.add(snapshot_id)
+            try:
+                ref = await self._snapshot(sb, snapshot_id, stop=stop)
+            finally:
+                self._writing.discard(snapshot_id)
+        await self._trim_memory_cache()
+        return ref
 
     async def _snapshot(self, sb: _Sandbox, snapshot_id: str, *, stop: bool) -> SnapshotRef:
         t0 = time.perf_counter()
@@ -746,25 +759,63 @@ class NodeRuntime:
             except (RepositoryError, OSError) as exc:
                 log.warning("removing memory of %s from the repository: %s", owner, exc)
 
-    async def _gc_memory(self) -> set[str]:
-        """Remove local memory dirs nothing uses; returns the snapshot ids still used."""
-        manifests = await self.manifests.all()
-        used: set[str] = set(manifests) | set(self._building)
-        for m in manifests.values():
-            used |= set(m.get("depends_on", ()))
+    def _pinned_memory(self) -> set[str]:
+        """Memory dirs this node needs locally now: live sandboxes' bases and diff chains,
+        templates being built, snapshots being written, files being fetched."""
+        pinned: set[str] = set(self._building) | set(self._writing)
+        pinned |= {name.split("/", 1)[0] for name in self._fetching}
         for sb in self._sbx.values():
             for p in (sb.base_dir, sb.memsnap_dir):
                 if p is not None and (o := self._owner(p)):
-                    used.add(o)
+                    pinned.add(o)
             if sb.memsnap_dir is not None:
                 with contextlib.suppress(MemSnapError):
                     snap = MemSnapshot.load(sb.memsnap_dir)
-                    used |= {o for o in (self._owner(d) for d in snap.diffs) if o}
+                    pinned |= {o for o in (self._owner(d) for d in snap.diffs) if o}
+        return pinned
+
+    async def _gc_memory(self) -> set[str]:
+        """Remove local memory dirs nothing uses; returns the snapshot ids still used."""
+        manifests = await self.manifests.all()
+        used: set[str] = set(manifests) | self._pinned_memory()
+        for m in manifests.values():
+            used |= set(m.get("depends_on", ()))
         if self.config.memory_dir.is_dir():
             for d in self.config.memory_dir.iterdir():
                 if d.name not in used:
                     await asyncio.to_thread(shutil.rmtree, d, True)
         return used
+
+    async def _trim_memory_cache(self) -> None:
+        """With a remote repository `memory/` is a bounded cache: evict the least recently
+        used memory dirs no live sandbox needs (their files are in the repository: only
+        committed snapshots are evicted) until it fits `memory_cache_mib`. A posix_fs
+        repository shares the bytes (hard links), so evicting would free nothing."""
+        if isinstance(self.manifests.repo, PosixFsRepository) or not self.config.memory_dir.is_dir():
+            return
+        committed = set(await self.manifests.all())
+        pinned = self._pinned_memory()
+
+        def trim() -> list[str]:
+            dirs = []
+            for d in self.config.memory_dir.iterdir():
+                size = sum(f.stat().st_blocks * 512 for f in d.rglob("*") if f.is_file())
+                dirs.append((d.stat().st_mtime, d, size))
+            total = sum(size for _, _, size in dirs)
+            evicted = []
+            for _, d, size in sorted(dirs, key=lambda x: x[0]):
+                if total <= self.config.memory_cache_mib << 20:
+                    break
+                if d.name in committed and d.name not in pinned:
+                    shutil.rmtree(d, ignore_errors=True)
+                    total -= size
+                    evicted.append(d.name)
+            return evicted
+
+        evicted = await asyncio.to_thread(trim)
+        if evicted:
+            log.info("memory cache over %d MiB: evicted %s", self.config.memory_cache_mib,
+                     ", ".join(evicted))
 
     async def console_log(self, sandbox_id: str, limit: int = 1000) -> list[str]:
         sb = self._get(sandbox_id)

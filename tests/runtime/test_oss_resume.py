@@ -31,11 +31,13 @@ pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="
 
 NET = NetworkConfig()
 CACHE_MIB = 128
+MEMORY_CACHE_MIB = 64  # smaller than one template's base.mem: every unpinned dir goes
 
 
 def _cfg(root: Path, tag: str, repo: str) -> RuntimeConfig:
     return RuntimeConfig(state_dir=root / tag, run_dir=Path(f"/tmp/aoss-{tag}-{os.getpid()}"),
                          repository=repo, cache_dir=root / f"{tag}-cache", cache_mib=CACHE_MIB,
+                         memory_cache_mib=MEMORY_CACHE_MIB,
                          vms_survive_service=False, network_prefix="aoss-",
                          network_pool="10.218.0.0/20",
                          network=os.environ.get("AENV_TEST_NETWORK", "auto"))
@@ -104,6 +106,16 @@ async def test_resume_on_a_fresh_node_from_oss(oss_repo: str, tmp_path: Path) ->
         await b.kill("oss2")
         await assert_gone(b, "oss2")
         await b.kill("oss1")
+
+        # memory/ is a bounded cache: a start pins only what it uses, the rest (committed,
+        # in the repository) is evicted, and fetched again when needed
+        r = await b.start("oss3", tpl, NET)
+        assert {d.name for d in b_cfg.memory_dir.iterdir()} == {"tpl-oss"}
+        await b.kill("oss3")
+        r = await b.start("oss4", again, NET)
+        assert r.facts["timings"]["fetch_memory_s"] > 0
+        assert await read(r, "/home/user/second.txt") == "written on node B"
+        await b.kill("oss4")
 
         # deleting the snapshots removes their memory from the repository; the template's
         # stays while a manifest uses it
