@@ -9,8 +9,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from .model import (CreateRequest, ForkResult, ListFilter, LogLine, Metric, NetworkConfig,
-                    Route, SandboxInfo, SnapshotInfo)
+from .model import (
+    CreateRequest,
+    ForkResult,
+    ListFilter,
+    LogLine,
+    Metric,
+    NetworkConfig,
+    Route,
+    SandboxInfo,
+    SnapshotInfo,
+)
 
 
 class Orchestrator(Protocol):
