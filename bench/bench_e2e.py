@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.e2e.conftest import E2EService, build_template  # noqa: E402
+from tests.e2e.conftest import E2EService, build_template
 
 
 def cold_boot_p50(n: int) -> float | None:

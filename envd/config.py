@@ -23,7 +23,7 @@ class EnvdConfig:
     read_max_bytes: int = 64 * 1024 * 1024
 
     @classmethod
-    def from_args(cls, argv: list[str] | None = None) -> "EnvdConfig":
+    def from_args(cls, argv: list[str] | None = None) -> EnvdConfig:
         p = argparse.ArgumentParser(prog="envd", description="E2B-compatible guest agent")
         p.add_argument("--host", default=os.environ.get("ENVD_HOST", cls.host))
         p.add_argument("--port", type=int, default=int(os.environ.get("ENVD_PORT", cls.port)))

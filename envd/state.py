@@ -20,5 +20,5 @@ class Defaults:
     env_vars: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, config: EnvdConfig) -> "Defaults":
+    def from_config(cls, config: EnvdConfig) -> Defaults:
         return cls(user=config.default_user, workdir=config.default_workdir)

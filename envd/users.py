@@ -23,7 +23,7 @@ class User:
     shell: str
 
     @classmethod
-    def lookup(cls, name: str) -> "User":
+    def lookup(cls, name: str) -> User:
         try:
             pw = pwd.getpwnam(name)
         except KeyError:

@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from typing import Self
 
 import httpx
 import pytest
@@ -57,7 +58,7 @@ class ServerThread:
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()),
                                        daemon=True)
 
-    def __enter__(self) -> ServerThread:
+    def __enter__(self) -> Self:
         self.thread.start()
         deadline = time.monotonic() + 10
         while not self.server.started:

@@ -18,10 +18,9 @@ import pytest
 
 from .conftest import API_KEY
 
-CHECKS = ",".join(["not_a_server_error", "status_code_conformance", "content_type_conformance",
-                   "response_schema_conformance", "response_headers_conformance",
-                   "negative_data_rejection", "missing_required_header",
-                   "ignored_auth"])
+CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,"
+          "response_schema_conformance,response_headers_conformance,"
+          "negative_data_rejection,missing_required_header,ignored_auth")
 
 
 @pytest.mark.slow
