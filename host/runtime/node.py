@@ -553,25 +553,30 @@ class NodeRuntime:
             base = await asyncio.to_thread(BaseImage.load, sb.base_dir)
             parent = (await asyncio.to_thread(MemSnapshot.load, sb.memsnap_dir)
                       if sb.memsnap_dir is not None else None)
-            # Stop first: memory and disk must be cut at the same instant, so the VM stays
-            # stopped until the disk upper is sealed too.
+            # Memory and disk are cut at the same instant: the disk upper is sealed while
+            # the guest is stopped for the memory capture. A snapshot that keeps the
+            # sandbox running resumes it right after; the diff is written, the new layer
+            # pushed and the memory uploaded while the guest runs.
+            sealed: list[str] = []
+
+            async def seal() -> None:
+                t = time.perf_counter()
+                sealed.append(await self.block.client.seal(sb.stack, upload=False))
+                timings["seal_s"] = time.perf_counter() - t
+
+            paused = True  # until proven running: a failure below tries `cont`
             t_stop = time.perf_counter()
-            await vm.execute("stop")
-            paused = True
             snap = await snapshot_incremental(
                 vm.qmp, vm.pid, base.mem_path, base, root / "mem",
                 config_sha256=bytes.fromhex(sb.config_sha256), parent=parent,
-                max_chain=self.config.max_chain, resume=False)
+                max_chain=self.config.max_chain, resume=not stop, while_stopped=seal)
+            paused = stop
             t_mem = time.perf_counter()
-            await self.block.client.seal(sb.stack, upload=True)
+            await self.block.client.push(sealed[0])
             info = await self.block.client.info(sb.stack)
-            t_seal = time.perf_counter()
-            if not stop:
-                await vm.execute("cont")
-                paused = False
-            t_cont = time.perf_counter()
-            timings.update({"memory_s": t_mem - t_stop, "seal_s": t_seal - t_mem,
-                            "downtime_s": t_cont - t_stop,
+            timings.update({"memory_s": t_mem - t_stop,
+                            "push_s": time.perf_counter() - t_mem,
+                            "downtime_s": snap.stats.get("downtime_ms", 0.0) / 1e3,
                             "diff_pages": float(snap.stats.get("diff_pages", 0)),
                             "chain_len": float(snap.stats.get("chain_len", 0))})
             depends = {o for o in (self._owner(p) for p in (base.mem_path, *snap.diffs)) if o}

@@ -95,10 +95,7 @@ class PosixFsRepository:
         dst = self._layer(digest)
         if dst.exists():
             return
-        with _atomic(dst) as tmp, open(path, "rb") as src, open(tmp, "wb") as out:
-            shutil.copyfileobj(src, out, 1 << 20)
-            out.flush()
-            os.fsync(out.fileno())
+        _link_or_copy(Path(path), dst)  # sealed layers are immutable: share the bytes
 
     def put_manifest(self, name: str, manifest: dict[str, Any]) -> None:
         dst = self.root / "manifests" / f"{_check_name(name)}.json"

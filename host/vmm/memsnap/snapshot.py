@@ -19,7 +19,7 @@ import json
 import mmap
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -111,6 +111,7 @@ async def snapshot_incremental(
     fsync: bool = True,
     scan_method: str = "auto",
     buffer: CaptureBuffer | None = None,
+    while_stopped: Callable[[], Awaitable[None]] | None = None,
 ) -> MemSnapshot:
     """Snapshot the child VM ``pid`` (QMP ``qmp``) whose RAM maps ``mem_path`` (= the base file).
 
@@ -119,6 +120,8 @@ async def snapshot_incremental(
     so this compaction costs nothing extra). ``resume`` continues a guest that was running.
     ``stats`` holds ``downtime_ms`` (stop -> cont) and ``total_ms``. ``buffer``: reuse the
     copy buffer of earlier snapshots of this VM (else one is allocated and freed per call).
+    ``while_stopped`` runs after the capture, before ``cont``: what must be cut at the same
+    instant as memory (e.g. sealing the disk); the diff is written after the guest resumed.
     """
     d = Path(dest_dir)
     d.mkdir(parents=True, exist_ok=True)
@@ -150,6 +153,9 @@ async def snapshot_incremental(
         captured = capture_private(pid, vma, method=scan_method, buffer=buf, owned=owned)
         cap, buf = captured, None
         t_cap = time.perf_counter()
+        if while_stopped is not None:
+            await while_stopped()
+        t_hook = time.perf_counter()
         if resume and was_running:
             await qmp_execute(qmp, "cont")
             resumed = True
@@ -195,7 +201,8 @@ async def snapshot_incremental(
             "downtime_ms": (t_cont - t0) * 1e3, "total_ms": (t_end - t_call) * 1e3,
             "prepare_ms": (t0 - t_call) * 1e3,
             "stop_ms": (t_stop - t0) * 1e3, "devstate_ms": (t_dev - t_stop) * 1e3,
-            "capture_ms": (t_cap - t_dev) * 1e3, "scan_ms": captured.timings_ms["scan"],
+            "capture_ms": (t_cap - t_dev) * 1e3, "while_stopped_ms": (t_hook - t_cap) * 1e3,
+            "scan_ms": captured.timings_ms["scan"],
             "readv_ms": captured.timings_ms["readv"],
             "captured_pages": captured.count, "diff_pages": count, "runs": captured.n_runs,
             "chain_len": len(chain_paths) + 1,
