@@ -51,7 +51,7 @@ def serve(api_port: int, proxy_port: int, envd_port: int) -> None:
     sys.path.insert(0, str(REPO))
     from host.api import ApiKeys, build_api_app
     from host.orchestrator.errors import SandboxNotFound
-    from host.orchestrator.model import NetworkConfig, Route, SandboxInfo
+    from host.orchestrator.model import NetworkConfig, Route, RunEnded, SandboxInfo
     from host.orchestrator.states import SandboxState
     from host.proxy import build_proxy_app
 
@@ -60,6 +60,10 @@ def serve(api_port: int, proxy_port: int, envd_port: int) -> None:
                        started_at=time.time(), end_at=time.time() + 3600, envd_version="0.6.13",
                        envd_access_token=None, traffic_access_token=None, metadata={},
                        auto_pause=True, auto_resume=False, network=NetworkConfig())
+
+    # Like NodeOrchestrator, routes carry the run's end event (the proxy watches it per
+    # exchange); BENCH_PROXY_UNWATCHED=1 leaves it out, to measure what watching costs.
+    run = None if os.environ.get("BENCH_PROXY_UNWATCHED") == "1" else RunEnded()
 
     class StaticOrchestrator:
         domain = "bench.test"
@@ -74,7 +78,7 @@ def serve(api_port: int, proxy_port: int, envd_port: int) -> None:
 
         async def route(self, sid: str, port: int, *, resume: bool) -> Route:
             await self.get(sid)
-            return Route("127.0.0.1", envd_port, None)
+            return Route("127.0.0.1", envd_port, None, gone=run)
 
     orch = StaticOrchestrator()
     api = build_api_app(orch, ApiKeys([API_KEY]), domain="bench.test")  # type: ignore[arg-type]

@@ -6,6 +6,7 @@ serializes what comes back; nothing below the API sees HTTP objects.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +99,22 @@ class LogLine:
     level: str = "info"
 
 
+class RunEnded(asyncio.Event):
+    """Set when one running incarnation of a sandbox ends (it is being paused or killed):
+    the proxy then ends the exchanges it routed there instead of letting them hang on a
+    VM that is gone. `reason` completes "sandbox <id> was ...". Set it on the event loop
+    its waiters run on (asyncio.Event is not thread-safe)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reason = "stopped"
+
+    def end(self, reason: str) -> None:
+        if not self.is_set():
+            self.reason = reason
+            self.set()
+
+
 @dataclass(frozen=True)
 class Route:
     """Where the proxy sends traffic for one sandbox port."""
@@ -105,3 +122,6 @@ class Route:
     host: str
     port: int
     traffic_token: str | None          # required on non-envd ports when set
+    # Set when the running incarnation this route points into ends (a `RunEnded`, whose
+    # `reason` the proxy reports; any Event will do). None: the proxy does not watch.
+    gone: asyncio.Event | None = field(default=None, compare=False)

@@ -43,6 +43,7 @@ from .model import (
     Metric,
     NetworkConfig,
     Route,
+    RunEnded,
     SandboxInfo,
     SnapshotInfo,
 )
@@ -98,6 +99,9 @@ class NodeOrchestrator:
         self._template_locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._idempotent: dict[str, asyncio.Task[SandboxInfo]] = {}
+        # One event per running incarnation that the proxy was routed to (made by route()),
+        # set and dropped when that incarnation ends: see _end_run.
+        self._runs: dict[str, RunEnded] = {}
         self._ttl: Any = None
         self._closed = False
 
@@ -332,6 +336,7 @@ class NodeOrchestrator:
     async def _kill_locked(self, rec: SandboxRecord, op: str) -> None:
         movable = {s for s in S if s not in GONE}
         await self._db(self.store.transition, rec.id, movable, S.KILLING, event={"op": op})
+        self._end_run(rec.id, "killed" if op != "timeout" else "killed (its timeout ran out)")
         try:
             await self.runtime.kill(rec.id)
         except Exception as exc:
@@ -428,6 +433,8 @@ class NodeOrchestrator:
         pending = {"store_id": snap_id, "runtime_id": snap_id, "kind": "pause"}
         rec = await self._db(self.store.transition, sid, {S.RUNNING}, S.PAUSING,
                              runtime=with_runtime(rec, pending=pending))
+        # Streams into the VM end now, before it stops (if the pause fails they stay ended).
+        self._end_run(sid, "paused" if op != "timeout" else "paused (its timeout ran out)")
         try:
             ref = await self.runtime.snapshot(sid, snap_id, stop=True)
         except Exception as exc:
@@ -647,4 +654,18 @@ class NodeOrchestrator:
         except KeyError:
             raise OperationFailed(f"port {port} of sandbox {sandbox_id} is not forwarded "
                                   "(user-mode networking forwards envd only)") from None
-        return Route(host=host, port=target, traffic_token=rec.traffic_token)
+        run = self._runs.get(sandbox_id)
+        if run is None:
+            run = self._runs[sandbox_id] = RunEnded()
+        return Route(host=host, port=target, traffic_token=rec.traffic_token, gone=run)
+
+    def _end_run(self, sandbox_id: str, reason: str) -> None:
+        """The running incarnation of `sandbox_id` ends (`reason`: "paused", "killed", ...):
+        tell the proxy, whose open exchanges into it would otherwise hang on a VM that is
+        gone. Called right after the store left `running`, before the VM is stopped: a
+        route() that read `running` before that has its event by then (the store runs its
+        calls in order on one thread), and one that reads after it cannot route here, so
+        the next incarnation (a resume) gets a fresh event."""
+        run = self._runs.pop(sandbox_id, None)
+        if run is not None:
+            run.end(reason)

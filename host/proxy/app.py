@@ -8,6 +8,12 @@ hands us body chunks as they arrive; upstream.py (h11 over asyncio streams, pool
 them on as they come and yields response bytes as soon as they are read. Nothing is
 buffered beyond one socket read. WebSockets are relayed message by message through the
 `websockets` client after both handshakes.
+
+When the orchestrator says the sandbox's running incarnation ended (`Route.gone` set: it
+is being paused or killed), open exchanges end at once instead of hanging on a VM that
+is gone: a Connect stream at a message boundary gets a final end-of-stream message with
+error `unavailable` (SDKs raise a clean error), a response not started yet becomes a 502,
+anything else is cut, and a WebSocket is closed with 1001 (going away).
 """
 
 from __future__ import annotations
@@ -15,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import websockets
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -51,8 +59,75 @@ _WS_HANDSHAKE = frozenset({b"host", b"upgrade", b"connection", b"sec-websocket-k
 _Forward = tuple[bytes, bytes, list[tuple[bytes, bytes]], AsyncIterator[bytes] | None]
 
 
+# Connect streaming content types: the body is a sequence of envelopes (RPC spec).
+_CONNECT_STREAM = (b"application/connect+json", b"application/connect+proto")
+_END_GRACE_S = 5.0  # for the last messages to a client when the sandbox went away
+
+
 class _ClientGone(Exception):
     """The client disconnected while we were reading its body."""
+
+
+class _Cut:
+    """Why the exchange's pump was cancelled by one of its watchers (the first wins)."""
+
+    __slots__ = ("why",)
+
+    def __init__(self) -> None:
+        self.why: str | None = None  # "client" (disconnected) or "gone" (sandbox went away)
+
+
+class _Envelopes:
+    """Tracks Connect envelope boundaries (flags:1, big-endian length:4, payload) in the
+    bytes sent to the client, so that an end-of-stream message can be appended safely."""
+
+    __slots__ = ("head", "left")
+
+    def __init__(self) -> None:
+        self.head = b""  # bytes of an envelope header seen so far (< 5)
+        self.left = 0    # payload bytes of the current envelope still to come
+
+    def feed(self, data: bytes) -> None:
+        pos, n = 0, len(data)
+        while pos < n:
+            if self.left:
+                step = min(self.left, n - pos)
+                self.left -= step
+                pos += step
+                continue
+            take = min(5 - len(self.head), n - pos)
+            self.head += data[pos:pos + take]
+            pos += take
+            if len(self.head) == 5:
+                self.left = int.from_bytes(self.head[1:5], "big")
+                self.head = b""
+
+    @property
+    def at_boundary(self) -> bool:
+        return not self.left and not self.head
+
+
+class _Progress:
+    """How far the response to the client has got (updated only after a send returned:
+    uvicorn awaits flow control before writing, so a send cancelled wrote nothing)."""
+
+    __slots__ = ("finishing", "frames", "started")
+
+    def __init__(self) -> None:
+        self.started = False      # http.response.start was sent
+        self.finishing = False    # the body is complete, the final message is being sent
+        self.frames: _Envelopes | None = None  # a Connect stream whose end we can append
+
+
+def _end_stream(sandbox_id: str, reason: str) -> bytes:
+    """A Connect end-of-stream envelope (flags 0x02) carrying error `unavailable`."""
+    payload = json.dumps({"error": {"code": "unavailable",
+                                    "message": f"sandbox {sandbox_id} was {reason}"}}).encode()
+    return b"\x02" + len(payload).to_bytes(4, "big") + payload
+
+
+def _reason(event: asyncio.Event) -> str:
+    return str(getattr(event, "reason", "stopped"))
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -177,21 +252,30 @@ class ProxyApp:
                    headers, content)
 
         # The response is pumped in this task; a watcher cancels it when the client goes
-        # away, so an endless upstream stream does not keep running for nobody.
+        # away, so an endless upstream stream does not keep running for nobody, and another
+        # when the sandbox goes away, so that the client is not left hanging.
         this = asyncio.current_task()
         assert this is not None
-        gone = asyncio.Event()
-        watcher = asyncio.create_task(self._wait_disconnect(receive, body_done, gone, this))
+        cut = _Cut()
+        progress = _Progress()
+        watchers = [asyncio.create_task(self._wait_disconnect(receive, body_done, cut, this))]
+        if route.gone is not None:
+            watchers.append(asyncio.create_task(self._wait_gone(route.gone, cut, this)))
         try:
-            await self._pump(request, send, target, route)
+            await self._pump(request, send, target, route, progress)
         except asyncio.CancelledError:
-            if gone.is_set() and this.uncancel() == 0:
-                return  # our own cancellation: the client disconnected
-            raise
+            if cut.why is None or this.uncancel() != 0:
+                raise
+            # our own cancellation
+            if cut.why == "gone":
+                assert route.gone is not None
+                await self._end_exchange(send, target, progress, _reason(route.gone))
+            return
         except _ClientGone:
             return
         finally:
-            watcher.cancel()
+            for watcher in watchers:
+                watcher.cancel()
 
     @staticmethod
     async def _request_body(receive: Receive, done: asyncio.Event) -> AsyncIterator[bytes]:
@@ -207,17 +291,52 @@ class ProxyApp:
         done.set()
 
     @staticmethod
-    async def _wait_disconnect(receive: Receive, body_done: asyncio.Event, gone: asyncio.Event,
+    async def _wait_disconnect(receive: Receive, body_done: asyncio.Event, cut: _Cut,
                                task: asyncio.Task[None]) -> None:
         await body_done.wait()  # receive() belongs to the body reader until then
         while True:
             msg: Message = await receive()
             if msg["type"] == "http.disconnect":
-                gone.set()
-                task.cancel()
+                if cut.why is None:
+                    cut.why = "client"
+                    task.cancel()
                 return
 
-    async def _pump(self, request: _Forward, send: Send, target: Target, route: Route) -> None:
+    @staticmethod
+    async def _wait_gone(gone: asyncio.Event, cut: _Cut, task: asyncio.Task[None]) -> None:
+        await gone.wait()
+        if cut.why is None:
+            cut.why = "gone"
+            task.cancel()
+
+    @staticmethod
+    async def _end_exchange(send: Send, target: Target, progress: _Progress,
+                            reason: str) -> None:
+        """The sandbox went away mid-exchange (the pump was cancelled, having closed the
+        upstream connection): finish the response as cleanly as its state allows."""
+        sid = target.sandbox_id
+        try:
+            async with asyncio.timeout(_END_GRACE_S):
+                if not progress.started:
+                    await responses.send_json(
+                        send, 502, f"{responses.NOT_FOUND}: it was {reason}",
+                        sandbox_id=sid, port=target.port)
+                elif progress.finishing:
+                    await send({"type": "http.response.body", "body": b"",
+                                "more_body": False})
+                elif progress.frames is not None and progress.frames.at_boundary:
+                    await send({"type": "http.response.body",
+                                "body": _end_stream(sid, reason), "more_body": False})
+                else:
+                    # Returning with the response incomplete makes uvicorn close the
+                    # connection: the client sees a truncated body, not a hang.
+                    log.info("sandbox %s was %s: cutting a response from port %s", sid,
+                             reason, target.port)
+        except Exception as exc:  # noqa: BLE001 - the client is gone or stuck: nothing to do
+            log.debug("ending an exchange with sandbox %s failed: %r", sid, exc)
+
+    async def _pump(self, request: _Forward, send: Send, target: Target, route: Route,
+                    progress: _Progress) -> None:
         method, path, headers, content = request
         try:
             upstream = await self._pool.request(route.host, route.port, method, path, headers,
@@ -232,21 +351,41 @@ class ProxyApp:
             return
         body = upstream.aiter_body()
         try:
+            if route.gone is not None:
+                progress.frames = self._connect_frames(upstream.headers)
             await send({"type": "http.response.start", "status": upstream.status,
                         "headers": [(k, v) for k, v in upstream.headers
                                     if k.lower() not in _HOP]})
+            progress.started = True
+            frames = progress.frames
             try:
                 async for chunk in body:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    if frames is not None:
+                        frames.feed(chunk)
             except UpstreamError as exc:
                 # The response has started: all we can do is cut the client off too.
                 log.info("upstream %s:%s broke mid-response: %s", target.sandbox_id,
                          target.port, exc)
                 raise _ClientGone from exc
+            progress.finishing = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await body.aclose()  # returns the connection to the pool, or closes it
             upstream.abandon()  # closes it if the body was cut off before its first read
+
+    @staticmethod
+    def _connect_frames(headers: list[tuple[bytes, bytes]]) -> _Envelopes | None:
+        """An envelope tracker if this is a Connect stream we could end with a message of
+        our own (not when a content-length fixes the body's size)."""
+        connect = False
+        for k, v in headers:
+            name = k.lower()
+            if name == b"content-length":
+                return None
+            if name == b"content-type":
+                connect = v.split(b";", 1)[0].strip().lower() in _CONNECT_STREAM
+        return _Envelopes() if connect else None
 
     # --- WebSocket --------------------------------------------------------------------
 
@@ -293,12 +432,29 @@ class ProxyApp:
             await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
             down = asyncio.create_task(self._ws_down(upstream, send))
             up = asyncio.create_task(self._ws_up(receive, upstream))
+            tasks: set[asyncio.Task[Any]] = {down, up}
+            ended: asyncio.Task[Any] | None = None
+            gone_first = False
+            if route.gone is not None:
+                ended = asyncio.create_task(route.gone.wait())
+                tasks.add(ended)
             try:
-                await asyncio.wait({down, up}, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                gone_first = ended is not None and done == {ended}
             finally:
-                for task in (down, up):
+                for task in tasks:
                     task.cancel()
-                await asyncio.gather(down, up, return_exceptions=True)
+                await asyncio.gather(*tasks, return_exceptions=True)
+            if gone_first:
+                # The sandbox went away: no closing handshake with it (it would wait for a
+                # VM that is gone), the client hears "going away".
+                assert route.gone is not None
+                upstream.transport.abort()
+                reason = f"sandbox {target.sandbox_id} was {_reason(route.gone)}"
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(_END_GRACE_S):
+                        await send({"type": "websocket.close", "code": 1001,
+                                    "reason": reason[:120]})
 
     @staticmethod
     async def _ws_up(receive: Receive, upstream: ClientConnection) -> None:

@@ -7,6 +7,7 @@ end-to-end tests once it exists.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import secrets
 import string
@@ -27,6 +28,7 @@ from host.orchestrator.model import (
     Metric,
     NetworkConfig,
     Route,
+    RunEnded,
     SandboxInfo,
     SnapshotInfo,
 )
@@ -50,6 +52,8 @@ class FakeOrchestrator:
         self.calls: list[tuple[str, tuple[object, ...]]] = []
         self.upstream: tuple[str, int] | None = None    # route() target for every port
         self.port_map: dict[int, int] = {}               # sandbox port -> local port
+        # route()'s RunEnded per sandbox, with the loop it was made on (the proxy's)
+        self.runs: dict[str, tuple[RunEnded, asyncio.AbstractEventLoop]] = {}
         self._clock = 1_700_000_000.0
 
     def add(self, *, state: SandboxState = SandboxState.RUNNING, metadata: dict[str, str] | None = None,
@@ -116,6 +120,16 @@ class FakeOrchestrator:
 
     async def kill(self, sandbox_id: str) -> None:
         self._set(self._get(sandbox_id), state=SandboxState.KILLED)
+        self.end_run(sandbox_id, "killed")
+
+    def end_run(self, sandbox_id: str, reason: str) -> bool:
+        """Set the sandbox's `Route.gone` (thread-safe: on the loop that routed to it)."""
+        entry = self.runs.pop(sandbox_id, None)
+        if entry is None:
+            return False
+        run, loop = entry
+        loop.call_soon_threadsafe(run.end, reason)
+        return True
 
     async def set_timeout(self, sandbox_id: str, timeout_s: int) -> None:
         self.calls.append(("set_timeout", (sandbox_id, timeout_s)))
@@ -131,6 +145,7 @@ class FakeOrchestrator:
         if info.state is not SandboxState.RUNNING:
             raise StateConflict(sandbox_id, info.state, {SandboxState.RUNNING})
         self._set(info, state=SandboxState.PAUSED)
+        self.end_run(sandbox_id, "paused")
 
     async def connect(self, sandbox_id: str, timeout_s: int | None) -> tuple[SandboxInfo, bool]:
         self.calls.append(("connect", (sandbox_id, timeout_s)))
@@ -188,4 +203,8 @@ class FakeOrchestrator:
             raise SandboxNotFound(sandbox_id)
         host, envd_port = self.upstream
         target = envd_port if port == 49983 else self.port_map.get(port, port)
-        return Route(host=host, port=target, traffic_token=info.traffic_access_token)
+        entry = self.runs.get(sandbox_id)
+        if entry is None:
+            entry = self.runs[sandbox_id] = (RunEnded(), asyncio.get_running_loop())
+        return Route(host=host, port=target, traffic_token=info.traffic_access_token,
+                     gone=entry[0])

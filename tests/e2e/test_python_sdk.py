@@ -337,11 +337,11 @@ def test_metrics_kill_and_not_found(env: E2EService) -> None:
         Sandbox.connect("inonexistent0")
 
 
-@pytest.mark.xfail(strict=True, reason="proxy/orchestrator gap: an open envd stream (a "
-                   "background command's Start/Connect) is not ended when its sandbox is "
-                   "paused or killed; the client hangs until its own timeout")
 @pytest.mark.parametrize("action", ["pause", "kill"])
 def test_streams_end_when_sandbox_goes(env: E2EService, action: str) -> None:
+    """An open envd stream (a background command's Start) ends when its sandbox is paused
+    or killed (the orchestrator sets Route.gone, the proxy ends the exchange) instead of
+    hanging until the client's own timeout."""
     import threading
 
     from e2b import Sandbox

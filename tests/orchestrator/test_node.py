@@ -403,6 +403,37 @@ async def test_route(orch, rt):
         await orch.route(auto, 49983, resume=True)
 
 
+async def test_route_gone_is_set_when_the_run_ends(orch, rt, clock):
+    """Route.gone: one event per running incarnation, set (with what happened) once the
+    sandbox left `running`, before the VM is stopped; a resumed sandbox gets a new one."""
+    sid = (await orch.create(CreateRequest(auto_resume=True))).sandbox_id
+    first = await orch.route(sid, 49983, resume=True)
+    assert first.gone is not None and not first.gone.is_set()
+    assert (await orch.route(sid, 8080, resume=True)).gone is first.gone  # same run
+    rt.gates["snapshot"] = gate = asyncio.Event()
+    pausing = asyncio.create_task(orch.pause(sid))
+    await asyncio.wait_for(rt.entered.setdefault("snapshot", asyncio.Event()).wait(), 5)
+    assert first.gone.is_set() and first.gone.reason == "paused"  # VM not stopped yet
+    gate.set()
+    await pausing
+    second = await orch.route(sid, 49983, resume=True)   # auto-resumes: a new run
+    assert second.gone is not None and second.gone is not first.gone
+    assert not second.gone.is_set()
+    await orch.kill(sid)
+    assert second.gone.is_set() and second.gone.reason == "killed"
+    # TTL expiry (autoPause) and a snapshot (the VM keeps running)
+    ttl = (await orch.create(CreateRequest(timeout_s=10))).sandbox_id
+    gone = (await orch.route(ttl, 49983, resume=False)).gone
+    assert gone is not None
+    await orch.snapshot(ttl, None)
+    assert not gone.is_set()
+    clock.advance(11)
+    assert await orch.expire(ttl) == "paused"
+    assert gone.is_set() and gone.reason == "paused (its timeout ran out)"
+    await orch.kill(ttl)  # a paused sandbox has no run left to end
+    assert not orch._runs
+
+
 async def test_metrics_and_network(orch, rt):
     sid = (await orch.create(CreateRequest())).sandbox_id
     (m,) = await orch.metrics(sid)

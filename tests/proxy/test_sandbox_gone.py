@@ -1,0 +1,245 @@
+"""Exchanges the proxy has open into a sandbox end when its running incarnation ends
+(`Route.gone` set by the orchestrator: it is being paused or killed), instead of hanging
+on a VM that is gone. Against a REAL envd (Connect streams) and real upstream servers;
+the in-memory orchestrator double's pause()/kill() set the event."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+import websockets
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
+
+from host.orchestrator.model import RunEnded
+from host.proxy.app import _Envelopes
+from tests.api.conftest import ServerThread
+
+from .conftest import DOMAIN
+
+ENVD = 49983
+STREAM = {"content-type": "application/connect+json", "connect-protocol-version": "1"}
+
+
+def host(port: int, sid: str) -> dict[str, str]:
+    return {"Host": f"{port}-{sid}.{DOMAIN}"}
+
+
+def envelope(message: dict) -> bytes:
+    payload = json.dumps(message).encode()
+    return b"\x00" + len(payload).to_bytes(4, "big") + payload
+
+
+class Frames:
+    """Splits a Connect stream into (flags, message) as bytes arrive."""
+
+    def __init__(self) -> None:
+        self.buf = b""
+
+    def feed(self, data: bytes) -> list[tuple[int, dict]]:
+        self.buf += data
+        out = []
+        while len(self.buf) >= 5:
+            size = int.from_bytes(self.buf[1:5], "big")
+            if len(self.buf) < 5 + size:
+                break
+            out.append((self.buf[0], json.loads(self.buf[5:5 + size])))
+            self.buf = self.buf[5 + size:]
+        return out
+
+
+async def _kill_process(envd_port: int, pid: int) -> None:
+    async with httpx.AsyncClient(timeout=10) as c:
+        await c.post(f"http://127.0.0.1:{envd_port}/process.Process/SendSignal",
+                     json={"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"},
+                     headers={"connect-protocol-version": "1"})
+
+
+@pytest.mark.parametrize("action", ["pause", "kill"])
+async def test_connect_stream_gets_end_of_stream_unavailable(proxy_url, orch, envd_port,
+                                                             action) -> None:
+    sid = orch.add(token=None).sandbox_id
+    frames = Frames()
+    got: list[tuple[int, dict]] = []
+    pid = None
+    async with httpx.AsyncClient(base_url=proxy_url, timeout=30) as c:
+        body = envelope({"process": {"cmd": "sleep", "args": ["1000"]}})
+        async with c.stream("POST", "/process.Process/Start", content=body,
+                            headers={**STREAM, **host(ENVD, sid)}) as resp:
+            assert resp.status_code == 200
+            chunks = resp.aiter_raw()
+            try:
+                while pid is None:   # the start event: the process runs, the stream is open
+                    for flags, msg in frames.feed(await anext(chunks)):
+                        got.append((flags, msg))
+                        pid = msg.get("event", {}).get("start", {}).get("pid", pid)
+                t0 = time.monotonic()
+                await getattr(orch, action)(sid)
+                async with asyncio.timeout(2):
+                    async for chunk in chunks:
+                        got += frames.feed(chunk)
+                elapsed = time.monotonic() - t0
+            finally:
+                if pid is not None:
+                    await _kill_process(envd_port, pid)
+    assert frames.buf == b""
+    flags, last = got[-1]
+    assert flags == 0x02, got
+    verb = "paused" if action == "pause" else "killed"
+    assert last == {"error": {"code": "unavailable", "message": f"sandbox {sid} was {verb}"}}
+    assert elapsed < 2
+    assert all(f == 0 for f, _ in got[:-1])
+
+
+def test_sdk_background_command_wait_raises_when_paused(servers, orch, envd_port,
+                                                        monkeypatch) -> None:
+    """The e2b SDK's handle of a background command (a Start stream) raises promptly."""
+    from e2b import Sandbox
+
+    api, proxy = servers
+    monkeypatch.setenv("E2B_API_URL", api.url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", proxy.url)
+    monkeypatch.setenv("E2B_API_KEY", "e2b_test_key")
+    monkeypatch.setenv("E2B_DOMAIN", DOMAIN)
+    monkeypatch.delenv("E2B_DEBUG", raising=False)
+    sid = orch.add(token=None).sandbox_id
+    sbx = Sandbox.connect(sid)
+    handle = sbx.commands.run("sleep 1000", background=True, timeout=0)
+    try:
+        t0 = time.monotonic()
+        asyncio.run(orch.pause(sid))
+        with pytest.raises(Exception, match=f"sandbox {sid} was paused"):
+            handle.wait()
+        assert time.monotonic() - t0 < 3
+    finally:
+        asyncio.run(_kill_process(envd_port, handle.pid))
+
+
+@pytest.fixture
+def endless_upstream():
+    """GET /bytes: a plain (not Connect) response that never ends; /connect-partial: a
+    Connect stream that stops in the middle of an envelope."""
+    async def endless(request: Request) -> StreamingResponse:
+        async def gen():
+            while True:
+                yield b"x" * 1000
+                await asyncio.sleep(0.05)
+        return StreamingResponse(gen(), media_type="application/octet-stream")
+
+    async def partial(request: Request) -> StreamingResponse:
+        async def gen():
+            yield envelope({"a": 1})
+            yield b"\x00\x00\x00\x01\x00" + b"{"   # a 256-byte envelope, barely begun
+            await asyncio.sleep(1000)
+        return StreamingResponse(gen(), media_type="application/connect+json")
+
+    app = Starlette(routes=[Route("/bytes", endless), Route("/connect-partial", partial)])
+    with ServerThread(app) as srv:
+        yield srv.port
+
+
+@pytest.mark.parametrize("path", ["/bytes", "/connect-partial"])
+async def test_other_responses_are_cut(proxy_url, orch, endless_upstream, path) -> None:
+    sid = orch.add().sandbox_id
+    async with (httpx.AsyncClient(base_url=proxy_url, timeout=30) as c,
+                c.stream("GET", path, headers=host(endless_upstream, sid)) as resp):
+        assert resp.status_code == 200
+        chunks = resp.aiter_raw()
+        await anext(chunks)
+        t0 = time.monotonic()
+        assert orch.end_run(sid, "killed")
+        with pytest.raises(httpx.RemoteProtocolError):
+            async with asyncio.timeout(2):
+                async for _ in chunks:
+                    pass
+        assert time.monotonic() - t0 < 2
+
+
+async def test_request_not_answered_yet_is_502(proxy_url, orch) -> None:
+    """An upstream that has not started its response: the client gets the proxy's 502."""
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await asyncio.sleep(30)
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    async with server:
+        port = server.sockets[0].getsockname()[1]
+        sid = orch.add().sandbox_id
+        async with httpx.AsyncClient(base_url=proxy_url, timeout=10) as c:
+            pending = asyncio.create_task(c.get("/", headers=host(port, sid)))
+            while sid not in orch.runs:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
+            await orch.pause(sid)
+            resp = await asyncio.wait_for(pending, 2)
+        assert resp.status_code == 502
+        assert resp.json()["message"] == "The sandbox was not found: it was paused"
+        assert resp.json()["sandboxId"] == sid
+
+
+async def test_websocket_closed_going_away(proxy_url, orch) -> None:
+    async def echo(ws) -> None:
+        async for msg in ws:
+            await ws.send(msg)
+
+    async with websockets.serve(echo, "127.0.0.1", 0) as server:
+        port = server.sockets[0].getsockname()[1]
+        sid = orch.add().sandbox_id
+        uri = proxy_url.replace("http://", "ws://") + "/ws"
+        routing = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": str(port)}
+        async with websockets.connect(uri, additional_headers=routing) as ws:
+            await ws.send("hello")
+            assert await ws.recv() == "hello"
+            t0 = time.monotonic()
+            await orch.kill(sid)
+            with pytest.raises(websockets.ConnectionClosed) as info:
+                async with asyncio.timeout(2):
+                    await ws.recv()
+            assert time.monotonic() - t0 < 2
+        assert info.value.rcvd is not None
+        assert info.value.rcvd.code == 1001
+        assert info.value.rcvd.reason == f"sandbox {sid} was killed"
+
+
+async def test_unwatched_and_unrelated_exchanges_are_untouched(proxy_url, orch) -> None:
+    """Ending one sandbox's run leaves another's exchanges alone; a normal response ends
+    normally (the watcher is cancelled with it)."""
+    a, b = orch.add(token=None).sandbox_id, orch.add(token=None).sandbox_id
+    async with httpx.AsyncClient(base_url=proxy_url, timeout=10) as c:
+        assert (await c.get("/health", headers=host(ENVD, a))).status_code == 204
+        assert (await c.get("/health", headers=host(ENVD, b))).status_code == 204
+        await orch.kill(a)
+        assert (await c.get("/health", headers=host(ENVD, b))).status_code == 204
+
+
+def test_envelope_tracker_across_chunks() -> None:
+    frames = _Envelopes()
+    data = envelope({"x": "y" * 300}) + envelope({}) + b"\x02\x00\x00\x00\x02{}"
+    for split in range(len(data) + 1):
+        frames = _Envelopes()
+        frames.feed(data[:split])
+        frames.feed(data[split:])
+        assert frames.at_boundary
+    frames = _Envelopes()
+    for i in range(len(data)):
+        frames.feed(data[i:i + 1])
+        boundary = i + 1 in {0, len(envelope({"x": "y" * 300})),
+                             len(envelope({"x": "y" * 300})) + len(envelope({})), len(data)}
+        assert frames.at_boundary == boundary, i
+    frames.feed(b"\x00\x00")
+    assert not frames.at_boundary
+
+
+def test_run_ended_keeps_the_first_reason() -> None:
+    run = RunEnded()
+    assert run.reason == "stopped" and not run.is_set()
+    run.end("paused")
+    run.end("killed")
+    assert run.is_set() and run.reason == "paused"
