@@ -65,17 +65,20 @@ class SandboxRuntime(Protocol):
         """Cold-boot `machine.image`, wait for envd, snapshot it as a template."""
         ...
 
-    async def start(self, sandbox_id: str, snapshot: SnapshotRef,
-                    network: NetworkConfig) -> Placement:
+    async def start(self, sandbox_id: str, snapshot: SnapshotRef, network: NetworkConfig, *,
+                    reboot: bool = False) -> Placement:
         """Restore `snapshot` as sandbox `sandbox_id` with a fresh writable disk layer and
         its own network; returns once envd answers /health. Raises on failure and leaves
-        nothing behind."""
+        nothing behind. `reboot` (or a filesystem-only snapshot) cold-boots the snapshot's
+        disk instead of restoring its memory: a fresh envd, no processes kept."""
         ...
 
-    async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool) -> SnapshotRef:
+    async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool,
+                       memory: bool = True) -> SnapshotRef:
         """Snapshot a running sandbox, complete and durable before returning. stop=True is
         pause: the VM, its network and its local runtime files are released. stop=False:
-        the VM continues (fork, named snapshots)."""
+        the VM continues (fork, named snapshots). memory=False (with stop=True): the disk
+        only, a filesystem-only pause (`facts["memory"]` is None)."""
         ...
 
     async def kill(self, sandbox_id: str) -> None:

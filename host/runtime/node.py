@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -97,7 +98,7 @@ class _Sandbox:
     mode: str                      # "netns" | "user"
     stack: str
     snapshot_id: str               # restored from
-    base_dir: Path
+    base_dir: Path | None          # memory base it maps (None: cold-booted, see `scratch`)
     memsnap_dir: Path | None       # parent for the next memory delta
     config_sha256: str
     machine: MachineSpec
@@ -105,6 +106,7 @@ class _Sandbox:
     envd_port: int
     policy: NetworkPolicy
     host_port: int | None = None
+    scratch: Path | None = None    # cold-booted: its RAM file (share=on); snapshots freeze it
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -113,8 +115,9 @@ class _Sandbox:
             "pid": self.vm.pid, "work_dir": str(self.vm.work_dir),
             "qmp_socket": str(self.vm.files.qmp_socket), "mode": self.mode,
             "stack": self.stack, "snapshot_id": self.snapshot_id,
-            "base_dir": str(self.base_dir),
+            "base_dir": str(self.base_dir) if self.base_dir else None,
             "memsnap_dir": str(self.memsnap_dir) if self.memsnap_dir else None,
+            "scratch": str(self.scratch) if self.scratch else None,
             "config_sha256": self.config_sha256, "machine": dataclasses.asdict(self.machine),
             "envd_host": self.envd_host, "envd_port": self.envd_port,
             "policy": _policy_dict(self.policy),
@@ -428,26 +431,31 @@ class NodeRuntime:
 
     # -- start (restore) --------------------------------------------------------------
 
-    async def start(self, sandbox_id: str, snapshot: SnapshotRef,
-                    network: NetworkConfig) -> Placement:
+    async def start(self, sandbox_id: str, snapshot: SnapshotRef, network: NetworkConfig, *,
+                    reboot: bool = False) -> Placement:
+        """Restore `snapshot` (memory and disk) into a new VM; `reboot`, or a filesystem-only
+        snapshot, cold-boots its disk instead (processes and memory are not kept)."""
         self._check_open()
         if sandbox_id in self._sbx or sandbox_id in self._busy:
             raise NodeRuntimeError(f"sandbox {sandbox_id} already exists on this node")
         self._busy.add(sandbox_id)
         try:
-            placement = await self._start(sandbox_id, snapshot, network)
+            placement = await self._start(sandbox_id, snapshot, network, reboot=reboot)
         finally:
             self._busy.discard(sandbox_id)
         await self._trim_memory_cache()
         return placement
 
-    async def _start(self, sid: str, snapshot: SnapshotRef, network: NetworkConfig) -> Placement:
+    async def _start(self, sid: str, snapshot: SnapshotRef, network: NetworkConfig, *,
+                     reboot: bool) -> Placement:
         t0 = time.perf_counter()
         m = await self.manifests.get(snapshot.snapshot_id)
         if m.get("network_mode") != self.mode:
             raise SandboxStartError(
                 f"snapshot {snapshot.snapshot_id} was taken with {m.get('network_mode')} "
                 f"networking; this node runs {self.mode}")
+        if reboot or m.get("memory") is None:
+            return await self._boot(sid, snapshot.snapshot_id, m, network)
         t_fetch = time.perf_counter()
         await self._fetch_memory(m)
         fetch_s = time.perf_counter() - t_fetch
@@ -521,9 +529,56 @@ class NodeRuntime:
                 await self._drop_net(sid)
             raise
 
+    async def _boot(self, sid: str, snapshot_id: str, m: dict[str, Any],
+                    network: NetworkConfig) -> Placement:
+        """Cold-boot a new VM on the snapshot's disk layers (filesystem-only resume), its RAM
+        in a share=on file in the VM's work dir so later snapshots can freeze a base."""
+        t0 = time.perf_counter()
+        policy = _policy(network)
+        stack = f"sbx-{sid}"
+        vm: QemuProcess | None = None
+        net_made = stack_made = False
+        timings: dict[str, float] = {}
+        try:
+            _net, vnet, host, port, host_port = await self._make_net(sid, policy)
+            net_made = True
+            with contextlib.suppress(StackNotFoundError):
+                await self.block.client.delete(stack)
+            await self.block.client.create(stack, m["disk"]["layers"])
+            stack_made = True
+            scratch = self.config.vms_dir / sid / "ram.mem"
+            spec = self._spec(m, name=sid, memory=MemoryBacking(path=scratch, shared=True),
+                              stack=stack, network=vnet)
+            timings["prepare_s"] = time.perf_counter() - t0
+            vm = await self._spawn(spec, sid, incoming=False)
+            timings["qmp_ready_s"] = vm.qmp_ready_s or 0.0
+            timings["cold_boot_s"] = await vm.wait_for_envd(f"http://{host}:{port}",
+                                                            self.config.boot_timeout_s)
+            timings["total_s"] = time.perf_counter() - t0
+            sb = _Sandbox(sandbox_id=sid, vm=vm, mode=self.mode, stack=stack,
+                          snapshot_id=snapshot_id, base_dir=None, memsnap_dir=None,
+                          config_sha256=self._digest(spec), machine=MachineSpec(**m["machine"]),
+                          envd_host=host, envd_port=port, policy=policy, host_port=host_port,
+                          timings=timings, scratch=scratch)
+            self._sbx[sid] = sb
+            self.last_timings = timings
+            return sb.placement()
+        except BaseException:
+            if vm is not None:
+                await self._release_vm(vm)
+            if stack_made:
+                with contextlib.suppress(Exception):
+                    await self._drop_stack(stack)
+            if net_made:
+                await self._drop_net(sid)
+            raise
+
     # -- snapshot (pause / fork) ------------------------------------------------------
 
-    async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool) -> SnapshotRef:
+    async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool,
+                       memory: bool = True) -> SnapshotRef:
+        """Snapshot a running sandbox: memory + disk, or (`memory=False`, only with
+        `stop=True`) its disk alone: a filesystem-only pause, resumed by a cold boot."""
         self._check_open()
         sb = self._get(sandbox_id)
         async with sb.lock:
@@ -531,72 +586,76 @@ class NodeRuntime:
                 raise SandboxNotFoundError(f"sandbox {sandbox_id} went away")
             self._writing.add(snapshot_id)
             try:
-                ref = await self._snapshot(sb, snapshot_id, stop=stop)
+                ref = await self._snapshot(sb, snapshot_id, stop=stop, memory=memory)
             finally:
                 self._writing.discard(snapshot_id)
         await self._trim_memory_cache()
         return ref
 
-    async def _snapshot(self, sb: _Sandbox, snapshot_id: str, *, stop: bool) -> SnapshotRef:
+    async def _snapshot(self, sb: _Sandbox, snapshot_id: str, *, stop: bool,
+                        memory: bool) -> SnapshotRef:
         t0 = time.perf_counter()
         root = self.config.memory_dir / snapshot_id
         with contextlib.suppress(SnapshotNotFoundError):
             await self.manifests.get(snapshot_id)
             raise NodeRuntimeError(f"snapshot {snapshot_id} already exists")
+        if not memory and not stop:
+            raise NodeRuntimeError("a filesystem-only snapshot stops the sandbox (stop=True)")
         if root.exists():  # leftovers of an uncommitted attempt
             shutil.rmtree(root)
         vm = sb.vm
         assert vm.qmp is not None
         timings: dict[str, float] = {}
-        paused = False
+        sealed: list[str] = []
+
+        # Memory and disk are cut at the same instant: the disk upper is sealed while the
+        # guest is stopped for the memory capture. A snapshot that keeps the sandbox running
+        # resumes it right after; the diff is written, the new layer pushed and the memory
+        # uploaded while the guest runs.
+        async def seal() -> None:
+            t = time.perf_counter()
+            sealed.append(await self.block.client.seal(sb.stack, upload=False))
+            timings["seal_s"] = time.perf_counter() - t
+
+        paused = True  # until proven running: a failure below tries `cont`
         try:
-            base = await asyncio.to_thread(BaseImage.load, sb.base_dir)
-            parent = (await asyncio.to_thread(MemSnapshot.load, sb.memsnap_dir)
-                      if sb.memsnap_dir is not None else None)
-            # Memory and disk are cut at the same instant: the disk upper is sealed while
-            # the guest is stopped for the memory capture. A snapshot that keeps the
-            # sandbox running resumes it right after; the diff is written, the new layer
-            # pushed and the memory uploaded while the guest runs.
-            sealed: list[str] = []
-
-            async def seal() -> None:
-                t = time.perf_counter()
-                sealed.append(await self.block.client.seal(sb.stack, upload=False))
-                timings["seal_s"] = time.perf_counter() - t
-
-            paused = True  # until proven running: a failure below tries `cont`
             t_stop = time.perf_counter()
-            snap = await snapshot_incremental(
-                vm.qmp, vm.pid, base.mem_path, base, root / "mem",
-                config_sha256=bytes.fromhex(sb.config_sha256), parent=parent,
-                max_chain=self.config.max_chain, resume=not stop, while_stopped=seal)
+            if not memory:
+                await vm.execute("stop")
+                await seal()
+                mem, new_memsnap, new_base = None, None, sb.base_dir
+            elif sb.scratch is not None:
+                mem, new_base = await self._freeze_snapshot(sb, root, seal, timings)
+                new_memsnap = None
+                if not stop:
+                    await vm.execute("cont")
+                    timings["downtime_s"] = time.perf_counter() - t_stop
+            else:
+                mem, new_memsnap = await self._incremental_snapshot(sb, root, seal, stop,
+                                                                    timings)
+                new_base = sb.base_dir
             paused = stop
             t_mem = time.perf_counter()
+            timings["memory_s"] = t_mem - t_stop
             await self.block.client.push(sealed[0])
             info = await self.block.client.info(sb.stack)
-            timings.update({"memory_s": t_mem - t_stop,
-                            "push_s": time.perf_counter() - t_mem,
-                            "downtime_s": snap.stats.get("downtime_ms", 0.0) / 1e3,
-                            "diff_pages": float(snap.stats.get("diff_pages", 0)),
-                            "chain_len": float(snap.stats.get("chain_len", 0))})
-            depends = {o for o in (self._owner(p) for p in (base.mem_path, *snap.diffs)) if o}
-            depends.add(snapshot_id)
-            t_up = time.perf_counter()
-            own = await self._upload_memory(snap.dir)
-            timings["upload_memory_s"] = time.perf_counter() - t_up
-            base_files = [self._rel(f) for f in base.dir.iterdir() if f.is_file()]
-            files = sorted({*base_files, *(self._rel(d) for d in snap.diffs), *own})
+            timings["push_s"] = time.perf_counter() - t_mem
+            if mem is not None:
+                t_up = time.perf_counter()
+                own = await self._upload_memory(root)
+                timings["upload_memory_s"] = time.perf_counter() - t_up
+                mem["files"] = sorted({*mem["files"], *own})
+            depends = {o for o in (self._owner(self._mem(f)) for f in
+                                   (mem or {}).get("files", ())) if o} | {snapshot_id}
             src = await self.manifests.get(sb.snapshot_id)
             m: dict[str, Any] = {
-                "version": VERSION, "kind": "snapshot", "snapshot_id": snapshot_id,
+                "version": VERSION, "kind": "snapshot" if mem else "disk",
+                "snapshot_id": snapshot_id,
                 "created_at": time.time(), "parent_id": sb.snapshot_id,
                 "sandbox_id": sb.sandbox_id, "machine": dataclasses.asdict(sb.machine),
                 "network_mode": sb.mode, "image": src.get("image"), "kernel": src["kernel"],
                 "cmdline": src["cmdline"], "config_sha256": sb.config_sha256,
-                "memory": {"base_dir": self._rel(base.dir), "base_id": base.id,
-                           "snapshot_dir": self._rel(snap.dir),
-                           "devstate": self._rel(snap.devstate),
-                           "diffs": [self._rel(d) for d in snap.diffs], "files": files},
+                "memory": mem,
                 "disk": {"layers": list(info.layers), "virtual_size": info.virtual_size},
                 "depends_on": sorted(depends),
             }
@@ -619,9 +678,43 @@ class NodeRuntime:
         if stop:
             await self._release(sb)
         else:
-            sb.memsnap_dir = snap.dir
+            sb.base_dir, sb.memsnap_dir = new_base, new_memsnap
             sb.snapshot_id = snapshot_id
         return SnapshotRef(snapshot_id, sb.machine, m["created_at"], m["parent_id"], m)
+
+    async def _incremental_snapshot(
+            self, sb: _Sandbox, root: Path, seal: Callable[[], Awaitable[None]], stop: bool,
+            timings: dict[str, float]) -> tuple[dict[str, Any], Path]:
+        """Memory diff against the restored chain (the VM maps its base privately)."""
+        assert sb.vm.qmp is not None and sb.base_dir is not None
+        base = await asyncio.to_thread(BaseImage.load, sb.base_dir)
+        parent = (await asyncio.to_thread(MemSnapshot.load, sb.memsnap_dir)
+                  if sb.memsnap_dir is not None else None)
+        snap = await snapshot_incremental(
+            sb.vm.qmp, sb.vm.pid, base.mem_path, base, root / "mem",
+            config_sha256=bytes.fromhex(sb.config_sha256), parent=parent,
+            max_chain=self.config.max_chain, resume=not stop, while_stopped=seal)
+        timings.update({"downtime_s": snap.stats.get("downtime_ms", 0.0) / 1e3,
+                        "diff_pages": float(snap.stats.get("diff_pages", 0)),
+                        "chain_len": float(snap.stats.get("chain_len", 0))})
+        base_files = [self._rel(f) for f in base.dir.iterdir() if f.is_file()]
+        return ({"base_dir": self._rel(base.dir), "base_id": base.id,
+                 "snapshot_dir": self._rel(snap.dir), "devstate": self._rel(snap.devstate),
+                 "diffs": [self._rel(d) for d in snap.diffs],
+                 "files": [*base_files, *(self._rel(d) for d in snap.diffs)]}, snap.dir)
+
+    async def _freeze_snapshot(
+            self, sb: _Sandbox, root: Path, seal: Callable[[], Awaitable[None]],
+            timings: dict[str, float]) -> tuple[dict[str, Any], Path]:
+        """A cold-booted VM (RAM in a share=on file) has no base to diff against: freeze a
+        new one from its RAM (a full copy, like a template build). Leaves it stopped."""
+        assert sb.vm.qmp is not None and sb.scratch is not None
+        t = time.perf_counter()
+        base = await freeze_base(sb.vm.qmp, sb.scratch, root / "base")
+        timings["freeze_s"] = time.perf_counter() - t
+        await seal()
+        return ({"base_dir": self._rel(base.dir), "base_id": base.id, "snapshot_dir": None,
+                 "devstate": self._rel(base.template_path), "files": []}, base.dir)
 
     # -- teardown ---------------------------------------------------------------------
 
@@ -680,7 +773,9 @@ class NodeRuntime:
             pol = facts.get("policy") or {}
             sb = _Sandbox(
                 sandbox_id=sandbox_id, vm=vm, mode=str(facts["mode"]), stack=str(facts["stack"]),
-                snapshot_id=str(facts["snapshot_id"]), base_dir=Path(facts["base_dir"]),
+                snapshot_id=str(facts["snapshot_id"]),
+                base_dir=Path(facts["base_dir"]) if facts.get("base_dir") else None,
+                scratch=Path(facts["scratch"]) if facts.get("scratch") else None,
                 memsnap_dir=Path(facts["memsnap_dir"]) if facts.get("memsnap_dir") else None,
                 config_sha256=str(facts["config_sha256"]),
                 machine=MachineSpec(**facts["machine"]), envd_host=str(facts["envd_host"]),
@@ -748,6 +843,15 @@ class NodeRuntime:
             log.warning("sandbox %s: user-mode networking does not enforce egress rules",
                         sandbox_id)
         sb.policy = policy
+
+    async def find_snapshot(self, snapshot_id: str) -> SnapshotRef | None:
+        """The committed snapshot (its manifest is the commit point), or None."""
+        try:
+            m = await self.manifests.get(snapshot_id)
+        except SnapshotNotFoundError:
+            return None
+        return SnapshotRef(snapshot_id, MachineSpec(**m["machine"]), float(m["created_at"]),
+                           m.get("parent_id"), m)
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """Remove the manifest, then every memory dir (local and in the repository) no

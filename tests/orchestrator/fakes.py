@@ -40,6 +40,7 @@ class FakeRuntime:
         self.adoptable: set[str] | None = None  # None: every VM in `vms` survives a restart
         self.envd: FakeEnvd | None = None  # set: snapshots keep the token envd held
         self.held: dict[str, str | None] = {}
+        self.reboots: list[str] = []  # sandboxes cold-booted (filesystem-only resume)
         self._n = itertools.count(1)
 
     async def _step(self, op: str, sandbox_id: str) -> None:
@@ -61,9 +62,10 @@ class FakeRuntime:
         self.snapshots[ref.snapshot_id] = ref
         return ref
 
-    async def start(self, sandbox_id: str, snapshot: SnapshotRef,
-                    network: NetworkConfig) -> Placement:
+    async def start(self, sandbox_id: str, snapshot: SnapshotRef, network: NetworkConfig, *,
+                    reboot: bool = False) -> Placement:
         self.calls.append(("start", (sandbox_id, snapshot.snapshot_id)))
+        cold = reboot or snapshot.facts.get("memory", True) is None
         await self._step("start", sandbox_id)
         if snapshot.snapshot_id not in self.snapshots:
             raise RuntimeFailure(f"no snapshot {snapshot.snapshot_id}")
@@ -71,19 +73,23 @@ class FakeRuntime:
         p = Placement(sandbox_id=sandbox_id, envd_host=f"10.9.{n // 250}.{n % 250 + 1}",
                       envd_port=49983, facts={"vm": n, "from": snapshot.snapshot_id})
         self.vms[sandbox_id] = p
-        token = self.held.get(snapshot.snapshot_id)
+        if cold:
+            self.reboots.append(sandbox_id)
+        token = None if cold else self.held.get(snapshot.snapshot_id)  # a fresh envd: none
         if self.envd is not None and token:
             self.envd.tokens[p.envd_host] = token
         return p
 
-    async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool) -> SnapshotRef:
+    async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool,
+                       memory: bool = True) -> SnapshotRef:
         self.calls.append(("snapshot", (sandbox_id, snapshot_id, stop)))
         await self._step("snapshot", sandbox_id)
         vm = self.vms.get(sandbox_id)
         if vm is None:
             raise RuntimeFailure(f"no VM {sandbox_id}")
         ref = SnapshotRef(snapshot_id=snapshot_id, machine=MachineSpec(), created_at=time.time(),
-                          parent_id=vm.facts.get("from"))
+                          parent_id=vm.facts.get("from"),
+                          facts={} if memory else {"memory": None})
         self.snapshots[snapshot_id] = ref
         if self.envd is not None:
             self.held[snapshot_id] = self.envd.tokens.get(vm.envd_host)
