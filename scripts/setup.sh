@@ -11,6 +11,7 @@ APT_PACKAGES=(
   linux-source-6.12 build-essential flex bison bc libelf-dev libssl-dev dwarves  # guest kernel
   python3.11-venv python3.11-dev patchelf scons  # frozen envd (PyInstaller + staticx, Debian python)
   attr iproute2 nftables cpio xz-utils zstd
+  libnss-myhostname   # tests/e2e/test_tls.py: *.localhost -> loopback in its netns (postinst also adds it to /etc/nsswitch.conf)
   busybox-static                        # memsnap VM tests: busybox guest root (tests/vmm/memsnap)
   nginx wrk                             # proxy benchmark peer and load generator
   nodejs npm                            # the JS e2b SDK in tests
