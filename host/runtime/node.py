@@ -43,7 +43,6 @@ from host.orchestrator.runtime import MachineSpec, Placement, SnapshotRef
 from host.storage.errors import (
     LayerNotFoundError,
     RepositoryError,
-    StackExistsError,
     StackNotFoundError,
     StorageError,
 )
@@ -473,17 +472,9 @@ class NodeRuntime:
         stack = f"sbx-{sid}"
         machine = MachineSpec(**m["machine"])
         vm: QemuProcess | None = None
-        net_made = stack_made = False
         timings: dict[str, float] = {"fetch_memory_s": fetch_s}
+        vnet, host, port, host_port = await self._provision(sid, m["disk"]["layers"], policy)
         try:
-            _net, vnet, host, port, host_port = await self._make_net(sid, policy)
-            net_made = True
-            try:
-                await self.block.client.create(stack, m["disk"]["layers"])
-            except StackExistsError:
-                await self.block.client.delete(stack)
-                await self.block.client.create(stack, m["disk"]["layers"])
-            stack_made = True
             spec = self._spec(m, name=sid, memory=MemoryBacking(path=base.mem_path, shared=False),
                               stack=stack, network=vnet)
             digest = self._digest(spec)
@@ -520,14 +511,29 @@ class NodeRuntime:
             self.last_timings = timings
             return sb.placement()
         except BaseException:
-            if vm is not None:
-                await self._release_vm(vm)
-            if stack_made:
-                with contextlib.suppress(Exception):
-                    await self._drop_stack(stack)
-            if net_made:
-                await self._drop_net(sid)
+            await self._unprovision(sid, vm)
             raise
+
+    async def _provision(self, sid: str, layers: list[str], policy: NetworkPolicy
+                         ) -> tuple[TapNet | UserNet, str, int, int | None]:
+        """The network and the disk stack (`sbx-<sid>`) of a VM about to start; nothing is
+        left if this fails. `_unprovision` undoes it (and kills the VM) if the start fails."""
+        _net, vnet, host, port, host_port = await self._make_net(sid, policy)
+        try:
+            with contextlib.suppress(StackNotFoundError):
+                await self.block.client.delete(f"sbx-{sid}")
+            await self.block.client.create(f"sbx-{sid}", layers)
+        except BaseException:
+            await self._drop_net(sid)
+            raise
+        return vnet, host, port, host_port
+
+    async def _unprovision(self, sid: str, vm: QemuProcess | None) -> None:
+        if vm is not None:
+            await self._release_vm(vm)
+        with contextlib.suppress(Exception):
+            await self._drop_stack(f"sbx-{sid}")
+        await self._drop_net(sid)
 
     async def _boot(self, sid: str, snapshot_id: str, m: dict[str, Any],
                     network: NetworkConfig) -> Placement:
@@ -537,15 +543,9 @@ class NodeRuntime:
         policy = _policy(network)
         stack = f"sbx-{sid}"
         vm: QemuProcess | None = None
-        net_made = stack_made = False
         timings: dict[str, float] = {}
+        vnet, host, port, host_port = await self._provision(sid, m["disk"]["layers"], policy)
         try:
-            _net, vnet, host, port, host_port = await self._make_net(sid, policy)
-            net_made = True
-            with contextlib.suppress(StackNotFoundError):
-                await self.block.client.delete(stack)
-            await self.block.client.create(stack, m["disk"]["layers"])
-            stack_made = True
             scratch = self.config.vms_dir / sid / "ram.mem"
             spec = self._spec(m, name=sid, memory=MemoryBacking(path=scratch, shared=True),
                               stack=stack, network=vnet)
@@ -564,13 +564,7 @@ class NodeRuntime:
             self.last_timings = timings
             return sb.placement()
         except BaseException:
-            if vm is not None:
-                await self._release_vm(vm)
-            if stack_made:
-                with contextlib.suppress(Exception):
-                    await self._drop_stack(stack)
-            if net_made:
-                await self._drop_net(sid)
+            await self._unprovision(sid, vm)
             raise
 
     # -- snapshot (pause / fork) ------------------------------------------------------
