@@ -7,10 +7,14 @@ serializes what comes back; nothing below the API sees HTTP objects.
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .states import SandboxState
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -102,17 +106,39 @@ class LogLine:
 class RunEnded(asyncio.Event):
     """Set when one running incarnation of a sandbox ends (it is being paused or killed):
     the proxy then ends the exchanges it routed there instead of letting them hang on a
-    VM that is gone. `reason` completes "sandbox <id> was ...". Set it on the event loop
-    its waiters run on (asyncio.Event is not thread-safe)."""
+    VM that is gone. `reason` completes "sandbox <id> was ...". `subscribe` runs a
+    callback at that moment without a task per waiter (the proxy's per-request cost).
+    Call `end` on the event loop its users run on (asyncio.Event is not thread-safe)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.reason = "stopped"
+        self._subscribers: set[Callable[[], object]] = set()
 
     def end(self, reason: str) -> None:
-        if not self.is_set():
-            self.reason = reason
-            self.set()
+        if self.is_set():
+            return
+        self.reason = reason
+        self.set()
+        subscribers, self._subscribers = self._subscribers, set()
+        for fn in subscribers:
+            try:
+                fn()
+            except Exception:
+                log.exception("a RunEnded subscriber failed")
+
+    def subscribe(self, fn: Callable[[], object]) -> Callable[[], None]:
+        """Call `fn()` once when the run ends (at once if it has); returns the function
+        that unsubscribes it."""
+        if self.is_set():
+            fn()
+            return _nothing
+        self._subscribers.add(fn)
+        return lambda: self._subscribers.discard(fn)
+
+
+def _nothing() -> None:
+    pass
 
 
 @dataclass(frozen=True)
@@ -122,6 +148,6 @@ class Route:
     host: str
     port: int
     traffic_token: str | None          # required on non-envd ports when set
-    # Set when the running incarnation this route points into ends (a `RunEnded`, whose
-    # `reason` the proxy reports; any Event will do). None: the proxy does not watch.
-    gone: asyncio.Event | None = field(default=None, compare=False)
+    # Ends when the running incarnation this route points into ends (the proxy then ends
+    # its exchanges with it). None: the proxy does not watch.
+    gone: RunEnded | None = field(default=None, compare=False)

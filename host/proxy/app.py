@@ -76,6 +76,11 @@ class _Cut:
     def __init__(self) -> None:
         self.why: str | None = None  # "client" (disconnected) or "gone" (sandbox went away)
 
+    def cancel(self, task: asyncio.Task[None], why: str) -> None:
+        if self.why is None:
+            self.why = why
+            task.cancel()
+
 
 class _Envelopes:
     """Tracks Connect envelope boundaries (flags:1, big-endian length:4, payload) in the
@@ -124,10 +129,6 @@ def _end_stream(sandbox_id: str, reason: str) -> bytes:
     payload = json.dumps({"error": {"code": "unavailable",
                                     "message": f"sandbox {sandbox_id} was {reason}"}}).encode()
     return b"\x02" + len(payload).to_bytes(4, "big") + payload
-
-
-def _reason(event: asyncio.Event) -> str:
-    return str(getattr(event, "reason", "stopped"))
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -252,15 +253,16 @@ class ProxyApp:
                    headers, content)
 
         # The response is pumped in this task; a watcher cancels it when the client goes
-        # away, so an endless upstream stream does not keep running for nobody, and another
-        # when the sandbox goes away, so that the client is not left hanging.
+        # away, so an endless upstream stream does not keep running for nobody, and a
+        # callback when the sandbox goes away, so that the client is not left hanging.
         this = asyncio.current_task()
         assert this is not None
         cut = _Cut()
         progress = _Progress()
-        watchers = [asyncio.create_task(self._wait_disconnect(receive, body_done, cut, this))]
+        watcher = asyncio.create_task(self._wait_disconnect(receive, body_done, cut, this))
+        unsubscribe = None
         if route.gone is not None:
-            watchers.append(asyncio.create_task(self._wait_gone(route.gone, cut, this)))
+            unsubscribe = route.gone.subscribe(lambda: cut.cancel(this, "gone"))
         try:
             await self._pump(request, send, target, route, progress)
         except asyncio.CancelledError:
@@ -269,13 +271,14 @@ class ProxyApp:
             # our own cancellation
             if cut.why == "gone":
                 assert route.gone is not None
-                await self._end_exchange(send, target, progress, _reason(route.gone))
+                await self._end_exchange(send, target, progress, route.gone.reason)
             return
         except _ClientGone:
             return
         finally:
-            for watcher in watchers:
-                watcher.cancel()
+            watcher.cancel()
+            if unsubscribe is not None:
+                unsubscribe()
 
     @staticmethod
     async def _request_body(receive: Receive, done: asyncio.Event) -> AsyncIterator[bytes]:
@@ -297,17 +300,8 @@ class ProxyApp:
         while True:
             msg: Message = await receive()
             if msg["type"] == "http.disconnect":
-                if cut.why is None:
-                    cut.why = "client"
-                    task.cancel()
+                cut.cancel(task, "client")
                 return
-
-    @staticmethod
-    async def _wait_gone(gone: asyncio.Event, cut: _Cut, task: asyncio.Task[None]) -> None:
-        await gone.wait()
-        if cut.why is None:
-            cut.why = "gone"
-            task.cancel()
 
     @staticmethod
     async def _end_exchange(send: Send, target: Target, progress: _Progress,
@@ -450,7 +444,7 @@ class ProxyApp:
                 # VM that is gone), the client hears "going away".
                 assert route.gone is not None
                 upstream.transport.abort()
-                reason = f"sandbox {target.sandbox_id} was {_reason(route.gone)}"
+                reason = f"sandbox {target.sandbox_id} was {route.gone.reason}"
                 with contextlib.suppress(Exception):
                     async with asyncio.timeout(_END_GRACE_S):
                         await send({"type": "websocket.close", "code": 1001,

@@ -237,9 +237,19 @@ def test_envelope_tracker_across_chunks() -> None:
     assert not frames.at_boundary
 
 
-def test_run_ended_keeps_the_first_reason() -> None:
+async def test_run_ended_keeps_the_first_reason_and_calls_subscribers_once() -> None:
     run = RunEnded()
+    calls: list[str] = []
+    run.subscribe(lambda: calls.append("a"))
+    unsubscribe = run.subscribe(lambda: calls.append("b"))
+    unsubscribe()
+    run.subscribe(lambda: 1 / 0)   # a failing subscriber is logged, the others still run
+    run.subscribe(lambda: calls.append("c"))
     assert run.reason == "stopped" and not run.is_set()
     run.end("paused")
     run.end("killed")
     assert run.is_set() and run.reason == "paused"
+    assert sorted(calls) == ["a", "c"]
+    run.subscribe(lambda: calls.append("late"))   # already ended: called at once
+    assert calls[-1] == "late"
+    await asyncio.wait_for(run.wait(), 1)
