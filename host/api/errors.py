@@ -14,6 +14,7 @@ import logging
 from starlette.responses import JSONResponse
 
 from host.orchestrator.errors import (
+    GuestUnresponsive,
     IdempotencyMismatch,
     InvalidRequest,
     OperationFailed,
@@ -51,6 +52,7 @@ _STATUS: dict[type[Exception], int] = {
     IdempotencyMismatch: 409,   # body carries error_code idempotency_request_mismatch
     InvalidRequest: 400,
     OperationFailed: 500,
+    GuestUnresponsive: 503,     # Py ServiceBusyException, JS ServiceBusyError
 }
 
 # Statuses a client may retry unchanged; every other 5xx carries `Should-Retry: false`

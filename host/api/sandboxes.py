@@ -134,8 +134,9 @@ async def kill(request: Request) -> Response:
 @handler
 async def connect_v2(request: Request) -> Response:
     body = await parse.json_body(request, required=False)
-    parse.opt_bool(body, "memory")  # type-checked; a reboot-on-resume is not implemented
-    info, resumed = await orch(request).connect(sandbox_id(request), parse.opt_int(body, "timeout"))
+    memory = parse.opt_bool(body, "memory", True)  # false: on_resume="reboot"
+    info, resumed = await orch(request).connect(sandbox_id(request), parse.opt_int(body, "timeout"),
+                                                memory=bool(memory))
     return JSONResponse(serialize.sandbox(info, domain(request)), status_code=201 if resumed else 200)
 
 
@@ -143,8 +144,9 @@ async def connect_v2(request: Request) -> Response:
 async def connect_v1(request: Request) -> Response:
     body = await parse.json_body(request)
     timeout = parse.req_int(body, "timeout")
-    parse.opt_bool(body, "memory")
-    info, resumed = await orch(request).connect(sandbox_id(request), timeout)
+    memory = parse.opt_bool(body, "memory", True)
+    info, resumed = await orch(request).connect(sandbox_id(request), timeout,
+                                                memory=bool(memory))
     return JSONResponse(serialize.sandbox(info, domain(request)), status_code=201 if resumed else 200)
 
 
@@ -154,12 +156,12 @@ async def resume_v1(request: Request) -> Response:
     body = await parse.json_body(request, required=False)
     timeout = parse.opt_int(body, "timeout", default=15)
     parse.opt_bool(body, "autoPause")
-    parse.opt_bool(body, "memory")
+    memory = parse.opt_bool(body, "memory", True)
     sid = sandbox_id(request)
     info = await orch(request).get(sid)
     if info.state.public == "running":
         raise ApiError(409, f"sandbox '{sid}' is already running")
-    info, _ = await orch(request).connect(sid, timeout)
+    info, _ = await orch(request).connect(sid, timeout, memory=bool(memory))
     return JSONResponse(serialize.sandbox(info, domain(request)), status_code=201)
 
 
@@ -167,8 +169,9 @@ async def resume_v1(request: Request) -> Response:
 async def pause(request: Request) -> Response:
     body = await parse.json_body(request, required=False)
     memory = parse.opt_bool(body, "memory", True)
-    parse.opt_bool(body, "requireHealthyGuest")
-    await orch(request).pause(sandbox_id(request), memory=bool(memory))
+    strict = parse.opt_bool(body, "requireHealthyGuest", False)
+    await orch(request).pause(sandbox_id(request), memory=bool(memory),
+                              require_healthy=bool(strict))
     return no_content()
 
 

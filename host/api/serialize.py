@@ -77,6 +77,8 @@ def sandbox_detail(info: SandboxInfo, domain: str | None) -> dict[str, Any]:
         "lifecycle": {"autoResume": info.auto_resume,
                       "onTimeout": "pause" if info.auto_pause else "kill"},
     })
+    if info.pause_mode:
+        out["pauseMode"] = info.pause_mode
     return out
 
 

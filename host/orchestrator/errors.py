@@ -54,6 +54,13 @@ class OperationFailed(OrchestratorError):
     status = 500
 
 
+class GuestUnresponsive(OrchestratorError):
+    """The sandbox's envd did not answer where the operation needs it (a filesystem-only
+    or strict pause): nothing was changed, the sandbox keeps running."""
+
+    status = 503
+
+
 class IdempotencyMismatch(OrchestratorError):
     status = 409
     error_code = "idempotency_request_mismatch"

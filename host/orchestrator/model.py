@@ -59,6 +59,7 @@ class SandboxInfo:
     auto_resume: bool
     network: NetworkConfig
     client_id: str = "aenv"
+    pause_mode: str | None = None      # paused: "full" (memory + disk) or "filesystem"
 
 
 @dataclass(frozen=True)

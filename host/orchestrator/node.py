@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 from . import ids
 from .envd import EnvdClient
 from .errors import (
+    GuestUnresponsive,
     IdempotencyMismatch,
     InvalidRequest,
     OperationFailed,
@@ -419,15 +420,39 @@ class NodeOrchestrator:
 
     # ---- pause / resume ----------------------------------------------------------------
 
-    async def pause(self, sandbox_id: str, *, memory: bool = True) -> None:
-        # memory=False (filesystem-only pause) is served as a full pause.
-        await self._shielded(self._pause(sandbox_id))
+    async def pause(self, sandbox_id: str, *, memory: bool = True,
+                    require_healthy: bool = False) -> None:
+        """Pause: memory + disk (resume continues every process), or `memory=False`: the
+        disk alone (a filesystem-only pause; resume cold-boots it). A filesystem-only pause,
+        and one with `require_healthy`, needs envd to answer (GuestUnresponsive, nothing
+        changed, if it does not)."""
+        await self._shielded(self._pause(sandbox_id, memory, require_healthy))
 
-    async def _pause(self, sandbox_id: str) -> None:
+    async def _pause(self, sandbox_id: str, memory: bool, require_healthy: bool) -> None:
         async with self._lock(sandbox_id):
-            await self._pause_locked(await self._record(sandbox_id), op="paused")
+            rec = await self._record(sandbox_id)
+            if rec.state is S.RUNNING and (require_healthy or not memory):
+                await self._check_guest(rec, sync=not memory)
+            await self._pause_locked(rec, op="paused", memory=memory)
 
-    async def _pause_locked(self, rec: SandboxRecord, op: str) -> None:
+    async def _check_guest(self, rec: SandboxRecord, *, sync: bool) -> None:
+        """envd answers (and, with `sync`, has flushed the guest's page cache to disk: a
+        filesystem-only pause keeps nothing else)."""
+        placement = placement_of(rec)
+        if placement is None:
+            raise GuestUnresponsive(f"sandbox '{rec.id}' has no running VM to ask")
+        try:
+            if sync:
+                await self.envd.sync(placement, rec.envd_token)
+                return
+        except OperationFailed as exc:
+            raise GuestUnresponsive(f"sandbox '{rec.id}': envd did not sync the guest's "
+                                    f"filesystems ({exc}); the sandbox keeps running") from exc
+        if not await self.envd.healthy(placement):
+            raise GuestUnresponsive(f"sandbox '{rec.id}': envd does not answer; the sandbox "
+                                    "keeps running")
+
+    async def _pause_locked(self, rec: SandboxRecord, op: str, *, memory: bool = True) -> None:
         sid = rec.id
         snap_id = ids.new_runtime_snapshot_id("pause")
         pending = {"store_id": snap_id, "runtime_id": snap_id, "kind": "pause"}
@@ -436,7 +461,7 @@ class NodeOrchestrator:
         # Streams into the VM end now, before it stops (if the pause fails they stay ended).
         self._end_run(sid, "paused" if op != "timeout" else "paused (its timeout ran out)")
         try:
-            ref = await self.runtime.snapshot(sid, snap_id, stop=True)
+            ref = await self.runtime.snapshot(sid, snap_id, stop=True, memory=memory)
         except Exception as exc:
             await self._db(self.store.transition, sid, {S.PAUSING}, S.RUNNING,
                            event={"op": "pause_failed", "error": str(exc)},
@@ -446,9 +471,11 @@ class NodeOrchestrator:
         ttl_left = 0.0 if op == "timeout" or rec.end_at is None else max(0.0, rec.end_at - now)
         await self._db(self.store.insert_snapshot, self._snapshot_record(
             snap_id, "pause", ref, rec))
-        await self._db(self.store.transition, sid, {S.PAUSING}, S.PAUSED, event={"op": op},
+        await self._db(self.store.transition, sid, {S.PAUSING}, S.PAUSED,
+                       event={"op": op, **({} if memory else {"mode": "filesystem"})},
                        snapshot_id=snap_id, end_at=None, ttl_left_s=ttl_left,
-                       runtime=with_runtime(rec, pending=None, placement=None))
+                       runtime=with_runtime(rec, pending=None, placement=None,
+                                            pause_mode="full" if memory else "filesystem"))
 
     @staticmethod
     def _snapshot_record(store_id: str, kind: str, ref: SnapshotRef, rec: SandboxRecord,
@@ -458,12 +485,17 @@ class NodeOrchestrator:
                               spec={"ref": ref_to_json(ref), "envd_token": rec.envd_token,
                                     "template_id": rec.template_id})
 
-    async def connect(self, sandbox_id: str, timeout_s: int | None) -> tuple[SandboxInfo, bool]:
+    async def connect(self, sandbox_id: str, timeout_s: int | None, *,
+                      memory: bool = True) -> tuple[SandboxInfo, bool]:
+        """Resume a paused sandbox (or extend a running one's TTL). `memory=False` resumes
+        by a reboot of its disk (E2B `on_resume="reboot"`); a filesystem-only pause always
+        resumes that way."""
         if timeout_s is not None:
             self._check_timeout(timeout_s)
-        return await self._shielded(self._connect(sandbox_id, timeout_s))
+        return await self._shielded(self._connect(sandbox_id, timeout_s, memory))
 
-    async def _connect(self, sandbox_id: str, timeout_s: int | None) -> tuple[SandboxInfo, bool]:
+    async def _connect(self, sandbox_id: str, timeout_s: int | None,
+                       memory: bool = True) -> tuple[SandboxInfo, bool]:
         async with self._lock(sandbox_id):
             rec = await self._record(sandbox_id)
             if rec.state is S.RUNNING:
@@ -474,18 +506,22 @@ class NodeOrchestrator:
                 return sandbox_info(rec, now=self.clock()), False
             if rec.state is not S.PAUSED:
                 raise StateConflict(sandbox_id, rec.state, {S.RUNNING, S.PAUSED})
-            rec = await self._resume_locked(rec, timeout_s)
+            rec = await self._resume_locked(rec, timeout_s, reboot=not memory)
             return sandbox_info(rec, now=self.clock()), True
 
-    async def _resume_locked(self, rec: SandboxRecord, timeout_s: int | None) -> SandboxRecord:
+    async def _resume_locked(self, rec: SandboxRecord, timeout_s: int | None, *,
+                             reboot: bool = False) -> SandboxRecord:
         sid = rec.id
         if rec.snapshot_id is None:
             raise OperationFailed(f"paused sandbox {sid} has no snapshot to resume from")
         snap = await self._db(self.store.get_snapshot, rec.snapshot_id)
         rec = await self._db(self.store.transition, sid, {S.PAUSED}, S.RESUMING)
+        ref = snapshot_ref(snap)
+        # a cold boot (reboot, or a filesystem-only snapshot) starts an envd with no token
+        reboot = reboot or (ref.facts or {}).get("memory", True) is None
         try:
-            placement = await self.runtime.start(sid, snapshot_ref(snap),
-                                                 network_from_json(rec.network))
+            placement = await self.runtime.start(sid, ref, network_from_json(rec.network),
+                                                 reboot=reboot)
         except Exception as exc:
             await self._db(self.store.transition, sid, {S.RESUMING}, S.PAUSED,
                            event={"op": "resume_failed", "error": str(exc)})
@@ -493,7 +529,8 @@ class NodeOrchestrator:
         try:
             # Same token as before the pause: SDK handles of this sandbox keep working.
             await self.envd.init(placement, token=rec.envd_token,
-                                 current_token=snap.spec.get("envd_token"), env_vars=rec.env_vars)
+                                 current_token=None if reboot else snap.spec.get("envd_token"),
+                                 env_vars=rec.env_vars)
         except Exception as exc:
             await self._release(sid)
             await self._db(self.store.transition, sid, {S.RESUMING}, S.PAUSED,
@@ -504,9 +541,10 @@ class NodeOrchestrator:
         if timeout_s is None:
             timeout_s = int(rec.ttl_left_s) if rec.ttl_left_s else self.default_timeout_s
         return await self._db(self.store.transition, sid, {S.RESUMING}, S.RUNNING,
-                              event={"op": "resumed"}, end_at=self.clock() + timeout_s,
-                              ttl_left_s=None,
-                              runtime=with_runtime(rec, placement=placement_to_json(placement)))
+                              event={"op": "resumed", **({"reboot": True} if reboot else {})},
+                              end_at=self.clock() + timeout_s, ttl_left_s=None,
+                              runtime=with_runtime(rec, placement=placement_to_json(placement),
+                                                   pause_mode=None))
 
     # ---- snapshots ---------------------------------------------------------------------
 

@@ -86,7 +86,8 @@ def sandbox_info(rec: SandboxRecord, *, now: float | None = None) -> SandboxInfo
         started_at=rec.started_at, end_at=end_at, envd_version=ENVD_VERSION,
         envd_access_token=rec.envd_token, traffic_access_token=rec.traffic_token,
         metadata=dict(rec.metadata), auto_pause=rec.auto_pause, auto_resume=rec.auto_resume,
-        network=network_from_json(rec.network))
+        network=network_from_json(rec.network),
+        pause_mode=rec.runtime.get("pause_mode") if rec.state is SandboxState.PAUSED else None)
 
 
 def snapshot_info(snap: SnapshotRecord) -> SnapshotInfo:

@@ -140,18 +140,21 @@ class FakeOrchestrator:
         self.calls.append(("extend_timeout", (sandbox_id, duration_s)))
         self._get(sandbox_id)
 
-    async def pause(self, sandbox_id: str, *, memory: bool = True) -> None:
+    async def pause(self, sandbox_id: str, *, memory: bool = True,
+                    require_healthy: bool = False) -> None:
+        self.calls.append(("pause", (sandbox_id, memory, require_healthy)))
         info = self._get(sandbox_id)
         if info.state is not SandboxState.RUNNING:
             raise StateConflict(sandbox_id, info.state, {SandboxState.RUNNING})
-        self._set(info, state=SandboxState.PAUSED)
+        self._set(info, state=SandboxState.PAUSED, pause_mode="full" if memory else "filesystem")
         self.end_run(sandbox_id, "paused")
 
-    async def connect(self, sandbox_id: str, timeout_s: int | None) -> tuple[SandboxInfo, bool]:
-        self.calls.append(("connect", (sandbox_id, timeout_s)))
+    async def connect(self, sandbox_id: str, timeout_s: int | None, *,
+                      memory: bool = True) -> tuple[SandboxInfo, bool]:
+        self.calls.append(("connect", (sandbox_id, timeout_s, memory)))
         info = self._get(sandbox_id)
         if info.state is SandboxState.PAUSED:
-            return self._set(info, state=SandboxState.RUNNING), True
+            return self._set(info, state=SandboxState.RUNNING, pause_mode=None), True
         return info, False
 
     async def snapshot(self, sandbox_id: str, name: str | None) -> SnapshotInfo:

@@ -11,6 +11,7 @@ import urllib.parse
 import httpx
 import pytest
 
+from host.orchestrator.errors import GuestUnresponsive
 from host.orchestrator.states import SandboxState
 
 from .conftest import API_KEY
@@ -153,6 +154,32 @@ async def test_exact_success_codes_and_empty_204(client, orch: FakeOrchestrator)
     kill = await client.delete(f"/sandboxes/{sid}")
     assert kill.status_code == 204 and kill.content == b""
     assert_error(await client.delete(f"/sandboxes/{sid}"), 404)
+
+
+async def test_filesystem_pause_reboot_and_strict(client, orch: FakeOrchestrator) -> None:
+    sid = orch.add().sandbox_id
+    resp = await client.post(f"/sandboxes/{sid}/pause", json={"memory": False})
+    assert resp.status_code == 204
+    assert ("pause", (sid, False, False)) in orch.calls
+    assert (await client.get(f"/sandboxes/{sid}")).json()["pauseMode"] == "filesystem"
+    resp = await client.post(f"/v2/sandboxes/{sid}/connect", json={"memory": False})
+    assert resp.status_code == 201 and ("connect", (sid, None, False)) in orch.calls
+    assert "pauseMode" not in (await client.get(f"/sandboxes/{sid}")).json()
+    resp = await client.post(f"/sandboxes/{sid}/pause", json={"requireHealthyGuest": True})
+    assert resp.status_code == 204 and ("pause", (sid, True, True)) in orch.calls
+    assert (await client.get(f"/sandboxes/{sid}")).json()["pauseMode"] == "full"
+    assert_error(await client.post(f"/sandboxes/{sid}/pause", json={"memory": "no"}), 400)
+
+
+async def test_guest_unresponsive_is_503(client, orch: FakeOrchestrator) -> None:
+    sid = orch.add().sandbox_id
+
+    async def refuse(sandbox_id: str, **kw: object) -> None:
+        raise GuestUnresponsive(f"sandbox '{sandbox_id}': envd does not answer")
+
+    orch.pause = refuse  # type: ignore[method-assign]
+    resp = await client.post(f"/sandboxes/{sid}/pause", json={"memory": False})
+    assert "envd does not answer" in assert_error(resp, 503)["message"]
 
 
 async def test_refresh_duration_bounds(client, orch: FakeOrchestrator) -> None:

@@ -275,6 +275,39 @@ def test_pause_connect_keeps_data_and_process(env: E2EService) -> None:
         sbx.kill()
 
 
+def test_filesystem_pause_and_reboot_on_resume(env: E2EService) -> None:
+    """pause(mode="filesystem") keeps the disk only: resume cold-boots it (the file is
+    there, the process is not, the SDK handle's token still works); a full pause resumed
+    with on_resume="reboot" does the same."""
+    import httpx
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(timeout=600)
+    try:
+        sbx.files.write("/home/user/fs.txt", "disk only")
+        sbx.commands.run("echo from-a-command > /home/user/cmd.txt")  # in the page cache
+        bg = sbx.commands.run("sleep 1000", background=True, timeout=0)
+        assert sbx.pause(mode="filesystem") is True
+        detail = httpx.get(f"{env.api_url}/sandboxes/{sbx.sandbox_id}",
+                           headers={"X-API-Key": env.api_key}, timeout=30).json()
+        assert detail["state"] == "paused" and detail["pauseMode"] == "filesystem"
+        s2 = Sandbox.connect(sbx.sandbox_id, timeout=300)  # a cold boot of the disk
+        assert s2.files.read("/home/user/fs.txt") == "disk only"
+        assert s2.files.read("/home/user/cmd.txt") == "from-a-command\n"  # synced first
+        assert all(p.pid != bg.pid for p in s2.commands.list())
+        assert sbx.commands.run("echo same-token").stdout == "same-token\n"
+
+        bg = sbx.commands.run("sleep 1001", background=True, timeout=0)
+        sbx.files.write("/home/user/fs.txt", "second")
+        sbx.commands.run("sync")
+        assert sbx.pause() is True  # full
+        s3 = sbx.connect(on_resume="reboot")
+        assert s3.files.read("/home/user/fs.txt") == "second"
+        assert all(p.pid != bg.pid for p in s3.commands.list())
+    finally:
+        sbx.kill()
+
+
 def test_snapshot_then_create_from_it(env: E2EService) -> None:
     from e2b import Sandbox
 

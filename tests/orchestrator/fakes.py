@@ -41,6 +41,7 @@ class FakeRuntime:
         self.envd: FakeEnvd | None = None  # set: snapshots keep the token envd held
         self.held: dict[str, str | None] = {}
         self.reboots: list[str] = []  # sandboxes cold-booted (filesystem-only resume)
+        self.memory_flags: list[bool] = []  # `memory` of each snapshot call
         self._n = itertools.count(1)
 
     async def _step(self, op: str, sandbox_id: str) -> None:
@@ -83,6 +84,7 @@ class FakeRuntime:
     async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool,
                        memory: bool = True) -> SnapshotRef:
         self.calls.append(("snapshot", (sandbox_id, snapshot_id, stop)))
+        self.memory_flags.append(memory)
         await self._step("snapshot", sandbox_id)
         vm = self.vms.get(sandbox_id)
         if vm is None:
@@ -147,6 +149,8 @@ class FakeEnvd:
         self.inits: list[tuple[str, dict[str, Any], dict[str, str]]] = []
         self.fail_hosts: set[str] = set()
         self.stopped_hosts: set[str] = set()
+        self.syncs: list[tuple[str, str, str]] = []  # (host, cmd, authorization)
+        self.sync_fails: set[str] = set()
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         host = request.url.host
@@ -166,6 +170,16 @@ class FakeEnvd:
             if body.get("accessToken"):
                 self.tokens[host] = body["accessToken"]
             return httpx.Response(204)
+        if request.url.path == "/process.Process/Start":  # the host's /bin/sync
+            req = request.content
+            cmd = json.loads(req[5:5 + int.from_bytes(req[1:5], "big")])["process"]["cmd"]
+            self.syncs.append((host, cmd, request.headers.get("authorization", "")))
+            end = json.dumps({"error": {"code": "unavailable", "message": "no"}}
+                             if host in self.sync_fails else {}).encode()
+            start = json.dumps({"event": {"start": {"pid": 7}}}).encode()
+            return httpx.Response(200, headers={"content-type": "application/connect+json"},
+                                  content=(b"\0" + len(start).to_bytes(4, "big") + start
+                                           + b"\2" + len(end).to_bytes(4, "big") + end))
         if request.url.path == "/metrics":
             return httpx.Response(200, json={"ts": 1_700_000_000, "cpu_count": 2,
                                              "cpu_used_pct": 3.5, "mem_total": 10,

@@ -16,6 +16,7 @@ import pytest
 from host.orchestrator import NodeOrchestrator, Store
 from host.orchestrator.envd import EnvdClient
 from host.orchestrator.errors import (
+    GuestUnresponsive,
     IdempotencyMismatch,
     InvalidRequest,
     OperationFailed,
@@ -158,6 +159,41 @@ async def test_pause_resume_conflicts_and_token(orch, rt, envd, clock):
     assert body["accessToken"] == info.envd_access_token
     again, was_paused = await orch.connect(sid, None)
     assert not was_paused and again.end_at == resumed.end_at
+
+
+async def test_filesystem_only_pause_syncs_and_resumes_by_reboot(orch, rt, envd, store):
+    info = await orch.create(CreateRequest(timeout_s=100))
+    sid = info.sandbox_id
+    host = rt.vms[sid].envd_host
+    envd.sync_fails.add(host)  # envd cannot sync: refused, nothing changed
+    with pytest.raises(GuestUnresponsive):
+        await orch.pause(sid, memory=False)
+    assert (await orch.get(sid)).state is S.RUNNING and sid in rt.vms
+    assert rt.memory_flags == []
+    envd.sync_fails.clear()
+    await orch.pause(sid, memory=False)
+    assert envd.syncs[-1][:2] == (host, "/bin/sync")
+    assert envd.syncs[-1][2].startswith("Basic ")  # as root
+    assert rt.memory_flags == [False]
+    paused = await orch.get(sid)
+    assert paused.state is S.PAUSED and paused.pause_mode == "filesystem"
+    resumed, was_paused = await orch.connect(sid, None)  # a filesystem pause reboots
+    assert was_paused and rt.reboots == [sid] and resumed.pause_mode is None
+    _, body, headers = envd.inits[-1]
+    assert "x-access-token" not in headers  # a fresh envd holds no token yet
+    assert body["accessToken"] == info.envd_access_token  # the SDK's handle still works
+    # a full pause resumed as a reboot (on_resume="reboot")
+    await orch.pause(sid)
+    assert (await orch.get(sid)).pause_mode == "full"
+    await orch.connect(sid, None, memory=False)
+    assert rt.reboots == [sid, sid] and rt.memory_flags == [False, True]
+    # strict pause: envd must answer /health
+    envd.stopped_hosts.add(rt.vms[sid].envd_host)
+    with pytest.raises(GuestUnresponsive):
+        await orch.pause(sid, require_healthy=True)
+    assert (await orch.get(sid)).state is S.RUNNING
+    ops = [e.detail.get("op") for e in store.events(sid)]
+    assert ops.count("paused") == 2 and "pause_failed" not in ops
 
 
 async def test_connect_only_grows_ttl_of_running(orch, clock):
