@@ -30,26 +30,11 @@ from . import ids
 from .envd import EnvdClient
 from .errors import SnapshotNotFound
 from .records import placement_of, placement_to_json, ref_to_json, with_runtime
-from .runtime import MachineSpec, Placement, SandboxRuntime, SnapshotRef
+from .runtime import Placement, SandboxRuntime, SnapshotRef
 from .states import SandboxState as S
 from .store import SandboxRecord, SnapshotRecord, Store
 
 log = logging.getLogger(__name__)
-
-
-async def _manifest_lookup(runtime: SandboxRuntime, snapshot_id: str) -> SnapshotRef | None:
-    """Fallback for a runtime without `find_snapshot`: host.runtime.NodeRuntime commits a
-    snapshot by writing its manifest (`runtime.manifests`), whose fields make the ref.
-    Any other runtime: treated as "not committed"."""
-    manifests = getattr(runtime, "manifests", None)
-    if manifests is None:
-        return None
-    try:
-        m = await manifests.get(snapshot_id)
-    except LookupError:
-        return None
-    return SnapshotRef(snapshot_id=snapshot_id, machine=MachineSpec(**m["machine"]),
-                       created_at=float(m["created_at"]), parent_id=m.get("parent_id"), facts=m)
 
 
 class _Recovery:
@@ -80,12 +65,8 @@ class _Recovery:
             return None
 
     async def find_snapshot(self, runtime_id: str) -> SnapshotRef | None:
-        finder = getattr(self.runtime, "find_snapshot", None)
         try:
-            if finder is not None:
-                ref: SnapshotRef | None = await finder(runtime_id)
-                return ref
-            return await _manifest_lookup(self.runtime, runtime_id)
+            return await self.runtime.find_snapshot(runtime_id)
         except Exception:
             log.exception("recovery: looking up snapshot %s failed", runtime_id)
             return None
