@@ -64,7 +64,7 @@ class E2EService(HostService):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"host service exited {self.proc.returncode}: {self.log()}")
             try:
-                r = httpx.get(f"{self.api_url}/health", timeout=1, verify=False)  # noqa: S501
+                r = httpx.get(f"{self.api_url}/health", timeout=1, verify=False)
                 if r.status_code == 200:
                     return
             except httpx.HTTPError:

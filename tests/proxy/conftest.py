@@ -28,7 +28,7 @@ DOMAIN = "sbx.test"
 def start_process(argv: list[str], *, cwd: Path = REPO,
                   health: str | None = None) -> subprocess.Popen:
     # stderr to a file, not a pipe nobody drains (a full pipe would block the child)
-    log = tempfile.TemporaryFile()
+    log = tempfile.TemporaryFile()  # noqa: SIM115 - owned by the process, closed by its stopper
     proc = subprocess.Popen(argv, cwd=cwd, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=log)
     proc.log = log  # type: ignore[attr-defined]

@@ -204,14 +204,14 @@ async def test_download_streams_first_byte_before_upstream_finishes(
     sid = orch.add().sandbox_id
     size = 64 * 1024 * 1024
     total = 0
-    async with httpx.AsyncClient(base_url=proxy_url, timeout=30) as c:
-        async with c.stream("GET", f"/download?size={size}", headers=host(port, sid)) as resp:
-            assert resp.status_code == 200
-            async for chunk in resp.aiter_raw():
-                if not gates.client_got_first.is_set():
-                    assert chunk.startswith(b"first-chunk")
-                    gates.client_got_first.set()
-                total += len(chunk)
+    async with (httpx.AsyncClient(base_url=proxy_url, timeout=30) as c,
+                c.stream("GET", f"/download?size={size}", headers=host(port, sid)) as resp):
+        assert resp.status_code == 200
+        async for chunk in resp.aiter_raw():
+            if not gates.client_got_first.is_set():
+                assert chunk.startswith(b"first-chunk")
+                gates.client_got_first.set()
+            total += len(chunk)
     assert total == len(b"first-chunk\n") + size
 
 
@@ -241,11 +241,11 @@ async def test_client_disconnect_releases_the_stream(proxy_url, orch, streaming_
     """A client that goes away mid-download must not leave the proxy pumping forever."""
     port, gates = streaming_upstream
     sid = orch.add().sandbox_id
-    async with httpx.AsyncClient(base_url=proxy_url, timeout=10) as c:
-        async with c.stream("GET", "/download?size=68719476736", headers=host(port, sid)) as resp:
-            async for _ in resp.aiter_raw():
-                gates.client_got_first.set()
-                break
+    async with (httpx.AsyncClient(base_url=proxy_url, timeout=10) as c,
+                c.stream("GET", "/download?size=68719476736", headers=host(port, sid)) as resp):
+        async for _ in resp.aiter_raw():
+            gates.client_got_first.set()
+            break
     # the proxy dropped its upstream connection: the 64 GiB generator was stopped early
     assert await asyncio.to_thread(gates.download_ended.wait, 10)
     assert gates.blocks_sent < 68719476736 // 65536

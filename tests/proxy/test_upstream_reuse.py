@@ -28,7 +28,6 @@ import time
 import pytest
 
 from host.proxy.upstream import Pool, UpstreamError
-from tests.api.conftest import free_port
 
 SERVER = r"""
 import sys
