@@ -19,8 +19,12 @@ pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="
 NET = NetworkConfig()
 
 
-async def _alive(p, pid: int) -> bool:  # type: ignore[no-untyped-def]
-    return (await run(p, f"kill -0 {pid} 2>/dev/null && echo yes || echo no")).strip() == "yes"
+async def _running(p, cmd: str) -> bool:  # type: ignore[no-untyped-def]
+    """A process with exactly this command line runs (by command line, not pid: after a
+    reboot an old pid may belong to another process)."""
+    out = await run(p, "for d in /proc/[0-9]*; do tr '\\0' ' ' < $d/cmdline; echo; done "
+                       "2>/dev/null || true")
+    return f"{cmd} " in out.splitlines()
 
 
 async def test_filesystem_only_pause_then_full_snapshots(runtime: NodeRuntime,
@@ -30,7 +34,7 @@ async def test_filesystem_only_pause_then_full_snapshots(runtime: NodeRuntime,
     try:
         with pytest.raises(NodeRuntimeError, match="stop=True"):
             await runtime.snapshot(sid, "fsp1-bad", stop=False, memory=False)
-        pid = await background(p, "sleep 100000")
+        await background(p, "sleep 100000")
         await write(p, "/home/user/kept.txt", "on disk")
         await run(p, "echo inram > /dev/shm/ram; sync")  # the orchestrator syncs via envd
         ref = await runtime.snapshot(sid, "fsp1-disk", stop=True, memory=False)
@@ -43,28 +47,28 @@ async def test_filesystem_only_pause_then_full_snapshots(runtime: NodeRuntime,
         print(f"\nfilesystem-only resume (cold boot): {p.facts['timings']}")
         assert "cold_boot_s" in p.facts["timings"] and p.facts["scratch"]
         assert await read(p, "/home/user/kept.txt") == "on disk"
-        assert not await _alive(p, pid)
+        assert not await _running(p, "sleep 100000")
         assert (await run(p, "cat /dev/shm/ram 2>/dev/null || echo gone")).strip() == "gone"
 
         # full snapshots of a cold-booted sandbox: a base frozen from its RAM, twice
-        pid2 = await background(p, "sleep 100001")
+        await background(p, "sleep 100001")
         first = await runtime.snapshot(sid, "fsp1-full1", stop=False)
         assert first.facts["memory"]["snapshot_dir"] is None  # a base, not a diff
         await write(p, "/home/user/second.txt", "after first")
         full = await runtime.snapshot(sid, "fsp1-full2", stop=True)
         p = await runtime.start(sid, full, NET)  # a memory restore again
         assert "restore_s" in p.facts["timings"]
-        assert await _alive(p, pid2)
+        assert await _running(p, "sleep 100001")
         assert await read(p, "/home/user/second.txt") == "after first"
 
         # a full pause resumed as a reboot: files yes, processes no
-        pid3 = await background(p, "sleep 100002")
+        await background(p, "sleep 100002")
         await run(p, "sync")
         full3 = await runtime.snapshot(sid, "fsp1-full3", stop=True)
         p = await runtime.start(sid, full3, NET, reboot=True)
         assert "cold_boot_s" in p.facts["timings"]
         assert await read(p, "/home/user/kept.txt") == "on disk"
-        assert not await _alive(p, pid3)
+        assert not await _running(p, "sleep 100002")
     finally:
         await runtime.kill(sid)
         for snap in ("fsp1-disk", "fsp1-full1", "fsp1-full2", "fsp1-full3"):
