@@ -154,11 +154,12 @@ def create_request(body: dict[str, Any], *, legacy: bool,
     if body.get("autoResume") is not None and not isinstance(auto_resume.get("enabled"), bool):
         raise bad_request("'autoResume.enabled' is required and must be a boolean")
     opt_object(body, "mcp")   # accepted, not used
-    opt_bool(body, "autoPauseMemory")  # accepted; pause always keeps memory for now
     opt_object(body, "iam")   # accepted, not used
     kwargs: dict[str, Any] = {}
     if (auto_pause := opt_bool(body, "autoPause")) is not None:
         kwargs["auto_pause"] = auto_pause
+    if (auto_pause_memory := opt_bool(body, "autoPauseMemory")) is not None:
+        kwargs["auto_pause_memory"] = auto_pause_memory
     return CreateRequest(
         template_id=template,
         timeout_s=opt_int(body, "timeout", default=300) or 0,

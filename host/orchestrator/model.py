@@ -32,6 +32,7 @@ class CreateRequest:
     template_id: str = "base"
     timeout_s: int = 300
     auto_pause: bool = True            # our default: TTL expiry pauses (autoPause false kills)
+    auto_pause_memory: bool = True     # False: that pause keeps the filesystem only
     auto_resume: bool = False
     metadata: dict[str, str] = field(default_factory=dict)
     env_vars: dict[str, str] = field(default_factory=dict)

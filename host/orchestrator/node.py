@@ -219,7 +219,8 @@ class NodeOrchestrator:
             source, template_id=source.id, alias=self.default_template if is_default else None,
             timeout_s=req.timeout_s, auto_pause=req.auto_pause, auto_resume=req.auto_resume,
             metadata=req.metadata, env_vars=req.env_vars, network=req.network,
-            secure=req.secure, parent_id=None, op="created")
+            secure=req.secure, parent_id=None, op="created",
+            auto_pause_memory=req.auto_pause_memory)
 
     async def _resolve_template(self, template_id: str) -> SnapshotRecord:
         """The snapshot to start from: the default template (built on first use, once even
@@ -250,7 +251,7 @@ class NodeOrchestrator:
                            timeout_s: int, auto_pause: bool, auto_resume: bool,
                            metadata: dict[str, str], env_vars: dict[str, str],
                            network: NetworkConfig, secure: bool, parent_id: str | None,
-                           op: str) -> SandboxInfo:
+                           op: str, auto_pause_memory: bool = True) -> SandboxInfo:
         """Persist `creating`, start from `source`, /init envd, then `running` (or killed)."""
         ref = snapshot_ref(source)
         held_token = source.spec.get("envd_token")
@@ -266,7 +267,9 @@ class NodeOrchestrator:
             auto_pause=auto_pause, auto_resume=auto_resume, metadata=dict(metadata),
             env_vars=dict(env_vars), envd_token=token,
             traffic_token=None if network.allow_public_traffic else ids.new_traffic_token(),
-            network=network_to_json(network), runtime={"origin": source.id},
+            network=network_to_json(network),
+            runtime={"origin": source.id, **({} if auto_pause_memory else
+                                             {"auto_pause_memory": False})},
             parent_id=parent_id)
         async with self._lock(sandbox_id):
             await self._db(self.store.insert_sandbox, rec,
@@ -410,7 +413,14 @@ class NodeOrchestrator:
             if rec.state is not S.RUNNING or rec.end_at is None or rec.end_at > self.clock():
                 return None
             if rec.auto_pause:
-                await self._pause_locked(rec, op="timeout")
+                memory = rec.runtime.get("auto_pause_memory", True)
+                if not memory:
+                    try:
+                        await self._check_guest(rec, sync=True)
+                    except GuestUnresponsive as exc:  # keep everything rather than lose data
+                        log.warning("%s; pausing it with its memory instead", exc)
+                        memory = True
+                await self._pause_locked(rec, op="timeout", memory=memory)
                 return "paused"
             await self._kill_locked(rec, op="timeout")
         self._locks.pop(sandbox_id, None)
@@ -627,7 +637,8 @@ class NodeOrchestrator:
                     auto_pause=rec.auto_pause, auto_resume=rec.auto_resume,
                     metadata=rec.metadata, env_vars=rec.env_vars,
                     network=network_from_json(rec.network), secure=True,
-                    parent_id=sandbox_id, op="created_by_fork")
+                    parent_id=sandbox_id, op="created_by_fork",
+                    auto_pause_memory=rec.runtime.get("auto_pause_memory", True))
                 results[i] = ForkResult(sandbox=info)
             except Exception as exc:  # noqa: BLE001 - each child succeeds or fails on its own
                 status = exc.status if isinstance(exc, OrchestratorError) else 500

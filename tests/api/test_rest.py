@@ -53,6 +53,7 @@ async def test_create_v2_is_201_with_required_fields(client, orch: FakeOrchestra
     resp = await client.post("/v2/sandboxes", json={
         "templateID": "base", "metadata": {"a": "b"}, "envVars": {}, "timeout": 60,
         "autoPause": False, "autoResume": {"enabled": True}, "allow_internet_access": False,
+        "autoPauseMemory": False,
         "network": {"allowPublicTraffic": False, "allowOut": ["1.1.1.1"]}})
     assert resp.status_code == 201
     body = resp.json()
@@ -61,6 +62,7 @@ async def test_create_v2_is_201_with_required_fields(client, orch: FakeOrchestra
     assert body["trafficAccessToken"] == "traffic"
     req = orch.calls[0][1][0]
     assert (req.timeout_s, req.auto_pause, req.auto_resume, req.secure) == (60, False, True, True)
+    assert req.auto_pause_memory is False
     assert req.network.allow_out == ("1.1.1.1",) and "0.0.0.0/0" in req.network.deny_out
 
 

@@ -255,6 +255,24 @@ async def test_ttl_expiry_pauses_or_kills(orch, clock, store):
     assert (await orch.get(p)).end_at == clock() + orch.default_timeout_s
 
 
+async def test_ttl_pause_without_memory(orch, rt, envd, clock):
+    """autoPauseMemory false: the TTL pause keeps the filesystem only (after a guest sync);
+    a guest that cannot sync is paused with its memory rather than losing anything."""
+    fs = (await orch.create(CreateRequest(timeout_s=10, auto_pause_memory=False))).sandbox_id
+    mute = (await orch.create(CreateRequest(timeout_s=10, auto_pause_memory=False))).sandbox_id
+    envd.sync_fails.add(rt.vms[mute].envd_host)
+    clock.advance(11)
+    assert await orch.expire(fs) == "paused" and await orch.expire(mute) == "paused"
+    assert (await orch.get(fs)).pause_mode == "filesystem"
+    assert (await orch.get(mute)).pause_mode == "full"
+    assert rt.memory_flags == [False, True]
+    kids = await orch.fork((await orch.connect(fs, 60))[0].sandbox_id, 1, 10)
+    assert kids[0].sandbox is not None  # a fork inherits the setting
+    clock.advance(11)
+    assert await orch.expire(kids[0].sandbox.sandbox_id) == "paused"
+    assert (await orch.get(kids[0].sandbox.sandbox_id)).pause_mode == "filesystem"
+
+
 async def test_ttl_extension_wins_over_expiry(orch, clock):
     sid = (await orch.create(CreateRequest(timeout_s=10))).sandbox_id
     clock.advance(11)
