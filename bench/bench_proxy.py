@@ -73,7 +73,8 @@ def serve(api_port: int, proxy_port: int, envd_port: int) -> None:
                 raise SandboxNotFound(sid)
             return info
 
-        async def connect(self, sid: str, timeout_s: int | None) -> tuple[SandboxInfo, bool]:
+        async def connect(self, sid: str, timeout_s: int | None, *,
+                          memory: bool = True) -> tuple[SandboxInfo, bool]:
             return dataclasses.replace(await self.get(sid)), False
 
         async def route(self, sid: str, port: int, *, resume: bool) -> Route:
