@@ -396,6 +396,25 @@ class NodeOrchestrator:
                 end = max(rec.end_at, self.clock() + duration_s)
                 await self._db(self.store.update_fields, sandbox_id, end_at=end)
 
+    async def vm_exited(self, sandbox_id: str) -> str | None:
+        """The watchdog's handler for a running sandbox whose VM ended by itself: end its
+        proxied streams, release what the VM held, and settle it to paused (on its last
+        snapshot) or killed. Returns the new state, or None when nothing was to be done."""
+        from .recovery import settle_exited
+
+        async with self._lock(sandbox_id):
+            try:
+                rec = await self._record(sandbox_id)
+            except SandboxNotFound:
+                return None
+            if rec.state is not S.RUNNING or sandbox_id not in self.runtime.exited():
+                return None  # an operation got there first
+            log.warning("sandbox %s: its VM exited on its own", sandbox_id)
+            self._end_run(sandbox_id, "stopped (its VM exited)")
+            state = await settle_exited(self.store, self.runtime, self.envd, rec,
+                                        clock=self.clock)
+        return state.value
+
     async def expired(self) -> builtins.list[str]:
         """Running sandboxes whose TTL has run out."""
         now = self.clock()

@@ -39,11 +39,12 @@ log = logging.getLogger(__name__)
 
 class _Recovery:
     def __init__(self, store: Store, runtime: SandboxRuntime, envd: EnvdClient,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], op: str = "recovered") -> None:
         self.store = store
         self.runtime = runtime
         self.envd = envd
         self.clock = clock
+        self.op = op  # the event's op
 
     async def db(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         return await self.store.run(fn, *args, **kwargs)  # type: ignore[no-untyped-call]
@@ -81,7 +82,7 @@ class _Recovery:
             return False
 
     def ev(self, rec: SandboxRecord, **more: Any) -> dict[str, Any]:
-        return {"op": "recovered", "from": rec.state.value, **more}
+        return {"op": self.op, "from": rec.state.value, **more}
 
     # ---- outcomes ----------------------------------------------------------------------
 
@@ -199,6 +200,13 @@ class _Recovery:
         if await self.envd.healthy(placement):
             return await self.to_running(rec, placement)
         return await self.pause_unresponsive(rec)
+
+
+async def settle_exited(store: Store, runtime: SandboxRuntime, envd: EnvdClient,
+                        rec: SandboxRecord, *, clock: Callable[[], float] = time.time) -> S:
+    """A running sandbox whose VM ended by itself: paused on its last snapshot when it has
+    one (what it did since is lost), else killed; nothing of the VM stays behind."""
+    return await _Recovery(store, runtime, envd, clock, op="vm_exited").paused_or_killed(rec)
 
 
 async def recover(store: Store, runtime: SandboxRuntime, envd: EnvdClient, *,

@@ -85,6 +85,12 @@ class SandboxRuntime(Protocol):
         """Stop the VM and release everything it held. Idempotent."""
         ...
 
+    def exited(self) -> list[str]:
+        """Sandboxes whose VM ended by itself (a crash, an OOM kill, a guest power-off),
+        not through `kill` or `snapshot`, and that no operation holds right now. Cheap:
+        called every watchdog tick."""
+        ...
+
     async def adopt(self, sandbox_id: str, facts: dict[str, Any]) -> Placement | None:
         """After a host-service restart: re-attach to a still-running VM, or return None
         (and release its leftovers) when it is gone."""

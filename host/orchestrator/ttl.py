@@ -1,4 +1,5 @@
-"""The TTL loop: pauses (autoPause, the default) or kills sandboxes whose TTL ran out.
+"""The TTL loop: pauses (autoPause, the default) or kills sandboxes whose TTL ran out, and
+watches for VMs that ended by themselves (`runtime.exited()` -> `vm_exited`).
 
 Owned by the orchestrator (`NodeOrchestrator.start()` starts it, `aclose()` stops it).
 Each expiry runs as an orchestrator-owned task under the sandbox's lock and re-checks the
@@ -56,8 +57,19 @@ class TtlLoop:
             await asyncio.sleep(self.interval_s)
 
     async def tick(self) -> None:
-        """Start an expiry for every running sandbox past its deadline (once each)."""
+        """Start an expiry for every running sandbox past its deadline (once each), and
+        settle every sandbox whose VM exited."""
         now = time.monotonic()
+        for sandbox_id in self.orchestrator.runtime.exited():
+            if sandbox_id in self._busy:
+                continue
+            self._busy.add(sandbox_id)
+            try:
+                task = self.orchestrator.spawn(self._settle_exited(sandbox_id))
+            except OrchestratorError:  # shutting down
+                self._busy.discard(sandbox_id)
+                return
+            task.add_done_callback(self._done_callback(sandbox_id))
         for sandbox_id in await self.orchestrator.expired():
             if sandbox_id in self._busy or self._retry_at.get(sandbox_id, 0.0) > now:
                 continue
@@ -73,6 +85,15 @@ class TtlLoop:
         def done(_: asyncio.Task[None]) -> None:
             self._busy.discard(sandbox_id)
         return done
+
+    async def _settle_exited(self, sandbox_id: str) -> None:
+        try:
+            outcome = await self.orchestrator.vm_exited(sandbox_id)
+        except Exception:
+            log.exception("settling %s after its VM exited failed", sandbox_id)
+            return
+        if outcome is not None:
+            log.info("sandbox %s: VM exited -> %s", sandbox_id, outcome)
 
     async def _expire(self, sandbox_id: str) -> None:
         try:

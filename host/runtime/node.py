@@ -719,6 +719,10 @@ class NodeRuntime:
         with contextlib.suppress(StorageError):
             await self._drop_stack(sb.stack)
 
+    def exited(self) -> list[str]:
+        return [sid for sid, sb in self._sbx.items()
+                if not sb.lock.locked() and not sb.vm.alive()]
+
     async def kill(self, sandbox_id: str) -> None:
         sb = self._sbx.get(sandbox_id)
         if sb is None:

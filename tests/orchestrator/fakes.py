@@ -42,6 +42,7 @@ class FakeRuntime:
         self.held: dict[str, str | None] = {}
         self.reboots: list[str] = []  # sandboxes cold-booted (filesystem-only resume)
         self.memory_flags: list[bool] = []  # `memory` of each snapshot call
+        self.dead: set[str] = set()  # VMs that "exited by themselves" (exited())
         self._n = itertools.count(1)
 
     async def _step(self, op: str, sandbox_id: str) -> None:
@@ -74,6 +75,7 @@ class FakeRuntime:
         p = Placement(sandbox_id=sandbox_id, envd_host=f"10.9.{n // 250}.{n % 250 + 1}",
                       envd_port=49983, facts={"vm": n, "from": snapshot.snapshot_id})
         self.vms[sandbox_id] = p
+        self.dead.discard(sandbox_id)  # a new VM
         if cold:
             self.reboots.append(sandbox_id)
         token = None if cold else self.held.get(snapshot.snapshot_id)  # a fresh envd: none
@@ -98,6 +100,9 @@ class FakeRuntime:
         if stop:
             del self.vms[sandbox_id]
         return ref
+
+    def exited(self) -> list[str]:
+        return sorted(self.dead & set(self.vms))
 
     async def kill(self, sandbox_id: str) -> None:
         self.calls.append(("kill", (sandbox_id,)))

@@ -299,6 +299,38 @@ async def test_ttl_loop_real_time(store, rt, envd):
         await o.aclose()
 
 
+async def test_watchdog_settles_vms_that_exit_by_themselves(store, rt, envd):
+    """A VM that dies while its sandbox runs (crash, OOM kill): its streams end, it is
+    released, and the sandbox becomes paused on its last snapshot, or killed without one."""
+    o = NodeOrchestrator(store, rt, envd=EnvdClient(transport=envd.transport()))
+    await o.start(ttl_interval_s=0.05)
+    try:
+        fresh = (await o.create(CreateRequest(timeout_s=600))).sandbox_id
+        cycled = (await o.create(CreateRequest(timeout_s=600))).sandbox_id
+        await o.pause(cycled)
+        await o.connect(cycled, None)
+        last = store.get_sandbox(cycled).snapshot_id
+        gone = (await o.route(fresh, 49983, resume=False)).gone
+        assert gone is not None and not gone.is_set()
+        rt.dead |= {fresh, cycled}
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if not rt.exited():
+                break
+        assert gone.is_set() and "VM exited" in gone.reason
+        assert store.get_sandbox(fresh).state is S.KILLED
+        rec = store.get_sandbox(cycled)
+        assert rec.state is S.PAUSED and rec.snapshot_id == last
+        assert ("kill", (fresh,)) in rt.calls and ("kill", (cycled,)) in rt.calls
+        ops = [e.detail.get("op") for e in store.events(cycled)]
+        assert ops[-1] == "vm_exited"
+        await o.connect(cycled, None)  # resumable from that snapshot
+        assert store.get_sandbox(cycled).state is S.RUNNING
+        assert await o.vm_exited(cycled) is None  # alive: nothing to do
+    finally:
+        await o.aclose()
+
+
 async def test_concurrent_ops_on_one_sandbox_are_serialized(orch, rt):
     sid = (await orch.create(CreateRequest())).sandbox_id
     gate = rt.gates["snapshot"] = asyncio.Event()

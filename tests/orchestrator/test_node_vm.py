@@ -159,6 +159,47 @@ def _wait_state(c: httpx.Client, sid: str, want: str | None, timeout_s: float = 
     raise AssertionError(f"{sid} did not become {want}")
 
 
+def test_vm_that_dies_is_settled_and_its_streams_end(sdk_env: HostService) -> None:
+    """SIGKILL a sandbox's QEMU behind the service's back (what an OOM kill does): the open
+    command stream through the proxy ends, the sandbox with an earlier pause is paused on
+    it (and resumes with that data), the one without is killed; nothing is left behind."""
+    import signal
+
+    from e2b import Sandbox
+
+    fresh = Sandbox.create(timeout=600)
+    cycled = Sandbox.create(timeout=600)
+    cycled.files.write("/home/user/before.txt", "snapshotted")
+    assert cycled.pause()
+    cycled = Sandbox.connect(cycled.sandbox_id, timeout=600)
+    cycled.files.write("/home/user/after.txt", "lost with the VM")
+    bg = fresh.commands.run("sleep 1000", background=True, timeout=0)
+    ended = threading.Event()
+
+    def wait() -> None:
+        try:
+            bg.wait()
+        except Exception:  # noqa: BLE001, S110 - any end of the stream will do
+            pass
+        ended.set()
+
+    threading.Thread(target=wait, daemon=True).start()
+    for sbx in (fresh, cycled):
+        pids = [p for p, cmd in sdk_env.qemu_pids().items() if sbx.sandbox_id in cmd]
+        assert len(pids) == 1
+        os.kill(pids[0], signal.SIGKILL)
+    assert ended.wait(30), "the command stream did not end"
+    with sdk_env.client() as c:
+        _wait_state(c, fresh.sandbox_id, None)  # killed: 404
+        _wait_state(c, cycled.sandbox_id, "paused")
+    again = Sandbox.connect(cycled.sandbox_id, timeout=120)
+    assert again.files.read("/home/user/before.txt") == "snapshotted"
+    assert not again.files.exists("/home/user/after.txt")
+    again.kill()
+    assert fresh.sandbox_id not in sdk_env.vm_sandbox_ids()
+    assert fresh.sandbox_id not in sdk_env.netns()
+
+
 def test_ttl_expiry_pauses_by_default_and_kills_without_autopause(svc: HostService) -> None:
     with svc.client() as c:
         p = c.post("/v2/sandboxes", json={"templateID": "base", "timeout": 3}).json()
