@@ -181,19 +181,23 @@ def kill(ctx: click.Context, sandbox_id: str) -> None:
 
 @cli.command()
 @click.argument("sandbox_id")
+@click.option("--filesystem", is_flag=True,
+              help="keep the disk only: resuming cold-boots it (processes are not kept)")
 @click.pass_context
-def pause(ctx: click.Context, sandbox_id: str) -> None:
-    """Pause a running sandbox (memory and disk are kept)."""
-    settings(ctx).api.pause(sandbox_id)
+def pause(ctx: click.Context, sandbox_id: str, filesystem: bool) -> None:
+    """Pause a running sandbox (memory and disk are kept, unless --filesystem)."""
+    settings(ctx).api.pause(sandbox_id, memory=not filesystem)
 
 
 @cli.command()
 @click.argument("sandbox_id")
 @click.option("--timeout", "timeout_s", type=click.IntRange(min=0), default=None)
+@click.option("--reboot", is_flag=True,
+              help="cold-boot the paused sandbox's disk instead of restoring its memory")
 @click.pass_context
-def resume(ctx: click.Context, sandbox_id: str, timeout_s: int | None) -> None:
+def resume(ctx: click.Context, sandbox_id: str, timeout_s: int | None, reboot: bool) -> None:
     """Resume a paused sandbox."""
-    settings(ctx).api.resume(sandbox_id, timeout_s)
+    settings(ctx).api.resume(sandbox_id, timeout_s, memory=not reboot)
 
 
 @cli.command("timeout")

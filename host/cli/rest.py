@@ -94,11 +94,15 @@ class ApiClient:
     def kill(self, sandbox_id: str) -> None:
         self.request("DELETE", f"/sandboxes/{_seg(sandbox_id)}")
 
-    def pause(self, sandbox_id: str) -> None:
-        self.request("POST", f"/sandboxes/{_seg(sandbox_id)}/pause")
+    def pause(self, sandbox_id: str, *, memory: bool = True) -> None:
+        self.request("POST", f"/sandboxes/{_seg(sandbox_id)}/pause",
+                     json_body={} if memory else {"memory": False})
 
-    def resume(self, sandbox_id: str, timeout_s: int | None) -> dict[str, Any]:
-        body = {} if timeout_s is None else {"timeout": timeout_s}
+    def resume(self, sandbox_id: str, timeout_s: int | None, *,
+               memory: bool = True) -> dict[str, Any]:
+        body: dict[str, Any] = {} if timeout_s is None else {"timeout": timeout_s}
+        if not memory:
+            body["memory"] = False
         return self.request("POST", f"/sandboxes/{_seg(sandbox_id)}/resume",  # type: ignore[no-any-return]
                             json_body=body).json()
 

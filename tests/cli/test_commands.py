@@ -87,6 +87,15 @@ def test_pause_twice_409_and_resume(stack: Stack) -> None:
     assert r.exit_code == 5 and "already running" in r.stderr
 
 
+def test_filesystem_pause_and_reboot(stack: Stack) -> None:
+    sid = _start(stack)
+    assert stack.run("pause", sid, "--filesystem").exit_code == 0
+    assert stack.orch.sandboxes[sid].pause_mode == "filesystem"
+    assert ("pause", (sid, False, False)) in stack.orch.calls
+    assert stack.run("resume", sid, "--reboot").exit_code == 0
+    assert ("connect", (sid, 15, False)) in stack.orch.calls
+
+
 def test_timeout(stack: Stack) -> None:
     sid = _start(stack)
     assert stack.run("timeout", sid, "42").exit_code == 0
