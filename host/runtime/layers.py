@@ -11,6 +11,7 @@ from typing import Any
 
 from host.storage.control import BlockServerClient
 from host.storage.convert import convert_image
+from host.storage.errors import StorageError
 from host.vmm.image import GuestImage
 
 _lock = asyncio.Lock()
@@ -40,6 +41,13 @@ async def image_layers(image: GuestImage, client: BlockServerClient, cache_file:
         out: list[str] = []
         for key, src, base in _image_layers(image):
             digest = cache.get(key)
+            if digest is not None:
+                # cached for this state dir; make sure this repository has it too (the
+                # node may have been pointed at another one): a stat or a HEAD when it does
+                try:
+                    await client.push(digest)
+                except StorageError:  # neither here nor there any more: convert again
+                    digest = None
             if digest is None:
                 with tempfile.TemporaryDirectory(dir=cache_file.parent,
                                                  prefix=".convert-") as tmp:
