@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Protocol, cast
 from urllib.parse import parse_qs, urlparse
 
 from .errors import LayerNotFoundError, RepositoryConfigError, RepositoryError
@@ -175,6 +175,30 @@ def _link_or_copy(src: Path, dst: Path) -> None:
             _copy_sparse(src, tmp)
 
 
+class _SparseWriter:
+    """A write-only stream onto a file that leaves all-zero chunks as holes (fetched memory
+    files stay as sparse as the originals)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.pos = 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        n = len(data)
+        if n and bytes(data).count(0) != n:
+            self.f.seek(self.pos)
+            self.f.write(data)
+        self.pos += n
+        return n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def finish(self) -> None:
+        self.f.truncate(self.pos)
+        self.f.flush()
+
+
 def _copy_sparse(src: Path, dst: Path) -> None:
     with open(src, "rb") as f, open(dst, "wb") as out:
         size = os.fstat(f.fileno()).st_size
@@ -293,21 +317,34 @@ class OssRepository:
     def _file_key(self, key: str) -> str:
         return f"{self.prefix}files/{_check_key(key)}"
 
+    # Files (memory snapshots: guest RAM, much of it zero pages) are stored zstd-compressed:
+    # the transfer is the slow part of resuming on a node that does not have them.
+
     def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
-        # always uploaded (a retried snapshot may reuse a key); multipart above the
-        # threshold, so the object appears whole or not at all
-        with _map_boto_errors(f"upload {key}"):
-            self.s3.upload_file(str(path), self.bucket, self._file_key(key),
-                                Config=self._transfer)
+        import zstandard
+
+        # always uploaded (a retried snapshot may reuse a key); a multipart upload of the
+        # compressed stream, so the object appears whole or not at all
+        cctx = zstandard.ZstdCompressor(level=3, threads=-1)
+        with (open(path, "rb") as src, cctx.stream_reader(src) as packed,
+              _map_boto_errors(f"upload {key}")):
+            self.s3.upload_fileobj(packed, self.bucket, self._file_key(key),
+                                   Config=self._transfer)
 
     def fetch_file(self, key: str, dest: str | os.PathLike[str]) -> None:
+        import zstandard
+
         dst = Path(dest)
         dst.parent.mkdir(parents=True, exist_ok=True)
-        with _atomic(dst) as tmp, _map_boto_errors(f"file {key}"):
-            self.s3.download_file(self.bucket, self._file_key(key), str(tmp),
-                                  Config=self._transfer)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
+        with (_atomic(dst) as tmp, _map_boto_errors(f"file {key}"),
+              open(tmp, "wb") as out):
+            sparse = _SparseWriter(out)
+            sink = cast("IO[bytes]", sparse)  # a write()-only stream is all it needs
+            with zstandard.ZstdDecompressor().stream_writer(sink, closefd=False) as unpack:
+                self.s3.download_fileobj(self.bucket, self._file_key(key), unpack,
+                                         Config=self._transfer)
+            sparse.finish()
+            os.fsync(out.fileno())
 
     def has_file(self, key: str) -> bool:
         try:
