@@ -85,6 +85,12 @@ def _policy(cfg: NetworkConfig) -> NetworkPolicy:
                          allow_out=tuple(cfg.allow_out), deny_out=tuple(cfg.deny_out))
 
 
+def _boot(m: dict[str, Any]) -> dict[str, Any]:
+    """What a VM started from manifest `m` boots (carried into its own snapshots, so they
+    do not depend on `m` still existing)."""
+    return {"image": m.get("image"), "kernel": m["kernel"], "cmdline": m["cmdline"]}
+
+
 def _policy_dict(p: NetworkPolicy) -> dict[str, Any]:
     return {"allow_internet_access": p.allow_internet_access, "allow_out": list(p.allow_out),
             "deny_out": list(p.deny_out)}
@@ -106,6 +112,7 @@ class _Sandbox:
     policy: NetworkPolicy
     host_port: int | None = None
     scratch: Path | None = None    # cold-booted: its RAM file (share=on); snapshots freeze it
+    boot: dict[str, Any] = field(default_factory=dict)  # image, kernel, cmdline it runs
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -116,7 +123,7 @@ class _Sandbox:
             "stack": self.stack, "snapshot_id": self.snapshot_id,
             "base_dir": str(self.base_dir) if self.base_dir else None,
             "memsnap_dir": str(self.memsnap_dir) if self.memsnap_dir else None,
-            "scratch": str(self.scratch) if self.scratch else None,
+            "scratch": str(self.scratch) if self.scratch else None, "boot": self.boot,
             "config_sha256": self.config_sha256, "machine": dataclasses.asdict(self.machine),
             "envd_host": self.envd_host, "envd_port": self.envd_port,
             "policy": _policy_dict(self.policy),
@@ -502,7 +509,7 @@ class NodeRuntime:
             timings["envd_s"] = await vm.wait_for_envd(f"http://{host}:{port}",
                                                        self.config.envd_timeout_s)
             timings["total_s"] = time.perf_counter() - t0
-            sb = _Sandbox(sandbox_id=sid, vm=vm, mode=self.mode, stack=stack,
+            sb = _Sandbox(sandbox_id=sid, vm=vm, mode=self.mode, stack=stack, boot=_boot(m),
                           snapshot_id=snapshot.snapshot_id, base_dir=base.dir,
                           memsnap_dir=memsnap.dir if memsnap is not None else None,
                           config_sha256=m["config_sha256"], machine=machine, envd_host=host,
@@ -555,7 +562,7 @@ class NodeRuntime:
             timings["cold_boot_s"] = await vm.wait_for_envd(f"http://{host}:{port}",
                                                             self.config.boot_timeout_s)
             timings["total_s"] = time.perf_counter() - t0
-            sb = _Sandbox(sandbox_id=sid, vm=vm, mode=self.mode, stack=stack,
+            sb = _Sandbox(sandbox_id=sid, vm=vm, mode=self.mode, stack=stack, boot=_boot(m),
                           snapshot_id=snapshot_id, base_dir=None, memsnap_dir=None,
                           config_sha256=self._digest(spec), machine=MachineSpec(**m["machine"]),
                           envd_host=host, envd_port=port, policy=policy, host_port=host_port,
@@ -641,14 +648,13 @@ class NodeRuntime:
                 mem["files"] = sorted({*mem["files"], *own})
             depends = {o for o in (self._owner(self._mem(f)) for f in
                                    (mem or {}).get("files", ())) if o} | {snapshot_id}
-            src = await self.manifests.get(sb.snapshot_id)
+            boot = sb.boot or _boot(await self.manifests.get(sb.snapshot_id))  # old facts
             m: dict[str, Any] = {
                 "version": VERSION, "kind": "snapshot" if mem else "disk",
                 "snapshot_id": snapshot_id,
                 "created_at": time.time(), "parent_id": sb.snapshot_id,
                 "sandbox_id": sb.sandbox_id, "machine": dataclasses.asdict(sb.machine),
-                "network_mode": sb.mode, "image": src.get("image"), "kernel": src["kernel"],
-                "cmdline": src["cmdline"], "config_sha256": sb.config_sha256,
+                "network_mode": sb.mode, **boot, "config_sha256": sb.config_sha256,
                 "memory": mem,
                 "disk": {"layers": list(info.layers), "virtual_size": info.virtual_size},
                 "depends_on": sorted(depends),
@@ -774,6 +780,7 @@ class NodeRuntime:
                 snapshot_id=str(facts["snapshot_id"]),
                 base_dir=Path(facts["base_dir"]) if facts.get("base_dir") else None,
                 scratch=Path(facts["scratch"]) if facts.get("scratch") else None,
+                boot=dict(facts.get("boot") or {}),
                 memsnap_dir=Path(facts["memsnap_dir"]) if facts.get("memsnap_dir") else None,
                 config_sha256=str(facts["config_sha256"]),
                 machine=MachineSpec(**facts["machine"]), envd_host=str(facts["envd_host"]),

@@ -145,3 +145,24 @@ async def test_incremental_diff_is_about_the_dirtied_memory(runtime: NodeRuntime
         for s in ids:
             await runtime.delete_snapshot(s)
     await assert_gone(runtime, sid)
+
+
+async def test_pause_after_its_source_snapshot_was_deleted(runtime: NodeRuntime,
+                                                           template: SnapshotRef) -> None:
+    """A sandbox started from a snapshot that is deleted afterwards still pauses and
+    resumes: it carries what it boots, and the memory it maps stays while used."""
+    p = await runtime.start("srcdel1", template, NET)
+    try:
+        await write(p, "/home/user/a.txt", "from the source")
+        named = await runtime.snapshot("srcdel1", "srcdel-named", stop=False)
+        q = await runtime.start("srcdel2", named, NET)
+        await runtime.delete_snapshot("srcdel-named")
+        assert await runtime.find_snapshot("srcdel-named") is None
+        paused = await runtime.snapshot("srcdel2", "srcdel2-p", stop=True)
+        q = await runtime.start("srcdel2", paused, NET)
+        assert await read(q, "/home/user/a.txt") == "from the source"
+    finally:
+        for sid in ("srcdel1", "srcdel2"):
+            await runtime.kill(sid)
+        await runtime.delete_snapshot("srcdel2-p")
+    assert not [d for d in runtime.config.memory_dir.iterdir() if d.name.startswith("srcdel")]
