@@ -221,8 +221,7 @@ for (;;) {
   await new Promise((r) => setTimeout(r, 500))
 }
 out.serverKilled = await server.kill()
-// wait for its stream to end: a stream still open when the sandbox is killed stays open
-// (the proxy's upstream to the vanished guest never closes) and keeps node running
+// its stream ends with the process (exit code -1), before the sandbox is killed
 try { await server.wait() } catch (e) { out.serverExit = e.exitCode }
 out.killed = await sbx.kill()
 out.again = await Sandbox.kill(sbx.sandboxId)
