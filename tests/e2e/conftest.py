@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.orchestrator.hostproc import REPO, HostService
+from tests.orchestrator.hostproc import HostService
 
 PREFIX = "ae2e-"
 POOL = "10.216.0.0/20"
@@ -30,52 +27,8 @@ class E2EService(HostService):
 
     def __init__(self, root: Path, *, prefix: str = PREFIX, pool: str = POOL,
                  extra: list[str] | None = None, tag: str = "ae2e") -> None:
-        super().__init__(root, prefix=prefix, pool=pool, memory_mb=256, ttl_interval_s=1.0)
-        self.run = Path(f"/tmp/{tag}{os.getpid()}")
-        self.extra = list(extra or [])
-        self.scheme = "https" if "--tls" in self.extra else "http"
-
-    @property
-    def api_url(self) -> str:
-        return f"{self.scheme}://127.0.0.1:{self.api_port}"
-
-    @property
-    def sandbox_url(self) -> str:
-        return f"{self.scheme}://127.0.0.1:{self.proxy_port}"
-
-    @property
-    def ca_cert(self) -> Path:
-        return self.state / "tls" / "ca.pem"
-
-    def start(self, timeout_s: float = 120.0) -> None:
-        self.starts += 1
-        log = open(self.root / f"service-{self.starts}.log", "wb")  # noqa: SIM115
-        argv = [sys.executable, "-m", "host", "--state-dir", str(self.state),
-                "--run-dir", str(self.run), "--api-port", str(self.api_port),
-                "--proxy-port", str(self.proxy_port), "--memory-mb", str(self.memory_mb),
-                "--network-prefix", self.prefix, "--network-pool", self.pool,
-                "--ttl-interval", str(self.ttl_interval_s), "--envd-timeout", "240",
-                *self.extra]
-        self.proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        log.close()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"host service exited {self.proc.returncode}: {self.log()}")
-            try:
-                r = httpx.get(f"{self.api_url}/health", timeout=1, verify=False)
-                if r.status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"host service did not come up: {self.log()}")
-
-    def client(self, timeout_s: float = 300.0) -> httpx.Client:
-        verify: object = str(self.ca_cert) if self.scheme == "https" else True
-        return httpx.Client(base_url=self.api_url, headers={"X-API-Key": self.api_key},
-                            timeout=timeout_s, verify=verify)  # type: ignore[arg-type]
+        super().__init__(root, prefix=prefix, pool=pool, memory_mb=256, ttl_interval_s=1.0,
+                         extra=extra, tag=tag)
 
     def sdk_env(self) -> dict[str, str]:
         return {"E2B_API_URL": self.api_url, "E2B_SANDBOX_URL": self.sandbox_url,

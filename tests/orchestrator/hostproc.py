@@ -37,6 +37,7 @@ class HostService:
         self.state = root / "state"
         self.run = Path(f"/tmp/{tag}{os.getpid()}")
         self.extra = list(extra or [])  # more `python -m host` flags
+        self.scheme = "https" if "--tls" in self.extra else "http"
         self.prefix = prefix
         self.pool = pool
         self.memory_mb = memory_mb
@@ -48,11 +49,16 @@ class HostService:
 
     @property
     def api_url(self) -> str:
-        return f"http://127.0.0.1:{self.api_port}"
+        return f"{self.scheme}://127.0.0.1:{self.api_port}"
 
     @property
     def sandbox_url(self) -> str:
-        return f"http://127.0.0.1:{self.proxy_port}"
+        return f"{self.scheme}://127.0.0.1:{self.proxy_port}"
+
+    @property
+    def ca_cert(self) -> Path:
+        """The local CA of a --tls service."""
+        return self.state / "tls" / "ca.pem"
 
     @property
     def api_key(self) -> str:
@@ -76,7 +82,9 @@ class HostService:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"host service exited {self.proc.returncode}: {self.log()}")
             try:
-                if httpx.get(f"{self.api_url}/health", timeout=1).status_code == 200:
+                # the CA may not exist before the first start: /health is not about trust
+                r = httpx.get(f"{self.api_url}/health", timeout=1, verify=False)
+                if r.status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -87,8 +95,9 @@ class HostService:
         return (self.root / f"service-{self.starts}.log").read_text(errors="replace")[-n:]
 
     def client(self, timeout_s: float = 300.0) -> httpx.Client:
+        verify: object = str(self.ca_cert) if self.scheme == "https" else True
         return httpx.Client(base_url=self.api_url, headers={"X-API-Key": self.api_key},
-                            timeout=timeout_s)
+                            timeout=timeout_s, verify=verify)  # type: ignore[arg-type]
 
     def sigkill(self) -> None:
         assert self.proc is not None

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from host.orchestrator import NodeOrchestrator, Store
+from host.orchestrator import NodeOrchestrator
 from host.orchestrator.envd import EnvdClient
 from host.orchestrator.errors import (
     GuestUnresponsive,
@@ -27,28 +27,9 @@ from host.orchestrator.errors import (
 from host.orchestrator.model import CreateRequest, ListFilter, NetworkConfig
 from host.orchestrator.states import SandboxState as S
 
-from .fakes import Clock, FakeEnvd, FakeRuntime
+from .fakes import Clock
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
-
-
-@pytest.fixture
-def store(tmp_path):
-    s = Store(tmp_path / "state.db")
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def rt():
-    return FakeRuntime()
-
-
-@pytest.fixture
-def envd(rt):
-    e = FakeEnvd()
-    rt.envd = e
-    return e
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from host.orchestrator import NodeOrchestrator, Store
+from host.orchestrator import NodeOrchestrator
 from host.orchestrator.envd import EnvdClient
 from host.orchestrator.model import CreateRequest
 from host.orchestrator.records import with_runtime
@@ -17,28 +17,7 @@ from host.orchestrator.recovery import recover
 from host.orchestrator.runtime import MachineSpec, SnapshotRef
 from host.orchestrator.states import SandboxState as S
 
-from .fakes import FakeEnvd, FakeRuntime
-
 pytestmark = pytest.mark.asyncio(loop_scope="function")
-
-
-@pytest.fixture
-def store(tmp_path):
-    s = Store(tmp_path / "state.db")
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def rt():
-    return FakeRuntime()
-
-
-@pytest.fixture
-def envd(rt):
-    e = FakeEnvd()
-    rt.envd = e
-    return e
 
 
 @pytest.fixture
