@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
 
 from .errors import OrchestratorError
 
@@ -61,25 +61,26 @@ class TtlLoop:
         settle every sandbox whose VM exited."""
         now = time.monotonic()
         for sandbox_id in self.orchestrator.runtime.exited():
-            if sandbox_id in self._busy:
-                continue
-            self._busy.add(sandbox_id)
-            try:
-                task = self.orchestrator.spawn(self._settle_exited(sandbox_id))
-            except OrchestratorError:  # shutting down
-                self._busy.discard(sandbox_id)
+            if sandbox_id not in self._busy and not self._run_once(
+                    sandbox_id, self._settle_exited(sandbox_id)):
                 return
-            task.add_done_callback(self._done_callback(sandbox_id))
         for sandbox_id in await self.orchestrator.expired():
             if sandbox_id in self._busy or self._retry_at.get(sandbox_id, 0.0) > now:
                 continue
-            self._busy.add(sandbox_id)
-            try:
-                task = self.orchestrator.spawn(self._expire(sandbox_id))
-            except OrchestratorError:  # shutting down
-                self._busy.discard(sandbox_id)
+            if not self._run_once(sandbox_id, self._expire(sandbox_id)):
                 return
-            task.add_done_callback(self._done_callback(sandbox_id))
+
+    def _run_once(self, sandbox_id: str, coro: Coroutine[Any, Any, None]) -> bool:
+        """Run `coro` as an orchestrator task, marking the sandbox busy until it ends;
+        False when the orchestrator is shutting down."""
+        self._busy.add(sandbox_id)
+        try:
+            task = self.orchestrator.spawn(coro)
+        except OrchestratorError:  # shutting down
+            self._busy.discard(sandbox_id)
+            return False
+        task.add_done_callback(self._done_callback(sandbox_id))
+        return True
 
     def _done_callback(self, sandbox_id: str) -> Callable[[asyncio.Task[None]], None]:
         def done(_: asyncio.Task[None]) -> None:

@@ -904,29 +904,29 @@ class NodeRuntime:
         """With a remote repository `memory/` is a bounded cache: evict the least recently
         used memory dirs no live sandbox needs (their files are in the repository: only
         committed snapshots are evicted) until it fits `memory_cache_mib`. A posix_fs
-        repository shares the bytes (hard links), so evicting would free nothing."""
+        repository shares the bytes (hard links), so evicting would free nothing. Runs
+        after every start and snapshot: the repository is asked only when over the bound."""
         if isinstance(self.manifests.repo, PosixFsRepository) or not self.config.memory_dir.is_dir():
             return
-        committed = set(await self.manifests.all())
+
+        def sizes() -> list[tuple[float, Path, int]]:
+            return sorted((d.stat().st_mtime, d,
+                           sum(f.stat().st_blocks * 512 for f in d.rglob("*") if f.is_file()))
+                          for d in self.config.memory_dir.iterdir())
+
+        dirs = await asyncio.to_thread(sizes)
+        total = sum(size for _, _, size in dirs)
+        bound = self.config.memory_cache_mib << 20
         pinned = self._pinned_memory()
-
-        def trim() -> list[str]:
-            dirs = []
-            for d in self.config.memory_dir.iterdir():
-                size = sum(f.stat().st_blocks * 512 for f in d.rglob("*") if f.is_file())
-                dirs.append((d.stat().st_mtime, d, size))
-            total = sum(size for _, _, size in dirs)
-            evicted = []
-            for _, d, size in sorted(dirs, key=lambda x: x[0]):
-                if total <= self.config.memory_cache_mib << 20:
-                    break
-                if d.name in committed and d.name not in pinned:
-                    shutil.rmtree(d, ignore_errors=True)
-                    total -= size
-                    evicted.append(d.name)
-            return evicted
-
-        evicted = await asyncio.to_thread(trim)
+        evicted = []
+        for _, d, size in dirs:  # least recently used first
+            if total <= bound:
+                break
+            if d.name in pinned or await self.find_snapshot(d.name) is None:
+                continue
+            await asyncio.to_thread(shutil.rmtree, d, True)
+            total -= size
+            evicted.append(d.name)
         if evicted:
             log.info("memory cache over %d MiB: evicted %s", self.config.memory_cache_mib,
                      ", ".join(evicted))
