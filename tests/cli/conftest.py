@@ -9,8 +9,6 @@ one real envd process. Everything started here is stopped.
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -20,11 +18,12 @@ from click.testing import CliRunner, Result
 from host.api import ApiKeys, build_api_app
 from host.cli import cli
 from host.proxy import build_proxy_app
-from tests.api.conftest import API_KEY, ServerThread, free_port
+from tests.api.conftest import API_KEY, ServerThread
 from tests.api.double import FakeOrchestrator
-from tests.proxy.conftest import start_process, stop_process
 
-DOMAIN = "sbx.test"
+# the same real envd process and orchestrator double as the proxy tests
+from tests.proxy.conftest import DOMAIN, envd_port, orch  # noqa: F401 (fixtures)
+
 REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 _ENV = ("AENV_API_URL", "E2B_API_URL", "AENV_API_KEY", "E2B_API_KEY", "E2B_SANDBOX_URL",
         "AENV_STATE_DIR", "E2B_DOMAIN")
@@ -36,26 +35,6 @@ def clean_environ(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.Temp
     for name in _ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AENV_STATE_DIR", str(tmp_path_factory.mktemp("no-state")))
-
-
-@pytest.fixture(scope="session")
-def envd_port() -> Iterator[int]:
-    """A real envd process on a loopback port (commands run as `user` by default)."""
-    port = free_port()
-    proc = start_process([sys.executable, "-m", "envd", "--host", "127.0.0.1", "--port",
-                          str(port), "--default-user", os.environ.get("ENVD_TEST_USER", "user")],
-                         health=f"http://127.0.0.1:{port}/health")
-    try:
-        yield port
-    finally:
-        stop_process(proc)
-
-
-@pytest.fixture
-def orch(envd_port: int) -> FakeOrchestrator:
-    o = FakeOrchestrator(domain=DOMAIN)
-    o.upstream = ("127.0.0.1", envd_port)
-    return o
 
 
 @dataclass
@@ -79,7 +58,7 @@ class Stack:
 
 
 @pytest.fixture
-def stack(orch: FakeOrchestrator) -> Iterator[Stack]:
+def stack(orch: FakeOrchestrator) -> Iterator[Stack]:  # noqa: F811 - the imported fixture
     api_app = build_api_app(orch, ApiKeys([API_KEY]), domain=DOMAIN)
     proxy_app = build_proxy_app(orch, DOMAIN, api_app=api_app)
     with ServerThread(api_app) as api, ServerThread(proxy_app, lifespan="on") as proxy:
