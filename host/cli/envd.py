@@ -1,10 +1,10 @@
-"""envd through the sandbox proxy: commands (Connect streaming, framed here) and files.
+"""envd through the sandbox proxy: commands (Connect streaming) and files.
 
 Every request goes to the proxy (`--sandbox-url`) with `E2b-Sandbox-Id` and
 `E2b-Sandbox-Port: 49983`, and carries the sandbox's `envdAccessToken` when it has one.
 
-The Connect protocol for a server-streaming call is small enough to frame by hand: the
-request body is one envelope (flags byte, 4-byte big-endian length, JSON message), the
+The Connect protocol for a server-streaming call is small enough to frame by hand
+(host/connect_envelope.py): the request body is one envelope (flags byte, 4-byte big-endian length, JSON message), the
 response is a sequence of envelopes, the last one flagged 0x02 with `{"error": ...}` when
 the call failed. This keeps the CLI free of the e2b SDK.
 """
@@ -12,9 +12,7 @@ the call failed. This keeps the CLI free of the e2b SDK.
 from __future__ import annotations
 
 import base64
-import json
 import os
-import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,13 +21,13 @@ from urllib.parse import urlencode
 
 import httpx
 
+from host.connect_envelope import COMPRESSED, END_STREAM, EnvelopeError, envelope, messages
+
 from .errors import ApiError, CliError
 from .rest import USER_AGENT, raise_for_status, transport_errors
 
 ENVD_PORT = 49983
 CHUNK = 1024 * 1024
-_END_STREAM = 0x02
-_COMPRESSED = 0x01
 
 
 @dataclass(frozen=True)
@@ -82,10 +80,10 @@ class Envd:
                                    "envs": dict(envs or {})}
         if cwd:
             process["cwd"] = cwd
-        message = json.dumps({"process": process, "stdin": False}).encode()
+        message = {"process": process, "stdin": False}
         headers = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1",
                    "Keepalive-Ping-Interval": "30", **self._user_header(user)}
-        body = struct.pack(">BI", 0, len(message)) + message
+        body = envelope(message)
         with transport_errors(self.sandbox_url), self._http.stream(
                 "POST", "/process.Process/Start", content=body, headers=headers) as resp:
             raise_for_status(resp, what="envd")
@@ -170,18 +168,11 @@ class Envd:
 
 def _envelopes(stream: Iterator[bytes]) -> Iterator[dict[str, Any]]:
     """Decode Connect envelopes; raise ApiError for an end-of-stream error."""
-    buf = b""
-    for chunk in stream:
-        buf += chunk
-        while len(buf) >= 5:
-            flags, length = struct.unpack(">BI", buf[:5])
-            if len(buf) < 5 + length:
-                break
-            payload, buf = buf[5:5 + length], buf[5 + length:]
-            if flags & _COMPRESSED:
+    try:
+        for flags, msg in messages(stream):
+            if flags & COMPRESSED:
                 raise CliError("envd sent a compressed message the CLI did not ask for")
-            msg = json.loads(payload or b"{}")
-            if flags & _END_STREAM:
+            if flags & END_STREAM:
                 err = msg.get("error")
                 if err:
                     raise ApiError(_connect_status(err.get("code", "")),
@@ -189,8 +180,8 @@ def _envelopes(stream: Iterator[bytes]) -> Iterator[dict[str, Any]]:
                                    what="envd")
                 return
             yield msg
-    if buf:
-        raise CliError("envd stream ended in the middle of a message")
+    except EnvelopeError as exc:
+        raise CliError(f"envd stream: {exc}") from exc
 
 
 # Connect error code -> the HTTP status it corresponds to (connectrpc.com/docs/protocol)

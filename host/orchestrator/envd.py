@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
-import struct
 from datetime import UTC, datetime
 from typing import Any
 
 import httpx
+
+from host.connect_envelope import END_STREAM, EnvelopeError, envelope, messages
 
 from .errors import OperationFailed
 from .model import Metric
@@ -86,9 +86,7 @@ class EnvdClient:
         """Flush the guest's page cache to its disk: `/bin/sync` as root through the
         Connect `process.Process/Start` stream (any E2B envd serves it; no guest agent
         needed). One JSON request envelope; the response stream ends with an end-of-stream
-        envelope carrying an error, if any. Framed by hand: this one call does not justify
-        a second RPC client stack (connectrpc's) next to the pooled httpx client."""
-        msg = json.dumps({"process": {"cmd": "/bin/sync", "args": []}}).encode()
+        envelope carrying an error, if any."""
         headers = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1",
                    "Connect-Timeout-Ms": str(int(timeout_s * 1000)),
                    "Authorization": "Basic " + base64.b64encode(b"root:").decode()}
@@ -96,7 +94,8 @@ class EnvdClient:
             headers["X-Access-Token"] = token
         try:
             resp = await self._http.post(self._url(placement, "/process.Process/Start"),
-                                         content=struct.pack(">BI", 0, len(msg)) + msg,
+                                         content=envelope({"process": {"cmd": "/bin/sync",
+                                                                       "args": []}}),
                                          headers=headers, timeout=timeout_s)
         except httpx.HTTPError as exc:
             raise OperationFailed(f"sync in {placement.sandbox_id} failed: {exc}") from exc
@@ -104,13 +103,10 @@ class EnvdClient:
         if resp.status_code != 200:
             raise OperationFailed(f"sync in {placement.sandbox_id}: envd answered "
                                   f"{resp.status_code}: {body[:200]!r}")
-        end: dict[str, Any] = {}
-        pos = 0
-        while pos + 5 <= len(body):  # envelopes: flags (1), big-endian length (4), JSON
-            flags, size = struct.unpack_from(">BI", body, pos)
-            if flags & 0x02:
-                end = json.loads(body[pos + 5:pos + 5 + size] or b"{}")
-            pos += 5 + size
+        try:
+            end = next((m for flags, m in messages([body]) if flags & END_STREAM), {})
+        except EnvelopeError as exc:
+            raise OperationFailed(f"sync in {placement.sandbox_id}: {exc}") from exc
         if end.get("error"):
             raise OperationFailed(f"sync in {placement.sandbox_id} failed: {end['error']}")
 

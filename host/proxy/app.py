@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -31,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 
+from host.connect_envelope import END_STREAM, envelope
 from host.orchestrator.errors import OrchestratorError, SandboxNotFound, StateConflict
 from host.orchestrator.model import Route
 from host.orchestrator.service import Orchestrator
@@ -125,10 +125,9 @@ class _Progress:
 
 
 def _end_stream(sandbox_id: str, reason: str) -> bytes:
-    """A Connect end-of-stream envelope (flags 0x02) carrying error `unavailable`."""
-    payload = json.dumps({"error": {"code": "unavailable",
-                                    "message": f"sandbox {sandbox_id} was {reason}"}}).encode()
-    return b"\x02" + len(payload).to_bytes(4, "big") + payload
+    """A Connect end-of-stream envelope carrying error `unavailable`."""
+    return envelope({"error": {"code": "unavailable",
+                               "message": f"sandbox {sandbox_id} was {reason}"}}, END_STREAM)
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
