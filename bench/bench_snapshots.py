@@ -31,8 +31,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from host.contract import MachineSpec
 from host.orchestrator.model import NetworkConfig
-from host.orchestrator.runtime import MachineSpec
 from host.runtime import NodeRuntime, RuntimeConfig
 from tests.runtime.helpers import background, pss_kib, run, write
 

@@ -20,8 +20,8 @@ import uvicorn
 
 from host.api import ApiKeys, build_api_app
 from host.config import Config, ConfigError, parse_config
+from host.contract import MachineSpec
 from host.orchestrator import NodeOrchestrator, Store
-from host.orchestrator.runtime import MachineSpec
 from host.proxy import build_proxy_app
 
 log = logging.getLogger("host")

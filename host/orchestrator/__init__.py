@@ -4,6 +4,8 @@
 SQLite `Store` (store.py) and a `SandboxRuntime` (runtime.py).
 """
 
+from host.contract import MachineSpec, Placement, SandboxRuntime, SnapshotRef
+
 from .envd import EnvdClient
 from .errors import (
                      IdempotencyMismatch,
@@ -16,7 +18,6 @@ from .errors import (
 )
 from .node import NodeOrchestrator
 from .recovery import recover
-from .runtime import MachineSpec, Placement, SandboxRuntime, SnapshotRef
 from .service import Orchestrator
 from .states import SandboxState
 from .store import Store

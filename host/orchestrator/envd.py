@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 
 from host.connect_envelope import END_STREAM, EnvelopeError, envelope, messages
+from host.contract import Placement
 
 from .errors import OperationFailed
 from .model import Metric
-from .runtime import Placement
 
 ENVD_PORT = 49983
 DEFAULT_USER = "user"

@@ -10,21 +10,12 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+
+from host.contract import NetworkConfig  # also imported from here by the API
 
 from .states import SandboxState
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class NetworkConfig:
-    allow_internet_access: bool = True
-    allow_public_traffic: bool = True
-    allow_out: tuple[str, ...] = ()       # CIDR / IP (domains accepted, not enforced)
-    deny_out: tuple[str, ...] = ()
-    mask_request_host: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)  # accepted, kept, not enforced
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
+from host.contract import MachineSpec, SandboxRuntime, SnapshotRef
+
 from . import ids
 from .envd import EnvdClient
 from .errors import (
@@ -62,7 +64,6 @@ from .records import (
     snapshot_ref,
     with_runtime,
 )
-from .runtime import MachineSpec, SandboxRuntime, SnapshotRef
 from .states import SandboxState as S
 from .store import SandboxRecord, SnapshotRecord, Store
 

@@ -11,8 +11,9 @@ import dataclasses
 import time
 from typing import Any
 
+from host.contract import MachineSpec, Placement, SnapshotRef
+
 from .model import NetworkConfig, SandboxInfo, SnapshotInfo
-from .runtime import MachineSpec, Placement, SnapshotRef
 from .states import SandboxState
 from .store import SandboxRecord, SnapshotRecord
 

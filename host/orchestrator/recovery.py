@@ -26,11 +26,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from host.contract import Placement, SandboxRuntime, SnapshotRef
+
 from . import ids
 from .envd import EnvdClient
 from .errors import SnapshotNotFound
 from .records import placement_of, placement_to_json, ref_to_json, with_runtime
-from .runtime import Placement, SandboxRuntime, SnapshotRef
 from .states import SandboxState as S
 from .store import SandboxRecord, SnapshotRecord, Store
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+from host.contract import MachineSpec, NetworkConfig, Placement, SnapshotRef
 from host.network import (
     NetworkError,
     NetworkManager,
@@ -38,8 +39,6 @@ from host.network import (
     NetworkUnavailableError,
     SandboxNetwork,
 )
-from host.orchestrator.model import NetworkConfig
-from host.orchestrator.runtime import MachineSpec, Placement, SnapshotRef
 from host.storage.errors import (
     LayerNotFoundError,
     RepositoryError,

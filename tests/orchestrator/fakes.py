@@ -16,8 +16,8 @@ from typing import Any
 
 import httpx
 
+from host.contract import MachineSpec, Placement, SnapshotRef
 from host.orchestrator.model import NetworkConfig
-from host.orchestrator.runtime import MachineSpec, Placement, SnapshotRef
 
 
 class RuntimeFailure(RuntimeError):

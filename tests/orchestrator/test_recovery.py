@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 
+from host.contract import MachineSpec, SnapshotRef
 from host.orchestrator import NodeOrchestrator
 from host.orchestrator.envd import EnvdClient
 from host.orchestrator.model import CreateRequest
 from host.orchestrator.records import with_runtime
 from host.orchestrator.recovery import recover
-from host.orchestrator.runtime import MachineSpec, SnapshotRef
 from host.orchestrator.states import SandboxState as S
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from host.orchestrator.runtime import MachineSpec, SnapshotRef
+from host.contract import MachineSpec, SnapshotRef
 from host.runtime import NodeRuntime, RuntimeConfig
 
 MEM_MB = 256

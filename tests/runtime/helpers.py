@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from host.orchestrator.runtime import Placement
+from host.contract import Placement
 from host.runtime import NodeRuntime
 
 _env_lock = threading.Lock()

@@ -18,7 +18,7 @@ async def main(state_dir: str, run_dir: str, network: str, sid: str, snapshot_id
     rt = await NodeRuntime(RuntimeConfig(state_dir=Path(state_dir), run_dir=Path(run_dir),
                                          network=network, vms_survive_service=True)).open()
     m = await rt.manifests.get(snapshot_id)
-    from host.orchestrator.runtime import MachineSpec, SnapshotRef
+    from host.contract import MachineSpec, SnapshotRef
     ref = SnapshotRef(snapshot_id, MachineSpec(**m["machine"]), time.time(), None, m)
     p = await rt.start(sid, ref, NetworkConfig())
     print(json.dumps({"envd_host": p.envd_host, "envd_port": p.envd_port, "facts": p.facts}),

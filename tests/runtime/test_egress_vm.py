@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import pytest
 
+from host.contract import Placement, SnapshotRef
 from host.network.sandbox import GUEST_IP
 from host.orchestrator.model import NetworkConfig
-from host.orchestrator.runtime import Placement, SnapshotRef
 from host.runtime import NodeRuntime
 from tests.network.netns_util import TcpServer, ip_batch, links, netns_exists, sh, wait_until
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 import host.runtime.node as node_mod
+from host.contract import SnapshotRef
 from host.orchestrator.model import NetworkConfig
-from host.orchestrator.runtime import SnapshotRef
 from host.runtime import NodeRuntime, NodeRuntimeError, SnapshotCorruptError
 from host.runtime.vmproc import pid_alive
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from host.contract import SnapshotRef
 from host.orchestrator.model import NetworkConfig
-from host.orchestrator.runtime import SnapshotRef
 from host.runtime import NodeRuntime
 from host.runtime.errors import NodeRuntimeError
 

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from host.contract import SnapshotRef
 from host.orchestrator.model import NetworkConfig
-from host.orchestrator.runtime import SnapshotRef
 from host.runtime import NodeRuntime
 
 from .helpers import assert_gone, background, pss_kib, run, write

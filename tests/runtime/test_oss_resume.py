@@ -19,8 +19,8 @@ from pathlib import Path
 import boto3  # type: ignore[import-untyped]
 import pytest
 
+from host.contract import MachineSpec, SnapshotRef
 from host.orchestrator.model import NetworkConfig
-from host.orchestrator.runtime import MachineSpec, SnapshotRef
 from host.runtime import NodeRuntime, RuntimeConfig
 from host.storage.repository import open_repository
 

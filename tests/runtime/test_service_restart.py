@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from host.orchestrator.runtime import SnapshotRef
+from host.contract import SnapshotRef
 from host.runtime import NodeRuntime
 from host.runtime.vmproc import pid_alive
 

@@ -1,4 +1,7 @@
-"""The contract between the orchestrator and the node's sandbox runtime.
+"""The contract between the orchestrator and the node's sandbox runtime: the value types
+both sides use (MachineSpec, NetworkConfig, SnapshotRef, Placement) and the
+`SandboxRuntime` protocol. It imports nothing from either package, so the runtime never
+loads the orchestrator (or its store).
 
 The orchestrator owns state (store.py), TTLs, tokens and the E2B semantics; the runtime
 owns machines: it composes the VMM driver (host/vmm), memory snapshots
@@ -16,7 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .model import NetworkConfig
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    allow_internet_access: bool = True
+    allow_public_traffic: bool = True
+    allow_out: tuple[str, ...] = ()       # CIDR / IP (domains accepted, not enforced)
+    deny_out: tuple[str, ...] = ()
+    mask_request_host: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # accepted, kept, not enforced
 
 
 @dataclass(frozen=True)
