@@ -19,10 +19,13 @@ Typical use::
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, Self, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
+
+if TYPE_CHECKING:
+    from .memsnap import BaseImage, MemSnapshot
 
 ENVD_PORT = 49983
 """envd's port inside the guest."""
@@ -205,6 +208,32 @@ class Vm(Protocol):
         """Write a snapshot of CPU/device state (and RAM unless it lives in a shared
         memory file) to `dest`. The VM is left PAUSED; `resume()` to continue."""
 
+    def alive(self) -> bool:
+        """Whether the VMM process still runs (False once it exited by itself or was
+        killed). Cheap: no control-channel round trip."""
+
+    # -- memory snapshots (what the node runtime uses) -----------------------------------
+    # A memory snapshot is in memsnap's on-disk form whatever the driver: a frozen base
+    # (`BaseImage`: base.mem + the driver's device-state/template file + base.json) and
+    # diffs on it (`MemSnapshot`: diff chain + device state + snapshot.json), so the
+    # runtime's manifests, repository uploads and caches do not depend on the VMM.
+
+    async def freeze_memory(self, dest: Path) -> BaseImage:
+        """Freeze this VM's RAM and device state into a new base in `dest` (created).
+        Needs RAM in a shared file (`MemoryBacking(shared=True)`). The VM is left PAUSED
+        (resume it, or kill it and restore children from the base)."""
+
+    async def snapshot_memory(
+        self, dest: Path, *, base: BaseImage, parent: MemSnapshot | None,
+        resume: bool = True, max_chain: int = 8,
+        while_stopped: Callable[[], Awaitable[None]] | None = None,
+    ) -> MemSnapshot:
+        """Capture what changed in RAM since `base` (this VM maps it copy-on-write, as
+        started by `restore_memory`) plus device state, into `dest`. `parent`: the
+        snapshot this VM was restored from (chain continues on it). `while_stopped` runs
+        while the vCPUs are stopped (cut the disk at the same instant). `resume=False`
+        leaves the VM PAUSED. `stats` carries downtime_ms, diff_pages, chain_len."""
+
     async def kill(self) -> None:
         """Stop the VMM and remove everything it owned. Idempotent; never raises for an
         already-dead process. Post-condition: the process is reaped, sockets are gone,
@@ -254,6 +283,31 @@ class VmmDriver(Protocol):
         with a shared memory file restores with that file as `shared=True` (it continues
         in the file) or `shared=False` (copy-on-write: many VMs from one file). With
         resume=False the VM stays PAUSED."""
+
+    def config_digest(self, spec: VmSpec) -> str:
+        """Hex digest of everything about `spec` a memory snapshot depends on (VMM
+        version, machine, devices, kernel and command line), with per-instance parts
+        (paths, sockets, ports, namespace) left out: a snapshot restores only into a VM
+        with the same digest."""
+
+    async def restore_memory(
+        self, spec: VmSpec, *, base: BaseImage, snapshot: MemSnapshot | None = None,
+        timeouts: BootTimeouts | None = None, resume: bool = True,
+    ) -> Vm:
+        """Start a VM from a frozen base (and the diff chain of `snapshot` on it); guest
+        RAM maps `base.mem_path` copy-on-write, so many VMs share one base. `spec.memory`
+        must be `MemoryBacking(path=base.mem_path, shared=False)`. Nothing is left behind
+        on failure."""
+
+    def leftovers(self, run_dir: Path) -> dict[int, str]:
+        """{pid: name of its work dir} of this driver's VMM processes whose work dir lies
+        directly under `run_dir`, found from /proc (VMs whose handle was lost: a service
+        killed between spawn and recording the VM)."""
+
+    async def kill_pid(self, pid: int, work_dir: Path) -> None:
+        """Kill a leftover VMM process (one `leftovers` found, or the pid recorded in
+        `work_dir/pid`) if it is this driver's process for `work_dir`; then remove
+        `work_dir`."""
 
     async def adopt(self, spec: VmSpec, facts: dict[str, Any], *,
                     timeouts: BootTimeouts | None = None) -> Vm | None:
