@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from host.contract import MachineSpec
 from host.orchestrator.model import NetworkConfig
 from host.runtime import NodeRuntime, RuntimeConfig
+from host.vmm.accel import detect_accel
 from tests.runtime.helpers import background, pss_kib, run, write
 
 NET = NetworkConfig()
@@ -165,7 +166,7 @@ async def amain(args: argparse.Namespace) -> None:
     results = []
     try:
         print(f"host: {platform.node()} {platform.machine()}, network {rt.mode}, accel "
-              f"{rt.accel[0]}")
+              f"{detect_accel().name}, vmm {rt.vmm}")
         for mem in args.mem:
             r = await bench_size(rt, mem, args)
             report(r)

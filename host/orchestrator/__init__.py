@@ -1,7 +1,8 @@
 """The sandbox orchestrator: state store, lifecycle semantics, TTLs and recovery.
 
 `NodeOrchestrator` (node.py) implements the `Orchestrator` contract (service.py) over the
-SQLite `Store` (store.py) and a `SandboxRuntime` (runtime.py).
+SQLite `Store` (store.py) and a `SandboxRuntime` (host/contract.py); README.md maps
+its modules.
 """
 
 from host.contract import MachineSpec, Placement, SandboxRuntime, SnapshotRef
@@ -21,9 +22,10 @@ from .recovery import recover
 from .service import Orchestrator
 from .states import SandboxState
 from .store import Store
-from .ttl import TtlLoop
+from .ttl import TtlLoop, TtlOwner
 
 __all__ = ["EnvdClient", "IdempotencyMismatch", "InvalidRequest", "MachineSpec",
            "NodeOrchestrator", "OperationFailed", "Orchestrator", "OrchestratorError",
            "Placement", "SandboxNotFound", "SandboxRuntime", "SandboxState", "SnapshotNotFound",
-           "SnapshotRef", "StateConflict", "Store", "TtlLoop", "recover"]
+           "SnapshotRef", "StateConflict", "Store", "TtlLoop", "TtlOwner",
+           "recover"]

@@ -1,8 +1,8 @@
 """The TTL loop: pauses (autoPause, the default) or kills sandboxes whose TTL ran out, and
 watches for VMs that ended by themselves (`runtime.exited()` -> `vm_exited`).
 
-Owned by the orchestrator (`NodeOrchestrator.start()` starts it, `aclose()` stops it).
-Each expiry runs as an orchestrator-owned task under the sandbox's lock and re-checks the
+Owned by the orchestrator (`NodeOrchestrator.start()` starts it, `aclose()` stops it),
+which it sees only through `TtlOwner`, what the loop calls. Each expiry runs as an orchestrator-owned task under the sandbox's lock and re-checks the
 deadline there, so a TTL extended in the meantime wins. Paused sandboxes have no deadline
 (`end_at` is NULL; `ttl_left_s` keeps what was left), so paused time never counts.
 """
@@ -13,18 +13,43 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
+
+from host.contract import SandboxRuntime
 
 from .errors import OrchestratorError
 
-if TYPE_CHECKING:
-    from .node import NodeOrchestrator
-
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class TtlOwner(Protocol):
+    """What the TTL loop calls on its orchestrator (`NodeOrchestrator` implements it)."""
+
+    @property
+    def runtime(self) -> SandboxRuntime:
+        """Its `exited()` lists the sandboxes whose VM ended by itself."""
+        ...
+
+    def spawn(self, coro: Coroutine[Any, Any, T], /) -> asyncio.Task[T]:
+        """Run `coro` as an owned task; raises OrchestratorError once shutting down."""
+        ...
+
+    async def expired(self) -> list[str]:
+        """Running sandboxes whose TTL has run out."""
+        ...
+
+    async def expire(self, sandbox_id: str) -> str | None:
+        """Pause or kill a sandbox whose TTL ran out (re-checked); the outcome or None."""
+        ...
+
+    async def vm_exited(self, sandbox_id: str) -> str | None:
+        """Settle a sandbox whose VM exited; its new state, or None if nothing was done."""
+        ...
 
 
 class TtlLoop:
-    def __init__(self, orchestrator: NodeOrchestrator, *, interval_s: float = 1.0) -> None:
+    def __init__(self, orchestrator: TtlOwner, *, interval_s: float = 1.0) -> None:
         self.orchestrator = orchestrator
         self.interval_s = interval_s
         self._task: asyncio.Task[None] | None = None

@@ -37,6 +37,7 @@ class RuntimeConfig:
     network: str = "auto"
     network_prefix: str = "aenv-"
     network_pool: str = "10.200.0.0/16"
+    vmm: str = "auto"  # auto | qemu | firecracker (auto: $AENV_VMM, else what the host runs)
     qemu: str = "qemu-system-x86_64"
     vms_survive_service: bool = True
     max_chain: int = 8  # memory diff chain length before a pause writes a cumulative diff

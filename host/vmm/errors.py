@@ -3,6 +3,7 @@
     VmmError                      anything a driver could not do (bad spec, QEMU failed, QMP error)
     ├── VmmStartError             the VMM process did not start or exited during boot
     ├── VmmStateError             operation not valid in the VM's current state
+    ├── VmmSnapshotError          a memory snapshot is corrupt, incomplete or for another VM
     └── VmmTimeout (+TimeoutError)  a deadline passed
         └── VmmBootTimeout        the guest did not become ready (envd /health) in time
 
@@ -34,6 +35,11 @@ class VmmStartError(VmmError):
 
 class VmmStateError(VmmError):
     """The operation is not valid in the VM's current state (e.g. pause a killed VM)."""
+
+
+class VmmSnapshotError(VmmError):
+    """A memory snapshot could not be taken or restored: corrupt or missing files, or a
+    snapshot of another base or VMM configuration."""
 
 
 class VmmTimeout(VmmError, TimeoutError):

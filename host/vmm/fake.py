@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Self
 
 from .driver import BootTimeouts, VmSpec, VmState
 from .errors import VmmError, VmmStateError
+from .memsnap import BaseImage, MemSnapshot
 
 _pids = itertools.count(900_000)
 
@@ -86,6 +88,34 @@ class FakeVm:
         self._state = VmState.PAUSED
         Path(dest).write_text(f"fake-state {self._spec.name}\n")
         self.saved_to.append(Path(dest))
+
+    def alive(self) -> bool:
+        return self._state in (VmState.RUNNING, VmState.PAUSED)
+
+    async def freeze_memory(self, dest: Path) -> BaseImage:
+        """Records the call; returns a BaseImage naming `dest` (no files are written)."""
+        self._require(VmState.RUNNING, VmState.PAUSED)
+        await self._driver._op("freeze_memory", self)
+        self._state = VmState.PAUSED
+        return BaseImage(Path(dest), Path(dest) / "base.mem", Path(dest) / "base.dev",
+                         bytes(32), self._spec.mem_mib << 20)
+
+    async def snapshot_memory(
+        self, dest: Path, *, base: BaseImage, parent: MemSnapshot | None,
+        resume: bool = True, max_chain: int = 8,
+        while_stopped: Callable[[], Awaitable[None]] | None = None,
+    ) -> MemSnapshot:
+        """Records the call, runs `while_stopped`; returns a MemSnapshot naming `dest`."""
+        self._require(VmState.RUNNING, VmState.PAUSED)
+        await self._driver._op("snapshot_memory", self)
+        if while_stopped is not None:
+            await while_stopped()
+        if not resume:
+            self._state = VmState.PAUSED
+        chain = (*parent.diffs, Path(dest) / "mem.diff") if parent else (Path(dest) / "mem.diff",)
+        return MemSnapshot(Path(dest), base.sha256, bytes(32), chain,
+                           tuple(bytes(32) for _ in chain), Path(dest) / "devstate.bin",
+                           bytes(32), {"downtime_ms": 0.0, "chain_len": float(len(chain))})
 
     async def kill(self) -> None:
         if self._state in (VmState.KILLED, VmState.DETACHED):
@@ -166,6 +196,22 @@ class FakeDriver:
             raise VmmError(f"{spec.name}: saved state not found: {state}")
         return await self._launch("restore", spec,
                                   VmState.RUNNING if resume else VmState.PAUSED)
+
+    def config_digest(self, spec: VmSpec) -> str:
+        return f"fake-{spec.vcpus}-{spec.mem_mib}-{spec.kernel}"
+
+    async def restore_memory(
+        self, spec: VmSpec, *, base: BaseImage, snapshot: MemSnapshot | None = None,
+        timeouts: BootTimeouts | None = None, resume: bool = True,
+    ) -> FakeVm:
+        return await self._launch("restore_memory", spec,
+                                  VmState.RUNNING if resume else VmState.PAUSED)
+
+    def leftovers(self, run_dir: Path) -> dict[int, str]:
+        return {}
+
+    async def kill_pid(self, pid: int, work_dir: Path) -> None:
+        self.calls.append(("kill_pid", str(pid)))
 
     async def adopt(self, spec: VmSpec, facts: dict[str, Any], *,
                     timeouts: BootTimeouts | None = None) -> FakeVm | None:

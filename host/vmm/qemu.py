@@ -12,19 +12,24 @@ import contextlib
 import logging
 import os
 import shlex
+import shutil
 import socket
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qemu.qmp import ExecuteError, QMPClient, QMPError
 
 from . import proc as procs
+from . import procscan, qemu_memory
 from .accel import DEFAULT_QEMU, detect_accel, host_tsc_khz
 from .driver import BootTimeouts, TapNet, UserNet, VmSpec, VmState
 from .errors import VmmError, VmmStartError, VmmStateError, VmmTimeout
-from .qemu_cmdline import QemuRunFiles, build_argv
+from .qemu_cmdline import QemuRunFiles, build_argv, config_digest
+
+if TYPE_CHECKING:
+    from .memsnap import BaseImage, MemSnapshot
 from .vmbase import TAIL_LINES, DriverBase, VmBase
 
 log = logging.getLogger(__name__)
@@ -83,6 +88,31 @@ class QemuDriver(DriverBase["QemuVm"]):
         await vm._start(state_file=Path(state), resume=resume)
         return vm
 
+    def config_digest(self, spec: VmSpec) -> str:
+        accel = self._accel or detect_accel(self.qemu).name  # cached after the first call
+        return config_digest(spec, accel=accel, tsc_khz=host_tsc_khz(), qemu=self.qemu)
+
+    async def restore_memory(
+        self, spec: VmSpec, *, base: BaseImage, snapshot: MemSnapshot | None = None,
+        timeouts: BootTimeouts | None = None, resume: bool = True,
+    ) -> QemuVm:
+        vm = self._new_vm(spec, timeouts)
+        qemu_memory.check_restore_spec(vm, base)
+        await vm._start(state_file=None, resume=resume, memory=(base, snapshot))
+        return vm
+
+    def leftovers(self, run_dir: Path) -> dict[int, str]:
+        return procscan.vmm_pids_under(run_dir, "qemu-system", "qmp.sock")
+
+    async def kill_pid(self, pid: int, work_dir: Path) -> None:
+        if procscan.is_vmm_for(pid, "qemu-system", QemuRunFiles.in_dir(work_dir).qmp_socket):
+            started = procs.start_time(pid)
+            if started is not None:
+                gone = await procs.terminate(procs.AdoptedProcess(pid, started), grace_s=2.0)
+                if not gone:
+                    raise VmmError(f"QEMU pid {pid} survived SIGKILL")
+        await asyncio.to_thread(shutil.rmtree, work_dir, True)
+
 
 class QemuVm(VmBase):
     """One QEMU process running one guest. Create through `QemuDriver`."""
@@ -97,6 +127,8 @@ class QemuVm(VmBase):
         self._host_port: int | None = None
         self.accel: str | None = None
         self.qmp_ready_s: float | None = None  # spawn -> QMP negotiated
+        self.restore_stats: dict[str, float] = {}
+        self._config_sha256: str | None = None  # adopted VMs: from their facts
 
     # -- properties -----------------------------------------------------------------
 
@@ -138,7 +170,8 @@ class QemuVm(VmBase):
 
     # -- start ------------------------------------------------------------------------
 
-    async def _start(self, *, state_file: Path | None, resume: bool = True) -> None:
+    async def _start(self, *, state_file: Path | None, resume: bool = True,
+                     memory: tuple[BaseImage, MemSnapshot | None] | None = None) -> None:
         if self._state is not VmState.CREATED:
             raise VmmStateError(f"{self._spec.name}: already started")
         if self._spec.kernel is not None and not self._spec.kernel.is_file():
@@ -150,8 +183,13 @@ class QemuVm(VmBase):
         try:
             self.accel, tsc_khz = await self._driver.accel()
             self._make_work_dir()
-            await self._launch(tsc_khz, incoming=state_file is not None)
-            if state_file is None:
+            await self._launch(tsc_khz, incoming=state_file is not None or memory is not None)
+            if memory is not None:
+                assert self._qmp is not None and self._proc is not None
+                self.restore_stats = await qemu_memory.restore(self, self._qmp, self._proc.pid,
+                                                          *memory, resume=resume)
+                self._state = VmState.RUNNING if resume else VmState.PAUSED
+            elif state_file is None:
                 self._state = VmState.RUNNING
             else:
                 await self._load_state(state_file, resume=resume)
@@ -189,6 +227,9 @@ class QemuVm(VmBase):
         err = await asyncio.to_thread(open, self.stderr_log, "wb")
         with err:
             await self._exec(stdout=asyncio.subprocess.DEVNULL, stderr=err)
+        # recorded at once: a service killed during the QMP wait leaves a findable VM
+        assert self._proc is not None
+        (self.work_dir / "pid").write_text(str(self._proc.pid))
 
     async def _connect_qmp(self) -> None:
         assert self._proc is not None and self.started_at is not None
@@ -265,6 +306,44 @@ class QemuVm(VmBase):
         return str(res["status"])
 
     # -- lifecycle ----------------------------------------------------------------------
+
+    @property
+    def config_sha256(self) -> str:
+        """What memory snapshots of this VM are keyed on (`QemuDriver.config_digest`)."""
+        if self._config_sha256 is None:
+            self._config_sha256 = self._driver.config_digest(self._spec)
+        return self._config_sha256
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.returncode is None and \
+            procscan.pid_alive(self._proc.pid)
+
+    # -- memory snapshots (memsnap) -------------------------------------------------------
+
+    async def freeze_memory(self, dest: Path) -> BaseImage:
+        self._require(VmState.RUNNING, VmState.PAUSED)
+        assert self._qmp is not None
+        self._state = VmState.PAUSED  # freezing stops the vCPUs first, even if it fails
+        return await qemu_memory.freeze(self, self._qmp, dest)
+
+    async def snapshot_memory(
+        self, dest: Path, *, base: BaseImage, parent: MemSnapshot | None,
+        resume: bool = True, max_chain: int = 8,
+        while_stopped: Callable[[], Awaitable[None]] | None = None,
+    ) -> MemSnapshot:
+        self._require(VmState.RUNNING, VmState.PAUSED)
+        assert self._qmp is not None and self._proc is not None
+        try:
+            snap = await qemu_memory.capture(self, self._qmp, self._proc.pid, dest, base=base,
+                                        parent=parent, resume=resume, max_chain=max_chain,
+                                        while_stopped=while_stopped)
+        except BaseException:
+            # the vCPUs may be stopped: make a later resume() send `cont`
+            self._state = VmState.PAUSED
+            raise
+        if not resume:
+            self._state = VmState.PAUSED
+        return snap
 
     async def pause(self) -> None:
         self._require(VmState.RUNNING, VmState.PAUSED)
@@ -362,11 +441,13 @@ class QemuVm(VmBase):
         self._qmp = None
 
     def _facts_extra(self) -> dict[str, Any]:
-        return {"host_port": self._host_port, "accel": self.accel}
+        return {"host_port": self._host_port, "accel": self.accel,
+                "config_sha256": self.config_sha256}
 
     def _adopt_extra(self, facts: dict[str, Any]) -> None:
         self._host_port = facts.get("host_port")
         self.accel = facts.get("accel")
+        self._config_sha256 = facts.get("config_sha256") or None
 
     async def _connect(self) -> None:
         await self._connect_qmp()

@@ -7,11 +7,12 @@ The same spec always gives the same device list and ids, which snapshots need.
 
 from __future__ import annotations
 
+import hashlib
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from .driver import FileDisk, NbdDisk, TapNet, UserNet, VmSpec
+from .driver import FileDisk, MemoryBacking, NbdDisk, TapNet, UserNet, VmSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,8 +115,9 @@ def build_argv(
         argv += ["-initrd", str(spec.initrd)]
     if spec.memory is not None:
         share = "on" if spec.memory.shared else "off"
+        # merge=off: KSM-merged pages would count as private in memory diffs (memsnap).
         argv += ["-object", (f"memory-backend-file,id=mem0,size={spec.mem_mib}M,"
-                             f"mem-path={qopt(spec.memory.path)},share={share}")]
+                             f"mem-path={qopt(spec.memory.path)},share={share},merge=off")]
     for i, disk in enumerate(spec.disks):
         argv += _disk_args(i, disk)
     net = spec.network
@@ -131,5 +133,33 @@ def build_argv(
         if net.netns:
             argv = ["ip", "netns", "exec", net.netns, *argv]
     if incoming:
-        argv += ["-incoming", "defer"]
+        # -S: a restored guest stays stopped until told to run (memsnap injects pages
+        # between the device-state load and `cont`).
+        argv += ["-incoming", "defer", "-S"]
     return argv
+
+
+def config_digest(spec: VmSpec, *, accel: str, tsc_khz: int | None, qemu: str) -> str:
+    """Hex sha256 of the argv of `spec` with per-instance parts normalised (paths,
+    sockets, ports, namespace, share=, -incoming): VMs with the same digest can restore
+    each other's memory snapshots."""
+    mem = spec.memory
+    canon = VmSpec(
+        kernel=spec.kernel, cmdline=spec.cmdline, vcpus=spec.vcpus, mem_mib=spec.mem_mib,
+        initrd=spec.initrd, disks=spec.disks,
+        network=(TapNet(tap=spec.network.tap, guest_ip=spec.network.guest_ip, netns=None,
+                        mac=spec.network.mac) if isinstance(spec.network, TapNet)
+                 else spec.network),
+        memory=MemoryBacking(path=Path("/MEM"), shared=False) if mem is not None else None,
+        name="vm")
+    argv = build_argv(canon, files=QemuRunFiles.in_dir(Path("/WORK")), accel=accel,
+                      tsc_khz=tsc_khz, host_port=0, incoming=True, qemu=qemu)
+    out: list[str] = []
+    for a in argv:
+        if a.startswith("file.driver=nbd") or "file.export=" in a:
+            a = ",".join(p for p in a.split(",") if not p.startswith(("file.export=",
+                                                                      "file.server.path=")))
+        if a.startswith("user,id=net0"):
+            a = "user,id=net0"
+        out.append(a)
+    return hashlib.sha256("\0".join(out).encode()).hexdigest()

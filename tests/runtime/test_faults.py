@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-import host.runtime.node as node_mod
+import host.vmm.qemu_memory as node_mod  # where the QEMU driver calls memsnap
 from host.contract import SnapshotRef
 from host.orchestrator.model import NetworkConfig
 from host.runtime import NodeRuntime, NodeRuntimeError, SnapshotCorruptError
-from host.runtime.vmproc import pid_alive
+from host.vmm.procscan import pid_alive
 
 from .helpers import assert_gone, background, run, write
 
@@ -98,7 +98,7 @@ async def test_adopt_after_restart_and_reap(runtime: NodeRuntime, template: Snap
         facts = await runtime.detach(sid)  # the old service instance forgets it
         # a pid that is not that QEMU: refused (and its leftovers released)
         assert await other.open() is other
-        bogus = dict(facts, pid=os.getpid())
+        bogus = dict(facts, pid=os.getpid(), vm=dict(facts["vm"], pid=os.getpid()))
         assert await other.adopt("ghost1", bogus) is None
         placed = await other.adopt(sid, facts)
         assert placed is not None and placed.envd_host == p.envd_host

@@ -1,5 +1,6 @@
-"""Host-only checks of the runtime's pure parts (no VM): the family argv and its digest,
-manifests as the commit point, and memory-dir garbage collection."""
+"""Host-only checks of the runtime's pure parts (no VM): the QEMU argv of a snapshot
+family and its config digest, manifests as the commit point, and memory-dir garbage
+collection."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import pytest
 
 from host.runtime import NodeRuntime, RuntimeConfig, SnapshotNotFoundError
 from host.runtime.manifests import ManifestStore
-from host.runtime.vmproc import family_argv, family_digest, is_our_qemu, pid_alive
 from host.vmm.driver import MemoryBacking, NbdDisk, TapNet, UserNet, VmSpec
-from host.vmm.qemu_cmdline import QemuRunFiles
+from host.vmm.procscan import is_vmm_for, pid_alive
+from host.vmm.qemu_cmdline import QemuRunFiles, build_argv, config_digest
 
 
 def _spec(tmp: Path, *, mem: str, sock: str, export: str, net: TapNet | UserNet,
@@ -25,8 +26,8 @@ def _spec(tmp: Path, *, mem: str, sock: str, export: str, net: TapNet | UserNet,
 def test_family_argv_has_memsnap_flags(tmp_path: Path) -> None:
     spec = _spec(tmp_path, mem="base.mem", sock="/s/nbd.sock", export="sbx-a",
                  net=TapNet(tap="tap0", guest_ip="10.0.0.2", netns="aenv-a"), shared=False)
-    argv = family_argv(spec, files=QemuRunFiles.in_dir(tmp_path), accel="tcg", tsc_khz=1000,
-                       host_port=None, incoming=True, qemu="qemu-system-x86_64")
+    argv = build_argv(spec, files=QemuRunFiles.in_dir(tmp_path), accel="tcg", tsc_khz=1000,
+                      host_port=None, incoming=True, qemu="qemu-system-x86_64")
     assert argv[:4] == ["ip", "netns", "exec", "aenv-a"]
     mem = next(a for a in argv if a.startswith("memory-backend-file,"))
     assert "share=off" in mem and mem.endswith("merge=off")
@@ -41,15 +42,15 @@ def test_family_digest_ignores_per_instance_parts(tmp_path: Path) -> None:
     b = _spec(tmp_path / "o", mem="base.mem", sock="/s2/nbd.sock", export="sbx-y",
               net=TapNet(tap="tap0", guest_ip="10.0.0.6", netns="aenv-y"), shared=False)
     kw = {"accel": "tcg", "tsc_khz": 1000, "qemu": "qemu-system-x86_64"}
-    assert family_digest(a, **kw) == family_digest(b, **kw)
+    assert config_digest(a, **kw) == config_digest(b, **kw)
     c = VmSpec(**{**a.__dict__, "mem_mib": 512})
-    assert family_digest(c, **kw) != family_digest(a, **kw)
-    assert family_digest(a, **{**kw, "tsc_khz": 2000}) != family_digest(a, **kw)
+    assert config_digest(c, **kw) != config_digest(a, **kw)
+    assert config_digest(a, **{**kw, "tsc_khz": 2000}) != config_digest(a, **kw)
 
 
 def test_pid_checks() -> None:
     assert pid_alive(os.getpid())
-    assert not is_our_qemu(os.getpid(), Path("/nonexistent/qmp.sock"))
+    assert not is_vmm_for(os.getpid(), "qemu-system", Path("/nonexistent/qmp.sock"))
 
 
 @pytest.mark.asyncio(loop_scope="session")

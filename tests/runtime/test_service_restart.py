@@ -14,7 +14,7 @@ import pytest
 
 from host.contract import SnapshotRef
 from host.runtime import NodeRuntime
-from host.runtime.vmproc import pid_alive
+from host.vmm.procscan import pid_alive
 
 from .helpers import assert_gone, run, write
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,14 +64,20 @@ def test_probe_kvm_with_fake_qemu(tmp_path: Path) -> None:
     assert not accel.probe_kvm(str(tmp_path / "missing"))[0]
 
 
-def test_probe_kvm_on_this_host_matches_detection() -> None:
-    """The real probe: on a PVM-only host it must fail (QEMU aborts at vCPU reset)."""
-    if not os.path.exists("/usr/bin/qemu-system-x86_64"):
-        pytest.skip("qemu-system-x86_64 not installed")
+def test_detection_on_a_pvm_host_is_tcg_whatever_the_probe_says(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a kvm-pvm host detection picks TCG from the module check alone. The probe is not
+    trusted there: on some host kernels QEMU with `-accel kvm -S` survives vCPU reset
+    (measured on this machine kind, Dec 2026) while a real guest still hangs."""
     if not accel._pvm_loaded():
         pytest.skip("not a kvm-pvm host")
-    ok, why = accel.probe_kvm()
-    assert not ok, why
+    monkeypatch.delenv("AENV_ACCEL", raising=False)
+    accel.detect_accel.cache_clear()
+    try:
+        choice = accel.detect_accel()
+    finally:
+        accel.detect_accel.cache_clear()
+    assert choice.name == "tcg" and "pvm" in choice.reason
 
 
 @pytest.mark.parametrize(("dmesg", "cpuinfo", "khz"), [

@@ -73,8 +73,9 @@ def test_memory_backend_file(shared: bool) -> None:
     assert _opt(argv, "-M") == ["microvm,memory-backend=mem0"]
     share = "on" if shared else "off"
     assert _opt(argv, "-object") == [
-        f"memory-backend-file,id=mem0,size=256M,mem-path=/snap/mem,share={share}"]
+        f"memory-backend-file,id=mem0,size=256M,mem-path=/snap/mem,share={share},merge=off"]
     assert _opt(argv, "-incoming") == ["defer"]
+    assert argv[-3:] == ["-incoming", "defer", "-S"]
 
 
 def test_tap_in_netns_prefixes_ip_netns_exec() -> None:

@@ -1,0 +1,104 @@
+"""`Context`: what the orchestrator's operation modules share.
+
+`NodeOrchestrator` (node.py) builds one and passes it to the functions of lifecycle.py,
+pausing.py, snapshots.py, forks.py, timeouts.py and guest.py. It holds the store, the
+runtime, the envd client, the clock and the settings, and the node-wide state every
+operation needs: the per-sandbox locks, the orchestrator's task spawner and the proxy's
+run events. It owns no task and closes nothing: the orchestrator does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol, TypeVar
+
+from host.contract import MachineSpec, SandboxRuntime
+
+from .envd import EnvdClient
+from .errors import InvalidRequest, SandboxNotFound
+from .model import RunEnded, SandboxInfo
+from .records import GONE
+from .store import SandboxRecord, Store
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Spawn(Protocol):
+    """Runs `coro` as a task owned by the orchestrator (awaited or cancelled by its
+    `aclose`); raises OperationFailed, and closes `coro`, once it is shutting down."""
+
+    def __call__(self, coro: Coroutine[Any, Any, T], /) -> asyncio.Task[T]: ...
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class Context:
+    store: Store
+    runtime: SandboxRuntime
+    envd: EnvdClient
+    spawn: Spawn
+    clock: Callable[[], float]
+    machine: MachineSpec
+    default_template: str
+    template_aliases: frozenset[str]  # template ids that mean the default template
+    default_timeout_s: int
+    max_timeout_s: int
+    locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
+    # One event per running incarnation that the proxy was routed to (made by
+    # guest.route), set and dropped when that incarnation ends: see end_run.
+    runs: dict[str, RunEnded] = dataclasses.field(default_factory=dict)
+    # lifecycle.py's: one lock per template built on first use, in-flight idempotent creates
+    template_locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
+    idempotent: dict[str, asyncio.Task[SandboxInfo]] = dataclasses.field(default_factory=dict)
+
+    async def shielded(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run an operation as an owned task; the caller's cancellation does not stop it."""
+        return await asyncio.shield(self.spawn(coro))
+
+    def lock(self, sandbox_id: str) -> asyncio.Lock:
+        """The lock that serializes the operations on `sandbox_id`."""
+        lock = self.locks.get(sandbox_id)
+        if lock is None:
+            lock = self.locks[sandbox_id] = asyncio.Lock()
+        return lock
+
+    def drop_lock(self, sandbox_id: str) -> None:
+        """Forget the lock of a sandbox that is gone."""
+        self.locks.pop(sandbox_id, None)
+
+    async def db(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """Run a store call on the store's thread."""
+        return await self.store.run(fn, *args, **kwargs)  # type: ignore[no-any-return,no-untyped-call]
+
+    async def record(self, sandbox_id: str) -> SandboxRecord:
+        """The sandbox's record; SandboxNotFound when unknown or killed."""
+        rec = await self.db(self.store.get_sandbox, sandbox_id)
+        if rec.state in GONE:
+            raise SandboxNotFound(sandbox_id)
+        return rec
+
+    def check_timeout(self, timeout_s: int, what: str = "timeout") -> None:
+        if timeout_s < 0 or timeout_s > self.max_timeout_s:
+            raise InvalidRequest(f"'{what}' must be between 0 and {self.max_timeout_s} seconds, "
+                                 f"got {timeout_s}")
+
+    async def release(self, sandbox_id: str) -> None:
+        """runtime.kill, logged instead of raised (used on paths already failing)."""
+        try:
+            await self.runtime.kill(sandbox_id)
+        except Exception:
+            log.exception("releasing sandbox %s failed", sandbox_id)
+
+    def end_run(self, sandbox_id: str, reason: str) -> None:
+        """The running incarnation of `sandbox_id` ends (`reason`: "paused", "killed", ...):
+        tell the proxy, whose open exchanges into it would otherwise hang on a VM that is
+        gone. Called right after the store left `running`, before the VM is stopped: a
+        route() that read `running` before that has its event by then (the store runs its
+        calls in order on one thread), and one that reads after it cannot route here, so
+        the next incarnation (a resume) gets a fresh event."""
+        run = self.runs.pop(sandbox_id, None)
+        if run is not None:
+            run.end(reason)

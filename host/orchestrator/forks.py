@@ -1,0 +1,61 @@
+"""Forking a running sandbox: snapshot it live (`forking`, the VM keeps running), then
+create up to `MAX_FORK` children from that snapshot concurrently, each with its own id,
+tokens and writable layers. Each child succeeds or fails on its own (`ForkResult`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from . import lifecycle
+from .context import Context
+from .errors import InvalidRequest, OrchestratorError
+from .model import ForkResult
+from .records import network_from_json, with_runtime
+from .snapshots import live_snapshot, snapshot_record
+from .states import SandboxState as S
+
+MAX_FORK = 16
+
+
+async def fork(ctx: Context, sandbox_id: str, count: int,
+               timeout_s: int | None) -> Sequence[ForkResult]:
+    if not 1 <= count <= MAX_FORK:
+        raise InvalidRequest(f"'count' must be between 1 and {MAX_FORK}, got {count}")
+    if timeout_s is not None:
+        ctx.check_timeout(timeout_s)
+    return await ctx.shielded(_fork(ctx, sandbox_id, count, timeout_s))
+
+
+async def _fork(ctx: Context, sandbox_id: str, count: int,
+                timeout_s: int | None) -> list[ForkResult]:
+    async with ctx.lock(sandbox_id):
+        rec = await ctx.record(sandbox_id)
+        ref = await live_snapshot(ctx, rec, S.FORKING, None, "fork")
+        snap = await ctx.db(ctx.store.insert_snapshot, snapshot_record(
+            ref.snapshot_id, "fork", ref, rec))
+        await ctx.db(ctx.store.transition, sandbox_id, {S.FORKING}, S.RUNNING,
+                     event={"op": "forked", "snapshot_id": snap.id, "count": count},
+                     runtime=with_runtime(rec, pending=None))
+    results: list[ForkResult] = [ForkResult() for _ in range(count)]
+
+    async def child(i: int) -> None:
+        try:
+            info = await lifecycle.new_sandbox(
+                ctx, snap, template_id=rec.template_id, alias=rec.alias,
+                timeout_s=ctx.default_timeout_s if timeout_s is None else timeout_s,
+                auto_pause=rec.auto_pause, auto_resume=rec.auto_resume,
+                metadata=rec.metadata, env_vars=rec.env_vars,
+                network=network_from_json(rec.network), secure=True,
+                parent_id=sandbox_id, op="created_by_fork",
+                auto_pause_memory=rec.runtime.get("auto_pause_memory", True))
+            results[i] = ForkResult(sandbox=info)
+        except Exception as exc:  # noqa: BLE001 - each child succeeds or fails on its own
+            status = exc.status if isinstance(exc, OrchestratorError) else 500
+            results[i] = ForkResult(error=str(exc), error_status=status)
+
+    async with asyncio.TaskGroup() as tg:
+        for i in range(count):
+            tg.create_task(child(i))
+    return results

@@ -1,0 +1,193 @@
+"""Creating and killing sandboxes.
+
+Create resolves the template (the default one is built on first use, once even when many
+creates race), persists `creating`, starts the VM from the template's snapshot, /inits envd
+and moves to `running`, or to `killed` on failure. Creates with an idempotency key return
+the sandbox of the first request with that key. Kill moves to `killing`, stops the VM, then
+`killed`, and collects the snapshots nobody can reach any more (snapshots.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+
+from host.contract import NetworkConfig
+
+from . import ids, snapshots
+from .context import Context
+from .errors import IdempotencyMismatch, OperationFailed, OrchestratorError, SnapshotNotFound
+from .model import CreateRequest, SandboxInfo
+from .records import (
+    GONE,
+    network_to_json,
+    placement_to_json,
+    ref_to_json,
+    sandbox_info,
+    snapshot_ref,
+    with_runtime,
+)
+from .states import SandboxState as S
+from .store import SandboxRecord, SnapshotRecord
+
+log = logging.getLogger(__name__)
+
+
+# ---- create --------------------------------------------------------------------------
+
+async def create(ctx: Context, req: CreateRequest) -> SandboxInfo:
+    ctx.check_timeout(req.timeout_s)
+    if req.idempotency_key:
+        return await _create_idempotent(ctx, req, req.idempotency_key)
+    return await ctx.shielded(_create(ctx, req))
+
+
+async def _create_idempotent(ctx: Context, req: CreateRequest, key: str) -> SandboxInfo:
+    body = json.dumps({k: v for k, v in dataclasses.asdict(req).items()
+                       if k != "idempotency_key"}, sort_keys=True, default=str)
+    new, sandbox_id, stored = await ctx.db(ctx.store.claim_idempotency_key, key, body)
+    if not new:
+        if stored != body:
+            raise IdempotencyMismatch(key)
+        if sandbox_id is not None:
+            return sandbox_info(await ctx.db(ctx.store.get_sandbox, sandbox_id))
+        inflight = ctx.idempotent.get(key)
+        if inflight is not None:
+            return await asyncio.shield(inflight)
+        # else: a claim left by a service that died mid-create; create now.
+    task = ctx.spawn(_create_bound(ctx, req, key))
+    ctx.idempotent[key] = task
+    task.add_done_callback(lambda _: ctx.idempotent.pop(key, None))
+    return await asyncio.shield(task)
+
+
+async def _create_bound(ctx: Context, req: CreateRequest, key: str) -> SandboxInfo:
+    try:
+        info = await _create(ctx, req)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await ctx.db(ctx.store.bind_idempotency_key, key, None)
+        raise
+    await ctx.db(ctx.store.bind_idempotency_key, key, info.sandbox_id)
+    return info
+
+
+async def _create(ctx: Context, req: CreateRequest) -> SandboxInfo:
+    source = await _resolve_template(ctx, req.template_id)
+    is_default = source.id == ctx.default_template
+    return await new_sandbox(
+        ctx, source, template_id=source.id, alias=ctx.default_template if is_default else None,
+        timeout_s=req.timeout_s, auto_pause=req.auto_pause, auto_resume=req.auto_resume,
+        metadata=req.metadata, env_vars=req.env_vars, network=req.network,
+        secure=req.secure, parent_id=None, op="created",
+        auto_pause_memory=req.auto_pause_memory)
+
+
+async def _resolve_template(ctx: Context, template_id: str) -> SnapshotRecord:
+    """The snapshot to start from: the default template (built on first use, once even
+    when many creates race), or a template / named snapshot by id."""
+    tid = ctx.default_template if template_id in ctx.template_aliases else template_id
+    for candidate in (tid, f"{tid}:default"):
+        with contextlib.suppress(SnapshotNotFound):
+            snap = await ctx.db(ctx.store.get_snapshot, candidate)
+            if snap.kind in ("template", "named"):
+                return snap
+    if tid != ctx.default_template:
+        raise SnapshotNotFound(template_id)
+    lock = ctx.template_locks.setdefault(tid, asyncio.Lock())
+    async with lock:
+        with contextlib.suppress(SnapshotNotFound):
+            return await ctx.db(ctx.store.get_snapshot, tid)
+        log.info("building template %r (first use)", tid)
+        try:
+            ref = await ctx.runtime.build_template(tid, ctx.machine)
+        except Exception as exc:
+            raise OperationFailed(f"building template '{tid}' failed: {exc}") from exc
+        snap = SnapshotRecord(id=tid, kind="template", created_at=ref.created_at,
+                              parent_id=ref.parent_id,
+                              spec={"ref": ref_to_json(ref), "envd_token": None})
+        return await ctx.db(ctx.store.insert_snapshot, snap)
+
+
+async def new_sandbox(ctx: Context, source: SnapshotRecord, *, template_id: str,
+                      alias: str | None, timeout_s: int, auto_pause: bool, auto_resume: bool,
+                      metadata: dict[str, str], env_vars: dict[str, str],
+                      network: NetworkConfig, secure: bool, parent_id: str | None,
+                      op: str, auto_pause_memory: bool = True) -> SandboxInfo:
+    """Persist `creating`, start from `source`, /init envd, then `running` (or killed)."""
+    ref = snapshot_ref(source)
+    held_token = source.spec.get("envd_token")
+    sandbox_id = ids.new_sandbox_id()
+    # A snapshot taken after an /init keeps that token inside envd: the new sandbox
+    # must get its own token then, or it would answer to the source's.
+    token = ids.new_envd_token() if (secure or held_token) else None
+    now = ctx.clock()
+    rec = SandboxRecord(
+        id=sandbox_id, template_id=template_id, alias=alias, state=S.CREATING,
+        cpu_count=ref.machine.cpu_count, memory_mb=ref.machine.memory_mb,
+        disk_mb=ref.machine.disk_mb, started_at=now, end_at=now + timeout_s,
+        auto_pause=auto_pause, auto_resume=auto_resume, metadata=dict(metadata),
+        env_vars=dict(env_vars), envd_token=token,
+        traffic_token=None if network.allow_public_traffic else ids.new_traffic_token(),
+        network=network_to_json(network),
+        runtime={"origin": source.id, **({} if auto_pause_memory else
+                                         {"auto_pause_memory": False})},
+        parent_id=parent_id)
+    async with ctx.lock(sandbox_id):
+        await ctx.db(ctx.store.insert_sandbox, rec,
+                     event={"op": "create", "source": source.id})
+        try:
+            placement = await ctx.runtime.start(sandbox_id, ref, network)
+        except Exception as exc:
+            await ctx.db(ctx.store.transition, sandbox_id, {S.CREATING}, S.KILLED,
+                         event={"op": "create_failed", "error": str(exc)})
+            raise OperationFailed(f"starting sandbox {sandbox_id} failed: {exc}") from exc
+        try:
+            await ctx.envd.init(placement, token=token, current_token=held_token,
+                                env_vars=rec.env_vars)
+            now = ctx.clock()
+            rec = await ctx.db(
+                ctx.store.transition, sandbox_id, {S.CREATING}, S.RUNNING,
+                event={"op": op}, started_at=now, end_at=now + timeout_s,
+                runtime=with_runtime(rec, placement=placement_to_json(placement)))
+        except Exception as exc:
+            await ctx.release(sandbox_id)
+            await ctx.db(ctx.store.transition, sandbox_id, {S.CREATING}, S.KILLED,
+                         event={"op": "create_failed", "error": str(exc)})
+            if isinstance(exc, OrchestratorError):
+                raise
+            raise OperationFailed(f"initializing sandbox {sandbox_id} failed: {exc}") from exc
+    return sandbox_info(rec, now=ctx.clock())
+
+
+# ---- kill ----------------------------------------------------------------------------
+
+async def kill(ctx: Context, sandbox_id: str) -> None:
+    await ctx.shielded(_kill(ctx, sandbox_id))
+
+
+async def _kill(ctx: Context, sandbox_id: str, op: str = "killed") -> None:
+    async with ctx.lock(sandbox_id):
+        await kill_locked(ctx, await ctx.record(sandbox_id), op)
+    ctx.drop_lock(sandbox_id)
+    try:
+        await snapshots.collect_snapshots(ctx)
+    except Exception:
+        log.exception("snapshot garbage collection failed")
+
+
+async def kill_locked(ctx: Context, rec: SandboxRecord, op: str) -> None:
+    """Kill `rec`'s sandbox (any state but gone); the caller holds its lock."""
+    movable = {s for s in S if s not in GONE}
+    await ctx.db(ctx.store.transition, rec.id, movable, S.KILLING, event={"op": op})
+    ctx.end_run(rec.id, "killed" if op != "timeout" else "killed (its timeout ran out)")
+    try:
+        await ctx.runtime.kill(rec.id)
+    except Exception as exc:
+        # Stays `killing` (invisible); recovery retries the kill at the next start.
+        raise OperationFailed(f"killing sandbox {rec.id} failed: {exc}") from exc
+    await ctx.db(ctx.store.transition, rec.id, {S.KILLING}, S.KILLED,
+                 end_at=ctx.clock(), runtime=with_runtime(rec, placement=None))

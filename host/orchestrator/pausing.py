@@ -1,0 +1,155 @@
+"""Pausing and resuming sandboxes.
+
+Pause moves a running sandbox to `pausing`, ends the proxy's streams into it, snapshots it
+with the VM stopped (memory + disk, or the disk alone: a filesystem-only pause), then
+`paused` on that snapshot with the TTL left stored. Connect resumes a paused sandbox from
+its snapshot (same envd token, so SDK handles keep working) or extends a running one's TTL.
+"""
+
+from __future__ import annotations
+
+from . import ids
+from .context import Context
+from .errors import GuestUnresponsive, OperationFailed, OrchestratorError, StateConflict
+from .model import SandboxInfo
+from .records import (
+    network_from_json,
+    placement_of,
+    placement_to_json,
+    sandbox_info,
+    snapshot_ref,
+    with_runtime,
+)
+from .snapshots import snapshot_record
+from .states import SandboxState as S
+from .store import SandboxRecord
+
+# ---- pause ---------------------------------------------------------------------------
+
+async def pause(ctx: Context, sandbox_id: str, *, memory: bool = True,
+                require_healthy: bool = False) -> None:
+    """Pause: memory + disk (resume continues every process), or `memory=False`: the
+    disk alone (a filesystem-only pause; resume cold-boots it). A filesystem-only pause,
+    and one with `require_healthy`, needs envd to answer (GuestUnresponsive, nothing
+    changed, if it does not)."""
+    await ctx.shielded(_pause(ctx, sandbox_id, memory, require_healthy))
+
+
+async def _pause(ctx: Context, sandbox_id: str, memory: bool, require_healthy: bool) -> None:
+    async with ctx.lock(sandbox_id):
+        rec = await ctx.record(sandbox_id)
+        if rec.state is S.RUNNING and (require_healthy or not memory):
+            await check_guest(ctx, rec, sync=not memory)
+        await pause_locked(ctx, rec, op="paused", memory=memory)
+
+
+async def check_guest(ctx: Context, rec: SandboxRecord, *, sync: bool) -> None:
+    """envd answers (and, with `sync`, has flushed the guest's page cache to disk: a
+    filesystem-only pause keeps nothing else); GuestUnresponsive if not."""
+    placement = placement_of(rec)
+    if placement is None:
+        raise GuestUnresponsive(f"sandbox '{rec.id}' has no running VM to ask")
+    try:
+        if sync:
+            await ctx.envd.sync(placement, rec.envd_token)
+            return
+    except OperationFailed as exc:
+        raise GuestUnresponsive(f"sandbox '{rec.id}': envd did not sync the guest's "
+                                f"filesystems ({exc}); the sandbox keeps running") from exc
+    if not await ctx.envd.healthy(placement):
+        raise GuestUnresponsive(f"sandbox '{rec.id}': envd does not answer; the sandbox "
+                                "keeps running")
+
+
+async def pause_locked(ctx: Context, rec: SandboxRecord, op: str, *,
+                       memory: bool = True) -> None:
+    """Pause `rec`'s running sandbox (op "timeout": its TTL ran out, none is left); the
+    caller holds its lock."""
+    sid = rec.id
+    snap_id = ids.new_runtime_snapshot_id("pause")
+    pending = {"store_id": snap_id, "runtime_id": snap_id, "kind": "pause"}
+    rec = await ctx.db(ctx.store.transition, sid, {S.RUNNING}, S.PAUSING,
+                       runtime=with_runtime(rec, pending=pending))
+    # Streams into the VM end now, before it stops (if the pause fails they stay ended).
+    ctx.end_run(sid, "paused" if op != "timeout" else "paused (its timeout ran out)")
+    try:
+        ref = await ctx.runtime.snapshot(sid, snap_id, stop=True, memory=memory)
+    except Exception as exc:
+        await ctx.db(ctx.store.transition, sid, {S.PAUSING}, S.RUNNING,
+                     event={"op": "pause_failed", "error": str(exc)},
+                     runtime=with_runtime(rec, pending=None))
+        raise OperationFailed(f"pausing sandbox {sid} failed: {exc}") from exc
+    now = ctx.clock()
+    ttl_left = 0.0 if op == "timeout" or rec.end_at is None else max(0.0, rec.end_at - now)
+    await ctx.db(ctx.store.insert_snapshot, snapshot_record(snap_id, "pause", ref, rec))
+    await ctx.db(ctx.store.transition, sid, {S.PAUSING}, S.PAUSED,
+                 event={"op": op, **({} if memory else {"mode": "filesystem"})},
+                 snapshot_id=snap_id, end_at=None, ttl_left_s=ttl_left,
+                 runtime=with_runtime(rec, pending=None, placement=None,
+                                      pause_mode="full" if memory else "filesystem"))
+
+
+# ---- resume --------------------------------------------------------------------------
+
+async def connect(ctx: Context, sandbox_id: str, timeout_s: int | None, *,
+                  memory: bool = True) -> tuple[SandboxInfo, bool]:
+    """Resume a paused sandbox (or extend a running one's TTL). `memory=False` resumes
+    by a reboot of its disk (E2B `on_resume="reboot"`); a filesystem-only pause always
+    resumes that way."""
+    if timeout_s is not None:
+        ctx.check_timeout(timeout_s)
+    return await ctx.shielded(_connect(ctx, sandbox_id, timeout_s, memory))
+
+
+async def _connect(ctx: Context, sandbox_id: str, timeout_s: int | None,
+                   memory: bool = True) -> tuple[SandboxInfo, bool]:
+    async with ctx.lock(sandbox_id):
+        rec = await ctx.record(sandbox_id)
+        if rec.state is S.RUNNING:
+            if timeout_s is not None and rec.end_at is not None:
+                end = ctx.clock() + timeout_s
+                if end > rec.end_at:  # a running sandbox's TTL only grows
+                    rec = await ctx.db(ctx.store.update_fields, sandbox_id, end_at=end)
+            return sandbox_info(rec, now=ctx.clock()), False
+        if rec.state is not S.PAUSED:
+            raise StateConflict(sandbox_id, rec.state, {S.RUNNING, S.PAUSED})
+        rec = await _resume_locked(ctx, rec, timeout_s, reboot=not memory)
+        return sandbox_info(rec, now=ctx.clock()), True
+
+
+async def _resume_locked(ctx: Context, rec: SandboxRecord, timeout_s: int | None, *,
+                         reboot: bool = False) -> SandboxRecord:
+    sid = rec.id
+    if rec.snapshot_id is None:
+        raise OperationFailed(f"paused sandbox {sid} has no snapshot to resume from")
+    snap = await ctx.db(ctx.store.get_snapshot, rec.snapshot_id)
+    rec = await ctx.db(ctx.store.transition, sid, {S.PAUSED}, S.RESUMING)
+    ref = snapshot_ref(snap)
+    # a cold boot (reboot, or a filesystem-only snapshot) starts an envd with no token
+    reboot = reboot or (ref.facts or {}).get("memory", True) is None
+    try:
+        placement = await ctx.runtime.start(sid, ref, network_from_json(rec.network),
+                                            reboot=reboot)
+    except Exception as exc:
+        await ctx.db(ctx.store.transition, sid, {S.RESUMING}, S.PAUSED,
+                     event={"op": "resume_failed", "error": str(exc)})
+        raise OperationFailed(f"resuming sandbox {sid} failed: {exc}") from exc
+    try:
+        # Same token as before the pause: SDK handles of this sandbox keep working.
+        await ctx.envd.init(placement, token=rec.envd_token,
+                            current_token=None if reboot else snap.spec.get("envd_token"),
+                            env_vars=rec.env_vars)
+    except Exception as exc:
+        await ctx.release(sid)
+        await ctx.db(ctx.store.transition, sid, {S.RESUMING}, S.PAUSED,
+                     event={"op": "resume_failed", "error": str(exc)})
+        if isinstance(exc, OrchestratorError):
+            raise
+        raise OperationFailed(f"initializing resumed sandbox {sid} failed: {exc}") from exc
+    if timeout_s is None:
+        timeout_s = int(rec.ttl_left_s) if rec.ttl_left_s else ctx.default_timeout_s
+    return await ctx.db(ctx.store.transition, sid, {S.RESUMING}, S.RUNNING,
+                        event={"op": "resumed", **({"reboot": True} if reboot else {})},
+                        end_at=ctx.clock() + timeout_s, ttl_left_s=None,
+                        runtime=with_runtime(rec, placement=placement_to_json(placement),
+                                             pause_mode=None))

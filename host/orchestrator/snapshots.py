@@ -1,0 +1,109 @@
+"""Snapshots of running sandboxes: named snapshots (taken live, the VM keeps running), their
+listing and deletion, the store records of every snapshot kind, and the garbage collection
+of pause/fork snapshots that nothing can reach any more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+from host.contract import SnapshotRef
+
+from . import ids
+from .context import Context
+from .errors import InvalidRequest, OperationFailed, SnapshotNotFound
+from .model import SnapshotInfo
+from .records import GONE, ref_to_json, snapshot_info, snapshot_ref, with_runtime
+from .states import SandboxState as S
+from .store import SandboxRecord, SnapshotRecord
+
+
+async def snapshot(ctx: Context, sandbox_id: str, name: str | None) -> SnapshotInfo:
+    try:
+        public_id = ids.public_snapshot_id(name, sandbox_id)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    return await ctx.shielded(_snapshot(ctx, sandbox_id, public_id, name))
+
+
+async def _snapshot(ctx: Context, sandbox_id: str, public_id: str,
+                    name: str | None) -> SnapshotInfo:
+    async with ctx.lock(sandbox_id):
+        rec = await ctx.record(sandbox_id)
+        ref = await live_snapshot(ctx, rec, S.SNAPSHOTTING, public_id, "named")
+        snap = await ctx.db(ctx.store.insert_snapshot, snapshot_record(
+            public_id, "named", ref, rec, name=name))
+        await ctx.db(ctx.store.transition, sandbox_id, {S.SNAPSHOTTING}, S.RUNNING,
+                     event={"op": "snapshot", "snapshot_id": public_id},
+                     runtime=with_runtime(rec, pending=None))
+    return snapshot_info(snap)
+
+
+async def live_snapshot(ctx: Context, rec: SandboxRecord, via: S, store_id: str | None,
+                        kind: str) -> SnapshotRef:
+    """running -> `via`, snapshot without stopping; back to running on failure.
+    `store_id` None: the store keeps the snapshot under the runtime's id. The caller holds
+    the sandbox's lock and moves it back to running once it has stored the snapshot."""
+    runtime_id = ids.new_runtime_snapshot_id(kind)
+    pending = {"store_id": store_id or runtime_id, "runtime_id": runtime_id, "kind": kind}
+    rec = await ctx.db(ctx.store.transition, rec.id, {S.RUNNING}, via,
+                       runtime=with_runtime(rec, pending=pending))
+    try:
+        return await ctx.runtime.snapshot(rec.id, runtime_id, stop=False)
+    except Exception as exc:
+        await ctx.db(ctx.store.transition, rec.id, {via}, S.RUNNING,
+                     event={"op": f"{kind}_failed", "error": str(exc)},
+                     runtime=with_runtime(rec, pending=None))
+        raise OperationFailed(f"snapshotting sandbox {rec.id} failed: {exc}") from exc
+
+
+def snapshot_record(store_id: str, kind: str, ref: SnapshotRef, rec: SandboxRecord,
+                    name: str | None = None) -> SnapshotRecord:
+    """The store's record of a snapshot of `rec`'s sandbox (kind: pause, fork, named)."""
+    return SnapshotRecord(id=store_id, kind=kind, created_at=ref.created_at,
+                          sandbox_id=rec.id, name=name, parent_id=ref.parent_id,
+                          spec={"ref": ref_to_json(ref), "envd_token": rec.envd_token,
+                                "template_id": rec.template_id})
+
+
+async def list_snapshots(ctx: Context, sandbox_id: str | None,
+                     name: str | None) -> Sequence[SnapshotInfo]:
+    snaps = await ctx.db(ctx.store.list_snapshots, sandbox_id=sandbox_id, kinds=["named"])
+    if name:
+        snaps = [s for s in snaps
+                 if name in (s.id, s.name) or s.id.startswith(f"{name}:")]
+    return [snapshot_info(s) for s in snaps]
+
+
+async def delete_snapshot(ctx: Context, snapshot_id: str) -> None:
+    snap = await ctx.db(ctx.store.get_snapshot, snapshot_id)
+    if snap.kind != "named":
+        raise SnapshotNotFound(snapshot_id)
+    with contextlib.suppress(KeyError, LookupError):
+        await ctx.runtime.delete_snapshot(snapshot_ref(snap).snapshot_id)
+    await ctx.db(ctx.store.delete_snapshot, snapshot_id)
+
+
+async def collect_snapshots(ctx: Context) -> list[str]:
+    """Delete pause/fork snapshots nobody can reach any more: their sandbox is gone, no
+    live sandbox started from or resumes from them, no other snapshot builds on them."""
+    deleted: list[str] = []
+    while True:
+        recs = await ctx.db(ctx.store.list_sandboxes)
+        snaps = await ctx.db(ctx.store.list_snapshots)
+        alive = {r.id for r in recs if r.state not in GONE}
+        used = {r.snapshot_id for r in recs if r.state not in GONE}
+        used |= {r.runtime.get("origin") for r in recs if r.state not in GONE}
+        parents = {s.parent_id for s in snaps} | {
+            snapshot_ref(s).parent_id for s in snaps if "ref" in s.spec}
+        victims = [s for s in snaps if s.kind in ("pause", "fork")
+                   and s.sandbox_id not in alive and s.id not in used
+                   and s.id not in parents and snapshot_ref(s).snapshot_id not in parents]
+        if not victims:
+            return deleted
+        for snap in victims:
+            with contextlib.suppress(KeyError, LookupError):
+                await ctx.runtime.delete_snapshot(snapshot_ref(snap).snapshot_id)
+            await ctx.db(ctx.store.delete_snapshot, snap.id)
+            deleted.append(snap.id)

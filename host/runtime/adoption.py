@@ -1,0 +1,86 @@
+"""After a host-service restart: re-attach to live VMs (`adopt`) and remove what no known
+sandbox owns (`reap_orphans`): VMM processes, work dirs, stacks and namespaces."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+from host.contract import Placement
+from host.storage.errors import StorageError
+
+from .parts import NodeParts
+from .sandbox import RunningSandbox
+from .snapshots import release
+
+log = logging.getLogger(__name__)
+
+
+async def adopt(p: NodeParts, sandbox_id: str, facts: dict[str, Any]) -> Placement | None:
+    if sandbox_id in p.sandboxes:
+        return p.sandboxes[sandbox_id].placement()
+    mx = p.machines
+    vm = await mx.adopt_vm(sandbox_id, facts) if facts.get("mode") == mx.mode else None
+    if vm is None:
+        await mx.release_leftovers(sandbox_id, facts)
+        return None
+    try:
+        await p.block.client.info(str(facts["stack"]))
+        sb = RunningSandbox.from_facts(sandbox_id, vm, facts)
+    except (KeyError, TypeError, ValueError, StorageError) as exc:
+        log.warning("cannot adopt %s (%s): releasing it", sandbox_id, exc)
+        await mx.release_vm(vm)
+        await mx.release_leftovers(sandbox_id, facts)
+        return None
+    p.sandboxes[sandbox_id] = sb
+    return sb.placement()
+
+
+async def adopt_networks(p: NodeParts) -> None:
+    """Hand adopted sandboxes' namespaces to the NetworkManager (removing other
+    leftovers with our prefix that no live sandbox owns)."""
+    nm = p.machines.nm
+    if nm is None:
+        return
+    keep = {sid: sb.policy for sid, sb in p.sandboxes.items() if sid not in nm.networks}
+    await nm.recover(keep)
+
+
+async def kill(p: NodeParts, sandbox_id: str) -> None:
+    sb = p.sandboxes.get(sandbox_id)
+    if sb is None:
+        await p.machines.release_leftovers(sandbox_id, None)
+        return
+    async with sb.lock:
+        if p.sandboxes.get(sandbox_id) is sb:
+            await release(p, sb)
+
+
+async def reap_orphans(p: NodeParts, known: set[str]) -> list[str]:
+    reaped: set[str] = set()
+    for sid in list(p.sandboxes):
+        if sid not in known:
+            await kill(p, sid)
+            reaped.add(sid)
+    mx = p.machines
+    live = set(p.sandboxes) | p.busy
+    building = {f"tpl-{t}" for t in p.building}
+    vms_dir: Path = p.config.vms_dir
+    stale = {d.name for d in vms_dir.iterdir()} if vms_dir.is_dir() else set()
+    stale |= set((await asyncio.to_thread(mx.vmm.leftovers, vms_dir)).values())
+    for sid in sorted(stale - live - building):
+        await mx.release_leftovers(sid, None)
+        reaped.add(sid)
+    for info in await p.block.client.list():
+        if info.name.startswith("sbx-") and info.name[4:] not in live:
+            await mx.drop_stack(info.name)
+            reaped.add(info.name[4:])
+        elif info.name.startswith("tpl-") and info.name not in building:
+            await mx.drop_stack(info.name)
+    if mx.nm is not None:
+        before = {ex.sandbox_id for ex in await mx.nm.list_existing() if ex.sandbox_id}
+        await adopt_networks(p)
+        reaped |= {s for s in before if s not in live and not s.startswith("tpl-")}
+    return sorted(reaped)

@@ -1,0 +1,67 @@
+"""`NodeParts`: what one node's runtime is made of, handed to each operation module
+(templates, starts, snapshots, adoption) so none of them imports `NodeRuntime`."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from host.vmm.memsnap import MemSnapError, MemSnapshot
+
+from .blockd import BlockServerHandle
+from .config import RuntimeConfig
+from .errors import SandboxNotFoundError, SnapshotNotFoundError
+from .machines import Machines
+from .manifests import ManifestStore
+from .memory import MemoryFiles
+from .sandbox import RunningSandbox
+
+
+@dataclass
+class NodeParts:
+    config: RuntimeConfig
+    block: BlockServerHandle
+    machines: Machines
+    memory: MemoryFiles
+    manifests: ManifestStore
+    sandboxes: dict[str, RunningSandbox] = field(default_factory=dict)
+    busy: set[str] = field(default_factory=set)      # sandbox ids being started
+    building: set[str] = field(default_factory=set)  # template ids being built
+    last_timings: dict[str, float] = field(default_factory=dict)
+
+    def get(self, sandbox_id: str) -> RunningSandbox:
+        try:
+            return self.sandboxes[sandbox_id]
+        except KeyError:
+            raise SandboxNotFoundError(f"no sandbox {sandbox_id} on this node") from None
+
+    def pinned_memory(self) -> set[str]:
+        """Memory dirs this node needs locally now: live sandboxes' bases and diff chains,
+        templates being built, snapshots being written, files being fetched."""
+        live: list[Path] = []
+        for sb in self.sandboxes.values():
+            live += [p for p in (sb.base_dir, sb.memsnap_dir) if p is not None]
+            if sb.memsnap_dir is not None:
+                with contextlib.suppress(MemSnapError):
+                    live += list(MemSnapshot.load(sb.memsnap_dir).diffs)
+        return self.memory.pinned(live) | set(self.building)
+
+    async def committed(self, snapshot_id: str) -> bool:
+        try:
+            await self.manifests.get(snapshot_id)
+        except SnapshotNotFoundError:
+            return False
+        return True
+
+    async def trim_memory(self) -> None:
+        await self.memory.trim(self.pinned_memory(), self.committed)
+
+    async def gc_memory(self) -> set[str]:
+        """Remove local memory dirs nothing uses; returns the snapshot ids still used."""
+        manifests = await self.manifests.all()
+        used: set[str] = set(manifests) | self.pinned_memory()
+        for m in manifests.values():
+            used |= set(m.get("depends_on", ()))
+        await self.memory.gc(used)
+        return used

@@ -1,0 +1,188 @@
+"""Snapshots of running sandboxes (pause, fork, named snapshots) and their deletion.
+
+Memory and disk are cut at the same instant: the disk upper is sealed while the guest is
+stopped for the memory capture. A snapshot that keeps the sandbox running resumes it right
+after; the diff is written, the new layer pushed and the memory uploaded while the guest
+runs. Three kinds: an incremental memory diff (a VM restored from a base), a new frozen
+base (a cold-booted VM), or the disk alone (`memory=False`, a filesystem-only pause).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import shutil
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from host.contract import SnapshotRef
+from host.vmm.memsnap import BaseImage, MemSnapshot
+
+from .errors import NodeRuntimeError, SandboxNotFoundError, SnapshotNotFoundError
+from .manifests import VERSION
+from .parts import NodeParts
+from .sandbox import RunningSandbox, boot_of
+
+log = logging.getLogger(__name__)
+
+Seal = Callable[[], Awaitable[None]]
+
+
+async def snapshot(p: NodeParts, sandbox_id: str, snapshot_id: str, *, stop: bool,
+                   memory: bool) -> SnapshotRef:
+    sb = p.get(sandbox_id)
+    async with sb.lock:
+        if p.sandboxes.get(sandbox_id) is not sb:
+            raise SandboxNotFoundError(f"sandbox {sandbox_id} went away")
+        p.memory.writing.add(snapshot_id)
+        try:
+            ref = await _snapshot(p, sb, snapshot_id, stop=stop, memory=memory)
+        finally:
+            p.memory.writing.discard(snapshot_id)
+    await p.trim_memory()
+    return ref
+
+
+async def _snapshot(p: NodeParts, sb: RunningSandbox, snapshot_id: str, *, stop: bool,
+                    memory: bool) -> SnapshotRef:
+    t0 = time.perf_counter()
+    root = p.memory.dir / snapshot_id
+    if await p.committed(snapshot_id):
+        raise NodeRuntimeError(f"snapshot {snapshot_id} already exists")
+    if not memory and not stop:
+        raise NodeRuntimeError("a filesystem-only snapshot stops the sandbox (stop=True)")
+    if root.exists():  # leftovers of an uncommitted attempt
+        shutil.rmtree(root)
+    vm = sb.vm
+    timings: dict[str, float] = {}
+    sealed: list[str] = []
+
+    async def seal() -> None:
+        t = time.perf_counter()
+        sealed.append(await p.block.client.seal(sb.stack, upload=False))
+        timings["seal_s"] = time.perf_counter() - t
+
+    try:
+        t_stop = time.perf_counter()
+        if not memory:
+            await vm.pause()
+            await seal()
+            mem, new_memsnap, new_base = None, None, sb.base_dir
+        elif sb.scratch is not None:
+            mem, new_base = await _freeze(p, sb, root, seal, timings)
+            new_memsnap = None
+            if not stop:
+                await vm.resume()
+                timings["downtime_s"] = time.perf_counter() - t_stop
+        else:
+            mem, new_memsnap = await _incremental(p, sb, root, seal, stop, timings)
+            new_base = sb.base_dir
+        t_mem = time.perf_counter()
+        timings["memory_s"] = t_mem - t_stop
+        await p.block.client.push(sealed[0])
+        info = await p.block.client.info(sb.stack)
+        timings["push_s"] = time.perf_counter() - t_mem
+        if mem is not None:
+            t_up = time.perf_counter()
+            own = await p.memory.upload(root)
+            timings["upload_memory_s"] = time.perf_counter() - t_up
+            mem["files"] = sorted({*mem["files"], *own})
+        depends = p.memory.owners((mem or {}).get("files", ())) | {snapshot_id}
+        boot = sb.boot or boot_of(await p.manifests.get(sb.snapshot_id))  # old facts
+        m: dict[str, Any] = {
+            "version": VERSION, "kind": "snapshot" if mem else "disk",
+            "snapshot_id": snapshot_id, "created_at": time.time(),
+            "parent_id": sb.snapshot_id, "sandbox_id": sb.sandbox_id,
+            "machine": dataclasses.asdict(sb.machine), "network_mode": sb.mode, **boot,
+            "config_sha256": sb.config_sha256, "memory": mem,
+            "disk": {"layers": list(info.layers), "virtual_size": info.virtual_size},
+            "depends_on": sorted(depends),
+        }
+        timings["total_s"] = time.perf_counter() - t0
+        m["timings"] = {k: round(v, 4) for k, v in timings.items()}
+        await p.manifests.put(snapshot_id, m)  # the commit point
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        await _after_failure(p, sb, stop=stop)
+        raise
+    p.last_timings = timings
+    if stop:
+        await release(p, sb)
+    else:
+        sb.base_dir, sb.memsnap_dir = new_base, new_memsnap
+        sb.snapshot_id = snapshot_id
+    return SnapshotRef(snapshot_id, sb.machine, m["created_at"], m["parent_id"], m)
+
+
+async def _after_failure(p: NodeParts, sb: RunningSandbox, *, stop: bool) -> None:
+    """A failed snapshot leaves the guest running if its VM lives (a pause that failed
+    keeps the sandbox running); a VM that died meanwhile is released."""
+    dead = not sb.vm.alive()
+    if not dead:
+        try:
+            await sb.vm.resume()
+        except Exception:  # noqa: BLE001 - control channel gone: the sandbox is unusable
+            dead = True
+    if dead:
+        log.warning("sandbox %s: the VM died during a snapshot: releasing it", sb.sandbox_id)
+        await release(p, sb)
+
+
+async def _incremental(p: NodeParts, sb: RunningSandbox, root: Path, seal: Seal, stop: bool,
+                       timings: dict[str, float]) -> tuple[dict[str, Any], Path]:
+    """Memory diff against the restored chain (the VM maps its base privately)."""
+    assert sb.base_dir is not None
+    mem = p.memory
+    base = await asyncio.to_thread(BaseImage.load, sb.base_dir)
+    parent = (await asyncio.to_thread(MemSnapshot.load, sb.memsnap_dir)
+              if sb.memsnap_dir is not None else None)
+    snap = await sb.vm.snapshot_memory(root / "mem", base=base, parent=parent,
+                                       resume=not stop, max_chain=p.config.max_chain,
+                                       while_stopped=seal)
+    timings.update({"downtime_s": snap.stats.get("downtime_ms", 0.0) / 1e3,
+                    "diff_pages": float(snap.stats.get("diff_pages", 0)),
+                    "chain_len": float(snap.stats.get("chain_len", 0))})
+    base_files = [mem.rel(f) for f in base.dir.iterdir() if f.is_file()]
+    return ({"base_dir": mem.rel(base.dir), "base_id": base.id,
+             "snapshot_dir": mem.rel(snap.dir), "devstate": mem.rel(snap.devstate),
+             "diffs": [mem.rel(d) for d in snap.diffs],
+             "files": [*base_files, *(mem.rel(d) for d in snap.diffs)]}, snap.dir)
+
+
+async def _freeze(p: NodeParts, sb: RunningSandbox, root: Path, seal: Seal,
+                  timings: dict[str, float]) -> tuple[dict[str, Any], Path]:
+    """A cold-booted VM (RAM in a share=on file) has no base to diff against: freeze a
+    new one from its RAM (a full copy, like a template build). Leaves it paused."""
+    t = time.perf_counter()
+    base = await sb.vm.freeze_memory(root / "base")
+    timings["freeze_s"] = time.perf_counter() - t
+    await seal()
+    mem = p.memory
+    return ({"base_dir": mem.rel(base.dir), "base_id": base.id, "snapshot_dir": None,
+             "devstate": mem.rel(base.template_path), "files": []}, base.dir)
+
+
+async def release(p: NodeParts, sb: RunningSandbox) -> None:
+    """Forget the sandbox and release its VM, network and stack."""
+    p.sandboxes.pop(sb.sandbox_id, None)
+    mx = p.machines
+    await mx.release_vm(sb.vm)
+    await mx.drop_net(sb.sandbox_id)
+    with contextlib.suppress(Exception):
+        await mx.drop_stack(sb.stack)
+
+
+async def delete(p: NodeParts, snapshot_id: str) -> None:
+    """Remove the manifest, then every memory dir (local and in the repository) no
+    manifest or live sandbox uses. Disk layers stay in the repository (no layer GC in
+    host/storage yet)."""
+    gone: set[str] = {snapshot_id}
+    with contextlib.suppress(SnapshotNotFoundError):
+        gone |= set((await p.manifests.get(snapshot_id)).get("depends_on", ()))
+    await p.manifests.delete(snapshot_id)
+    used = await p.gc_memory()
+    await p.memory.delete_remote(gone - used)

@@ -1,0 +1,76 @@
+"""Memory snapshots of QEMU VMs through memsnap: freeze a base, capture a diff, restore.
+
+The QEMU driver's `freeze_memory`, `snapshot_memory` and `restore_memory` are these
+functions over the VM's QMP client and pid. memsnap errors become `VmmSnapshotError`
+here, at the driver boundary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import VmmError, VmmSnapshotError
+from .memsnap import (
+    BaseImage,
+    MemSnapError,
+    MemSnapshot,
+    freeze_base,
+    restore_base_into,
+    restore_into,
+    snapshot_incremental,
+)
+
+if TYPE_CHECKING:
+    from .qemu import QemuVm
+
+
+@contextlib.contextmanager
+def _mapped(what: str) -> Iterator[None]:
+    try:
+        yield
+    except MemSnapError as exc:
+        raise VmmSnapshotError(f"{what}: {exc}") from exc
+
+
+def check_restore_spec(vm: QemuVm, base: BaseImage) -> None:
+    mem = vm.spec.memory
+    if mem is None or mem.shared or os.path.realpath(mem.path) != os.path.realpath(
+            base.mem_path):
+        raise VmmError(f"{vm.spec.name}: restoring a memory snapshot needs "
+                       f"MemoryBacking(path={base.mem_path}, shared=False)")
+
+
+async def restore(vm: QemuVm, qmp: Any, pid: int, base: BaseImage,
+                  snapshot: MemSnapshot | None, *, resume: bool) -> dict[str, float]:
+    """Load `base` (+ `snapshot`'s chain) into a QEMU started with `-incoming defer -S`."""
+    with _mapped(f"{vm.spec.name}: restore from {snapshot.dir if snapshot else base.dir}"):
+        if snapshot is None:
+            ms = await restore_base_into(qmp, pid, base.mem_path, base, resume=resume)
+            return {"restore_ms": ms}
+        stats = await restore_into(qmp, pid, base.mem_path, snapshot, base,
+                                   config_sha256=bytes.fromhex(vm.config_sha256),
+                                   resume=resume)
+        return {"restore_ms": stats.total_ms, "inject_ms": stats.inject_ms,
+                "pages": float(stats.pages)}
+
+
+async def freeze(vm: QemuVm, qmp: Any, dest: Path) -> BaseImage:
+    mem = vm.spec.memory
+    if mem is None or not mem.shared:
+        raise VmmError(f"{vm.spec.name}: freezing memory needs RAM in a shared file")
+    with _mapped(f"{vm.spec.name}: freezing memory into {dest}"):
+        return await freeze_base(qmp, mem.path, dest)
+
+
+async def capture(vm: QemuVm, qmp: Any, pid: int, dest: Path, *, base: BaseImage,
+                  parent: MemSnapshot | None, resume: bool, max_chain: int,
+                  while_stopped: Callable[[], Awaitable[None]] | None) -> MemSnapshot:
+    with _mapped(f"{vm.spec.name}: memory snapshot into {dest}"):
+        return await snapshot_incremental(
+            qmp, pid, base.mem_path, base, dest,
+            config_sha256=bytes.fromhex(vm.config_sha256), parent=parent,
+            max_chain=max_chain, resume=resume, while_stopped=while_stopped)
