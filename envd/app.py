@@ -13,7 +13,7 @@ from starlette.routing import Mount
 from . import http, rpc
 from .config import EnvdConfig
 from .services.filesystem import FilesystemService
-from .services.process import ProcessService
+from .services.process import ProcessService, terminal_route
 from .spec.filesystem.filesystem_connect import FilesystemASGIApplication
 from .spec.process.process_connect import ProcessASGIApplication
 from .state import Defaults
@@ -42,7 +42,7 @@ def build_app(config: EnvdConfig | None = None) -> Starlette:
 
     routes = [
         *http.routes(defaults, config),
-        processes.terminal_route(),
+        terminal_route(processes.table, defaults),
         Mount("/process.Process", ProcessASGIApplication(
             processes, interceptors=interceptors, read_max_bytes=config.read_max_bytes,
             codecs=rpc.codecs())),

@@ -22,7 +22,7 @@ BUILD="$REPO/build/freeze-envd"
 # Runtime deps of envd (from pyproject.toml) + the freezing tools.
 REQS=(
   "connectrpc>=0.12.1,<0.13" "protobuf-py>=0.6.0,<0.7" "starlette>=0.40" "uvicorn>=0.30"
-  "websockets>=12" "psutil>=5.9"
+  "websockets>=12" "psutil>=5.9" "python-multipart>=0.0.34" "inotify_simple>=2.0"
   "pyinstaller>=6.5" "staticx>=0.14"
 )
 

@@ -11,12 +11,13 @@ from starlette.routing import BaseRoute, Route
 from ..config import EnvdConfig
 from ..state import Defaults
 from .access import token_required
+from .download import download_endpoint
 from .envs import envs_endpoint
 from .errors import HTTPError, json_error
-from .files import download_endpoint, upload_endpoint
 from .health import health
 from .init import init_endpoint
 from .metrics import metrics
+from .upload import upload_endpoint
 
 
 def routes(defaults: Defaults, config: EnvdConfig) -> list[BaseRoute]:

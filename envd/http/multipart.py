@@ -1,19 +1,29 @@
-"""Streaming `multipart/form-data` parser that keeps part filenames verbatim.
+"""Streaming `multipart/form-data` for POST /files, keeping part filenames verbatim.
 
-Upload part filenames are full destination paths (`/home/user/a.txt`); generic
-parsers may reduce them to a basename, and starlette's form parsing buffers parts
-in spooled temp files. This one is fed raw body chunks and emits events as soon as
-bytes arrive, so a part streams straight into its destination temp file.
+The body is parsed by python-multipart's low-level callback parser
+(`python_multipart.MultipartParser`): it finds boundaries and header lines and hands
+over part bytes as they arrive, so a part streams straight into its destination temp
+file. Its higher-level helpers are not used: `FormParser` spools parts to temp files,
+and `parse_options_header` drops RFC 5987 `filename*` values and reduces Windows-style
+paths to a basename, while upload part filenames are full destination paths
+(`/home/user/a.txt`). Header parameters are parsed with the standard library's
+`email.message` instead, which keeps them whole.
 """
 
 from __future__ import annotations
 
-import re
-import urllib.parse
+import email.message
+import email.utils
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
+from typing import Any
 
+import python_multipart
+from python_multipart.exceptions import FormParserError
+
+# Per header line of a part (a Content-Disposition with a PATH_MAX filename fits).
 MAX_HEADER_BYTES = 16 * 1024
+MAX_HEADER_COUNT = 16
 
 
 class MultipartError(ValueError):
@@ -39,8 +49,6 @@ class PartEnd:
 
 Event = PartStart | PartData | PartEnd
 
-_PARAM = re.compile(r';\s*([^\s=;]+)\s*=\s*("(?:[^"\\]|\\.)*"|[^;]*)')
-
 
 def parse_header_params(value: str) -> tuple[str, dict[str, str]]:
     """`form-data; name="file"; filename="/a b"` → ("form-data", {"name": ..., ...}).
@@ -48,25 +56,19 @@ def parse_header_params(value: str) -> tuple[str, dict[str, str]]:
     Quoted strings are unescaped (`\\"` → `"`); RFC 5987 `key*=utf-8''%2F..` values
     are decoded and win over the plain `key`.
     """
-    main, _, rest = value.partition(";")
+    header = email.message.Message()
+    header["value"] = value
+    (kind, _), *rest = header.get_params(header="value") or [("", "")]
     params: dict[str, str] = {}
-    extended: dict[str, str] = {}
-    for m in _PARAM.finditer(";" + rest):
-        key, raw = m.group(1).lower(), m.group(2).strip()
-        if raw.startswith('"') and raw.endswith('"') and len(raw) >= 2:
-            raw = re.sub(r"\\(.)", r"\1", raw[1:-1])
-        if key.endswith("*"):
-            charset, _, encoded = raw.partition("'")
-            _, _, encoded = encoded.partition("'")
-            try:
-                extended[key[:-1]] = urllib.parse.unquote(encoded, encoding=charset or "utf-8",
-                                                          errors="strict")
-            except (LookupError, UnicodeDecodeError):
-                raise MultipartError(f"bad extended parameter {key}") from None
-        else:
+    extended: set[str] = set()
+    for key, raw in rest:
+        key = key.lower()
+        if isinstance(raw, tuple):  # RFC 2231/5987: (charset, language, %-decoded value)
+            params[key] = email.utils.collapse_rfc2231_value(raw)
+            extended.add(key)
+        elif key not in extended:
             params[key] = raw
-    params.update(extended)
-    return main.strip().lower(), params
+    return kind.strip().lower(), params
 
 
 def _decode_header(raw: bytes) -> str:
@@ -76,103 +78,68 @@ def _decode_header(raw: bytes) -> str:
         return raw.decode("latin-1")
 
 
-class _State(Enum):
-    PREAMBLE = 1
-    AFTER_BOUNDARY = 2
-    HEADERS = 3
-    BODY = 4
-    DONE = 5
-
-
 class MultipartParser:
     """Incremental parser: `feed(chunk)` returns events; `close()` checks completeness."""
 
     def __init__(self, boundary: str) -> None:
-        if not boundary or len(boundary) > 200:
-            raise MultipartError("invalid multipart boundary")
-        self._delimiter = b"--" + boundary.encode("latin-1")
-        self._body_marker = b"\r\n" + self._delimiter
-        self._buf = b""
-        self._state = _State.PREAMBLE
+        self._events: list[Event] = []
+        self._headers: dict[str, str] = {}
+        self._field = bytearray()
+        self._value = bytearray()
+        self._done = False
+        callbacks: dict[str, Callable[..., Any]] = {
+            "on_part_begin": self._on_part_begin,
+            "on_header_field": self._on_header_field,
+            "on_header_value": self._on_header_value,
+            "on_header_end": self._on_header_end,
+            "on_headers_finished": self._on_headers_finished,
+            "on_part_data": self._on_part_data,
+            "on_part_end": self._on_part_end,
+            "on_end": self._on_end,
+        }
+        try:
+            if not boundary:
+                raise MultipartError("empty multipart boundary")
+            self._parser = python_multipart.MultipartParser(
+                boundary.encode("latin-1"), callbacks,  # type: ignore[arg-type]
+                max_header_count=MAX_HEADER_COUNT, max_header_size=MAX_HEADER_BYTES)
+        except (FormParserError, UnicodeEncodeError):
+            raise MultipartError("invalid multipart boundary") from None
 
     @property
     def done(self) -> bool:
-        return self._state is _State.DONE
+        return self._done
 
     def feed(self, chunk: bytes) -> list[Event]:
-        self._buf += chunk
-        events: list[Event] = []
-        while True:
-            progressed = self._step(events)
-            if not progressed:
-                return events
+        try:
+            self._parser.write(chunk)
+        except FormParserError as exc:
+            raise MultipartError(str(exc)) from None
+        events, self._events = self._events, []
+        return events
 
     def close(self) -> None:
-        if self._state is not _State.DONE:
+        if not self._done:
             raise MultipartError("multipart body ended before the closing boundary")
 
-    def _step(self, events: list[Event]) -> bool:
-        buf = self._buf
-        if self._state is _State.PREAMBLE:
-            idx = buf.find(self._delimiter)
-            if idx < 0:
-                self._buf = buf[-len(self._delimiter):]
-                return False
-            self._buf = buf[idx + len(self._delimiter):]
-            self._state = _State.AFTER_BOUNDARY
-            return True
-        if self._state is _State.AFTER_BOUNDARY:
-            stripped = buf.lstrip(b" \t")  # transport padding
-            if len(stripped) < 2:
-                return False
-            if stripped.startswith(b"--"):
-                self._state, self._buf = _State.DONE, b""
-                return False
-            if not stripped.startswith(b"\r\n"):
-                raise MultipartError("malformed multipart boundary line")
-            self._buf = stripped[2:]
-            self._state = _State.HEADERS
-            return True
-        if self._state is _State.HEADERS:
-            if buf.startswith(b"\r\n"):
-                head, self._buf = b"", buf[2:]
-            else:
-                idx = buf.find(b"\r\n\r\n")
-                if idx < 0:
-                    if len(buf) > MAX_HEADER_BYTES:
-                        raise MultipartError("multipart part headers too large")
-                    return False
-                head, self._buf = buf[:idx], buf[idx + 4:]
-            events.append(self._part_start(head))
-            self._state = _State.BODY
-            return True
-        if self._state is _State.BODY:
-            idx = buf.find(self._body_marker)
-            if idx < 0:
-                keep = len(self._body_marker) - 1
-                if len(buf) > keep:
-                    events.append(PartData(buf[:-keep]))
-                    self._buf = buf[-keep:]
-                return False
-            if idx:
-                events.append(PartData(buf[:idx]))
-            events.append(PartEnd())
-            self._buf = buf[idx + len(self._body_marker):]
-            self._state = _State.AFTER_BOUNDARY
-            return True
-        self._buf = b""  # DONE: ignore the epilogue
-        return False
+    # -- python-multipart callbacks ------------------------------------------------
+    def _on_part_begin(self) -> None:
+        self._headers = {}
 
-    @staticmethod
-    def _part_start(head: bytes) -> PartStart:
-        part = PartStart()
-        for line in head.split(b"\r\n"):
-            if not line:
-                continue
-            name, sep, value = line.partition(b":")
-            if not sep:
-                raise MultipartError("malformed multipart part header")
-            part.headers[_decode_header(name).strip().lower()] = _decode_header(value).strip()
+    def _on_header_field(self, data: bytes, start: int, end: int) -> None:
+        self._field += data[start:end]
+
+    def _on_header_value(self, data: bytes, start: int, end: int) -> None:
+        self._value += data[start:end]
+
+    def _on_header_end(self) -> None:
+        name = _decode_header(bytes(self._field)).strip().lower()
+        self._headers[name] = _decode_header(bytes(self._value)).strip()
+        self._field.clear()
+        self._value.clear()
+
+    def _on_headers_finished(self) -> None:
+        part = PartStart(headers=self._headers)
         disposition = part.headers.get("content-disposition")
         if disposition is not None:
             kind, params = parse_header_params(disposition)
@@ -180,4 +147,13 @@ class MultipartParser:
                 raise MultipartError(f"unexpected content disposition '{kind}'")
             part.name = params.get("name")
             part.filename = params.get("filename")
-        return part
+        self._events.append(part)
+
+    def _on_part_data(self, data: bytes, start: int, end: int) -> None:
+        self._events.append(PartData(data[start:end]))
+
+    def _on_part_end(self) -> None:
+        self._events.append(PartEnd())
+
+    def _on_end(self) -> None:
+        self._done = True

@@ -97,7 +97,7 @@ class QemuDriver(DriverBase["QemuVm"]):
         timeouts: BootTimeouts | None = None, resume: bool = True,
     ) -> QemuVm:
         vm = self._new_vm(spec, timeouts)
-        qemu_memory.check_restore_spec(vm, base)
+        qemu_memory.check_restore_spec(spec.name, spec.memory, base)
         await vm._start(state_file=None, resume=resume, memory=(base, snapshot))
         return vm
 
@@ -186,8 +186,9 @@ class QemuVm(VmBase):
             await self._launch(tsc_khz, incoming=state_file is not None or memory is not None)
             if memory is not None:
                 assert self._qmp is not None and self._proc is not None
-                self.restore_stats = await qemu_memory.restore(self, self._qmp, self._proc.pid,
-                                                          *memory, resume=resume)
+                self.restore_stats = await qemu_memory.restore(
+                    self._spec.name, self.config_sha256, self._qmp, self._proc.pid, *memory,
+                    resume=resume)
                 self._state = VmState.RUNNING if resume else VmState.PAUSED
             elif state_file is None:
                 self._state = VmState.RUNNING
@@ -324,7 +325,8 @@ class QemuVm(VmBase):
         self._require(VmState.RUNNING, VmState.PAUSED)
         assert self._qmp is not None
         self._state = VmState.PAUSED  # freezing stops the vCPUs first, even if it fails
-        return await qemu_memory.freeze(self, self._qmp, dest)
+        return await qemu_memory.freeze(self._spec.name, self._spec.memory, self._qmp,
+                                        dest)
 
     async def snapshot_memory(
         self, dest: Path, *, base: BaseImage, parent: MemSnapshot | None,
@@ -334,9 +336,10 @@ class QemuVm(VmBase):
         self._require(VmState.RUNNING, VmState.PAUSED)
         assert self._qmp is not None and self._proc is not None
         try:
-            snap = await qemu_memory.capture(self, self._qmp, self._proc.pid, dest, base=base,
-                                        parent=parent, resume=resume, max_chain=max_chain,
-                                        while_stopped=while_stopped)
+            snap = await qemu_memory.capture(
+                self._spec.name, self.config_sha256, self._qmp, self._proc.pid, dest,
+                base=base, parent=parent, resume=resume, max_chain=max_chain,
+                while_stopped=while_stopped)
         except BaseException:
             # the vCPUs may be stopped: make a later resume() send `cont`
             self._state = VmState.PAUSED

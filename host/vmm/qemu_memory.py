@@ -11,8 +11,9 @@ import contextlib
 import os
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .driver import MemoryBacking
 from .errors import VmmError, VmmSnapshotError
 from .memsnap import (
     BaseImage,
@@ -24,9 +25,6 @@ from .memsnap import (
     snapshot_incremental,
 )
 
-if TYPE_CHECKING:
-    from .qemu import QemuVm
-
 
 @contextlib.contextmanager
 def _mapped(what: str) -> Iterator[None]:
@@ -36,41 +34,40 @@ def _mapped(what: str) -> Iterator[None]:
         raise VmmSnapshotError(f"{what}: {exc}") from exc
 
 
-def check_restore_spec(vm: QemuVm, base: BaseImage) -> None:
-    mem = vm.spec.memory
+def check_restore_spec(name: str, mem: MemoryBacking | None, base: BaseImage) -> None:
     if mem is None or mem.shared or os.path.realpath(mem.path) != os.path.realpath(
             base.mem_path):
-        raise VmmError(f"{vm.spec.name}: restoring a memory snapshot needs "
+        raise VmmError(f"{name}: restoring a memory snapshot needs "
                        f"MemoryBacking(path={base.mem_path}, shared=False)")
 
 
-async def restore(vm: QemuVm, qmp: Any, pid: int, base: BaseImage,
+async def restore(name: str, config_sha256: str, qmp: Any, pid: int, base: BaseImage,
                   snapshot: MemSnapshot | None, *, resume: bool) -> dict[str, float]:
     """Load `base` (+ `snapshot`'s chain) into a QEMU started with `-incoming defer -S`."""
-    with _mapped(f"{vm.spec.name}: restore from {snapshot.dir if snapshot else base.dir}"):
+    with _mapped(f"{name}: restore from {snapshot.dir if snapshot else base.dir}"):
         if snapshot is None:
             ms = await restore_base_into(qmp, pid, base.mem_path, base, resume=resume)
             return {"restore_ms": ms}
         stats = await restore_into(qmp, pid, base.mem_path, snapshot, base,
-                                   config_sha256=bytes.fromhex(vm.config_sha256),
+                                   config_sha256=bytes.fromhex(config_sha256),
                                    resume=resume)
         return {"restore_ms": stats.total_ms, "inject_ms": stats.inject_ms,
                 "pages": float(stats.pages)}
 
 
-async def freeze(vm: QemuVm, qmp: Any, dest: Path) -> BaseImage:
-    mem = vm.spec.memory
+async def freeze(name: str, mem: MemoryBacking | None, qmp: Any, dest: Path) -> BaseImage:
     if mem is None or not mem.shared:
-        raise VmmError(f"{vm.spec.name}: freezing memory needs RAM in a shared file")
-    with _mapped(f"{vm.spec.name}: freezing memory into {dest}"):
+        raise VmmError(f"{name}: freezing memory needs RAM in a shared file")
+    with _mapped(f"{name}: freezing memory into {dest}"):
         return await freeze_base(qmp, mem.path, dest)
 
 
-async def capture(vm: QemuVm, qmp: Any, pid: int, dest: Path, *, base: BaseImage,
+async def capture(name: str, config_sha256: str, qmp: Any, pid: int, dest: Path, *,
+                  base: BaseImage,
                   parent: MemSnapshot | None, resume: bool, max_chain: int,
                   while_stopped: Callable[[], Awaitable[None]] | None) -> MemSnapshot:
-    with _mapped(f"{vm.spec.name}: memory snapshot into {dest}"):
+    with _mapped(f"{name}: memory snapshot into {dest}"):
         return await snapshot_incremental(
             qmp, pid, base.mem_path, base, dest,
-            config_sha256=bytes.fromhex(vm.config_sha256), parent=parent,
+            config_sha256=bytes.fromhex(config_sha256), parent=parent,
             max_chain=max_chain, resume=resume, while_stopped=while_stopped)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from envd.http.files import choose_encoding
+from envd.http.download import choose_encoding
 from envd.http.multipart import (
     MultipartError,
     MultipartParser,
@@ -95,3 +95,31 @@ def test_multipart_header_limit():
     parser = MultipartParser("b")
     with pytest.raises(MultipartError):
         parser.feed(b"--b\r\nX-Big: " + b"a" * 20_000)
+
+
+@pytest.mark.parametrize("filename", [
+    "/home/user/a;b c/é.txt",      # `;` and spaces inside the quotes, raw UTF-8
+    "C:\\dir\\x.txt",              # Windows-looking paths are not reduced to a basename
+    "\\\\server\\share\\y.txt",
+    "relative/dir/z.txt",
+])
+def test_multipart_filenames_stay_verbatim(filename):
+    quoted = filename.replace("\\", "\\\\")
+    body = (f'--b\r\nContent-Disposition: form-data; name="file"; filename="{quoted}"\r\n'
+            "\r\nx\r\n--b--\r\n").encode()
+    start, *_ = _parse(body, "b", 5)
+    assert isinstance(start, PartStart) and start.filename == filename
+
+
+def test_multipart_streams_part_data():
+    """Part bytes come out of the feed that brought them (minus a boundary-sized tail)."""
+    parser = MultipartParser("bnd")
+    head = b'--bnd\r\nContent-Disposition: form-data; name="file"; filename="/a"\r\n\r\n'
+    assert [type(e) for e in parser.feed(head)] == [PartStart]
+    chunk = b"\xab" * 65536
+    for _ in range(4):
+        emitted = sum(len(e.data) for e in parser.feed(chunk) if isinstance(e, PartData))
+        assert emitted >= len(chunk) - len(b"\r\n--bnd")
+    tail = parser.feed(b"\r\n--bnd--\r\n")
+    assert isinstance(tail[-1], PartEnd) and parser.done
+    parser.close()

@@ -1,4 +1,4 @@
-"""process.Process: start, attach to, feed and signal processes (with PTYs)."""
+"""process.Process: start, attach to, feed and signal processes (with PTYs); /terminal."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from .fanout import Fanout, SubscriberDropped, Subscription
 from .proc import ExitStatus, Proc, ProcessStateError, SpawnSpec
 from .service import ProcessService
 from .table import ProcessNotFound, ProcessTable
+from .terminal import terminal_route
 
 __all__ = [
     "ExitStatus",
@@ -18,4 +19,5 @@ __all__ = [
     "SpawnSpec",
     "SubscriberDropped",
     "Subscription",
+    "terminal_route",
 ]

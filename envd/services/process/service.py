@@ -189,10 +189,6 @@ class ProcessService(Process):
                 raise ConnectError(Code.INVALID_ARGUMENT, "input (stdin or pty) is required")
 
     # -- lifecycle ------------------------------------------------------------------
-    def terminal_route(self):  # type: ignore[no-untyped-def]
-        from .terminal import terminal_route
-        return terminal_route(self)
-
     async def aclose(self) -> None:
         await self.table.aclose()
 

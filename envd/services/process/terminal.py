@@ -18,20 +18,19 @@ import asyncio
 import contextlib
 import json
 import signal
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from connectrpc.errors import ConnectError
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
 
 from ...auth import AuthError, basic_auth_user, token_matches
+from ...state import Defaults
 from ...users import UnknownUserError, User
 from .fanout import Subscription
 from .launch import process_env, resolve_cwd
 from .proc import ExitStatus, Output, Proc, SpawnSpec
-
-if TYPE_CHECKING:
-    from .service import ProcessService
+from .table import ProcessTable
 
 CLOSE_UNAUTHORIZED = 4401
 CLOSE_BAD_REQUEST = 4400
@@ -55,8 +54,7 @@ def _int_param(ws: WebSocket, name: str, default: int) -> int:
     return value
 
 
-def terminal_spec(ws: WebSocket, service: ProcessService) -> SpawnSpec:
-    defaults = service.defaults
+def terminal_spec(ws: WebSocket, defaults: Defaults) -> SpawnSpec:
     try:
         name = (ws.query_params.get("user")
                 or basic_auth_user(ws.headers.get("authorization")) or defaults.user)
@@ -108,16 +106,18 @@ async def _pump_input(ws: WebSocket, proc: Proc) -> None:
             return
 
 
-def terminal_route(service: ProcessService) -> WebSocketRoute:
+def terminal_route(table: ProcessTable, defaults: Defaults) -> WebSocketRoute:
+    """The `/terminal` WebSocket route; its processes live in `table` (the one the
+    process.Process service uses, so List/SendSignal see terminals too)."""
     async def terminal(ws: WebSocket) -> None:
         presented = ws.headers.get("x-access-token") or ws.query_params.get("access_token")
         await ws.accept()
-        if not token_matches(service.defaults, presented):
+        if not token_matches(defaults, presented):
             await ws.close(code=CLOSE_UNAUTHORIZED, reason="unauthorized")
             return
         try:
-            spec = terminal_spec(ws, service)
-            proc, sub = await service.table.spawn(spec)
+            spec = terminal_spec(ws, defaults)
+            proc, sub = await table.spawn(spec)
         except (TerminalRequestError, OSError) as exc:
             await ws.close(code=CLOSE_BAD_REQUEST, reason=str(exc)[:120])
             return
@@ -142,4 +142,4 @@ def terminal_route(service: ProcessService) -> WebSocketRoute:
     return WebSocketRoute("/terminal", terminal)
 
 
-__all__ = ["terminal_route"]
+__all__ = ["TerminalRequestError", "terminal_route", "terminal_spec"]
