@@ -56,7 +56,7 @@ async def bench_size(rt: NodeRuntime, mem_mib: int, args: argparse.Namespace) ->
     t = tpl.facts["timings"]
     res["template_build_s"] = time.perf_counter() - t0
     res["cold_boot_s"] = t["cold_boot_s"]
-    res["cold_qmp_ready_s"] = t["qmp_ready_s"]
+    res["cold_qmp_ready_s"] = t["vmm_ready_s"]
     snaps: list[str] = []
 
     # pause / resume cycles
@@ -75,7 +75,7 @@ async def bench_size(rt: NodeRuntime, mem_mib: int, args: argparse.Namespace) ->
             t0 = time.perf_counter()
             p = await rt.start(sid, ref, NET)
             resume.append(time.perf_counter() - t0)
-            qmp_ready.append(p.facts["timings"]["qmp_ready_s"])
+            qmp_ready.append(p.facts["timings"]["vmm_ready_s"])
             restore.append(p.facts["timings"]["restore_s"])
     finally:
         await rt.kill(sid)

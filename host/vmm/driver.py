@@ -208,6 +208,11 @@ class Vm(Protocol):
         """Write a snapshot of CPU/device state (and RAM unless it lives in a shared
         memory file) to `dest`. The VM is left PAUSED; `resume()` to continue."""
 
+    @property
+    def start_timings(self) -> dict[str, float]:
+        """Stages of this VM's start in seconds: `vmm_ready_s` (spawn -> control socket
+        answers) and, for restores, `restore_s` (memory + device state loaded)."""
+
     def alive(self) -> bool:
         """Whether the VMM process still runs (False once it exited by itself or was
         killed). Cheap: no control-channel round trip."""

@@ -89,6 +89,10 @@ class FakeVm:
         Path(dest).write_text(f"fake-state {self._spec.name}\n")
         self.saved_to.append(Path(dest))
 
+    @property
+    def start_timings(self) -> dict[str, float]:
+        return {"vmm_ready_s": 0.0}
+
     def alive(self) -> bool:
         return self._state in (VmState.RUNNING, VmState.PAUSED)
 

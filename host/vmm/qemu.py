@@ -315,6 +315,13 @@ class QemuVm(VmBase):
             self._config_sha256 = self._driver.config_digest(self._spec)
         return self._config_sha256
 
+    @property
+    def start_timings(self) -> dict[str, float]:
+        t = {"vmm_ready_s": self.qmp_ready_s or 0.0}
+        if "restore_ms" in self.restore_stats:
+            t["restore_s"] = self.restore_stats["restore_ms"] / 1e3
+        return t
+
     def alive(self) -> bool:
         return self._proc is not None and self._proc.returncode is None and \
             procscan.pid_alive(self._proc.pid)
