@@ -24,6 +24,8 @@ from host.orchestrator.errors import (
     StateConflict,
 )
 
+from .models import Error
+
 log = logging.getLogger(__name__)
 
 
@@ -68,11 +70,10 @@ def status_of(exc: Exception) -> int:
 
 
 def error_response(status: int, message: str, error_code: str | None = None) -> JSONResponse:
-    body: dict[str, object] = {"code": status, "message": message}
-    if error_code:
-        body["error_code"] = error_code
+    body = (Error(code=status, message=message, error_code=error_code) if error_code
+            else Error(code=status, message=message))  # no error_code member when none
     headers = {"Should-Retry": "false"} if status >= 500 and status not in _TRANSIENT else None
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(body.wire(), status_code=status, headers=headers)
 
 
 def response_for(exc: Exception) -> JSONResponse:

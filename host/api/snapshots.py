@@ -3,42 +3,35 @@
 from __future__ import annotations
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
-from . import parse, serialize
-from .sandboxes import handler, no_content, orch, sandbox_id
-
-
-@handler
-async def create(request: Request) -> Response:
-    body = await parse.json_body(request, required=False)
-    name = parse.opt_str(body, "name")
-    parse.opt_bool(body, "memory")
-    info = await orch(request).snapshot(sandbox_id(request), name or None)
-    return JSONResponse(serialize.snapshot(info), status_code=201)
+from . import convert
+from . import models as m
+from .sandboxes import no_content, orch, reply, sandbox_id
+from .types import encode_cursor
 
 
-@handler
-async def list_all(request: Request) -> Response:
-    q = request.query_params
-    limit = parse.query_int(q.get("limit"), "limit", lo=1, hi=parse.MAX_LIST_LIMIT,
-                            default=parse.MAX_LIST_LIMIT)
-    cursor = parse.decode_cursor(q.get("nextToken"))
-    items = await orch(request).list_snapshots(q.get("sandboxID") or None, q.get("name") or None)
+async def create(request: Request, *, body: m.SandboxSnapshotRequest) -> Response:
+    info = await orch(request).snapshot(sandbox_id(request), body.name or None)
+    return reply(convert.snapshot(info), 201)
+
+
+async def list_all(request: Request, *, query: m.ListSnapshotsQuery) -> Response:
+    items = await orch(request).list_snapshots(query.sandbox_id, query.name)
     ordered = sorted(items, key=lambda s: (s.created_at, s.snapshot_id), reverse=True)
-    if cursor is not None:
+    if query.next_token is not None:
+        cursor = query.next_token
         ordered = [s for s in ordered if (s.created_at, s.snapshot_id) < cursor]
-    page = ordered[:limit]
+    page = ordered[:query.limit]
     headers = None
-    if len(ordered) > limit:
-        headers = {"X-Next-Token": parse.encode_cursor(page[-1].created_at, page[-1].snapshot_id)}
-    return JSONResponse([serialize.snapshot(s) for s in page], headers=headers)
+    if len(ordered) > query.limit:
+        headers = {"X-Next-Token": encode_cursor(page[-1].created_at, page[-1].snapshot_id)}
+    return reply([convert.snapshot(s) for s in page], headers=headers)
 
 
-@handler
 async def delete_template(request: Request) -> Response:
     # The route uses the `path` convertor: the server already decoded %2F and %3A, so
     # `team%2Fsnap%3Adefault` arrives here as `team/snap:default` (decoded after routing).
-    template_id = str(request.path_params["template_id"])
+    template_id = str(request.path_params["templateID"])
     await orch(request).delete_snapshot(template_id)
     return no_content()

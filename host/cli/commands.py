@@ -1,97 +1,27 @@
-"""The `aenv` click commands: thin wrappers over rest.ApiClient, envd.Envd and terminal."""
+"""The `aenv` click group and its REST commands: thin wrappers over rest.ApiClient; the
+commands inside a sandbox (envd) are in guest.py."""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
-from typing import Any
+from collections.abc import Sequence
 
 import click
 
-from .envd import Envd, shell_command
-from .errors import EXIT_GENERIC, CliError
-from .rest import ApiClient
-
-DEFAULT_API_URL = "http://127.0.0.1:3000"
-DEFAULT_SANDBOX_URL = "http://127.0.0.1:3001"
-# The service keeps its keys in <state dir>/api_keys (host/config.py, host/api/auth.py);
-# duplicated here so that the CLI does not import the service.
-DEFAULT_STATE_DIR = "/var/lib/aenv"
-
-
-def key_from_file() -> str | None:
-    """The first key in the service's key file, if this user may read it."""
-    path = Path(os.environ.get("AENV_STATE_DIR") or DEFAULT_STATE_DIR) / "api_keys"
-    try:
-        text = path.read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            return line
-    return None
-
-
-@dataclass
-class Settings:
-    api_url: str
-    api_key: str | None
-    sandbox_url: str
-    key_given: bool = False
-    _api: ApiClient | None = field(default=None, repr=False)
-
-    @property
-    def api(self) -> ApiClient:
-        if self._api is None:
-            self._api = ApiClient(self.api_url, self.api_key)
-        return self._api
-
-    def envd(self, sandbox_id: str) -> Envd:
-        """envd of a sandbox; GET /sandboxes/{id} supplies its access token (404 -> exit 4)."""
-        info = self.api.get(sandbox_id)
-        return Envd(self.sandbox_url, sandbox_id, info.get("envdAccessToken"))
-
-    def close(self) -> None:
-        if self._api is not None:
-            self._api.close()
-
-
-class AenvGroup(click.Group):
-    """Expected errors leave as one line on stderr with their exit code, no traceback."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except CliError as exc:
-            message = exc.message
-            given = isinstance(ctx.obj, Settings) and ctx.obj.key_given
-            if getattr(exc, "status", None) == 401 and not given:
-                message += " (pass --api-key or set AENV_API_KEY)"
-            click.echo(f"aenv: {message}", err=True)
-            ctx.exit(exc.exit_code)
-
-
-def pairs(values: Iterable[str], what: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in values:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint=what)
-        out[key] = value
-    return out
-
-
-def settings(ctx: click.Context) -> Settings:
-    return ctx.find_object(Settings)  # type: ignore[return-value]
-
-
-def emit_json(value: Any) -> None:
-    click.echo(json.dumps(value, indent=2, sort_keys=True))
+from . import guest
+from .context import (
+    DEFAULT_API_URL,
+    DEFAULT_SANDBOX_URL,
+    AenvGroup,
+    Settings,
+    emit_json,
+    key_from_file,
+    pairs,
+    rfc3339,
+    settings,
+)
+from .errors import EXIT_GENERIC
 
 
 @click.group(cls=AenvGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -128,9 +58,9 @@ def start(ctx: click.Context, template: str, timeout_s: int, envs: Sequence[str]
             "metadata": pairs(metadata, "--metadata"), "autoPause": not no_auto_pause}
     info = settings(ctx).api.create(body)
     if as_json:
-        emit_json(info)
+        emit_json(info.wire())
     else:
-        click.echo(info["sandboxID"])
+        click.echo(info.sandbox_id)
 
 
 @cli.command("ls")
@@ -141,13 +71,13 @@ def ls(ctx: click.Context, state: str | None, as_json: bool) -> None:
     """List sandboxes."""
     items = settings(ctx).api.list_sandboxes(state)
     if as_json:
-        emit_json(items)
+        emit_json([i.wire() for i in items])
         return
     rows = [("SANDBOX ID", "TEMPLATE", "STATE", "STARTED", "ENDS", "METADATA")]
     for i in items:
-        meta = ",".join(f"{k}={v}" for k, v in sorted((i.get("metadata") or {}).items()))
-        rows.append((i.get("sandboxID", ""), i.get("alias") or i.get("templateID", ""),
-                     i.get("state", ""), i.get("startedAt", ""), i.get("endAt", ""), meta))
+        meta = ",".join(f"{k}={v}" for k, v in sorted(i.metadata.items()))
+        rows.append((i.sandbox_id, i.alias or i.template_id, i.state, rfc3339(i.started_at),
+                     rfc3339(i.end_at), meta))
     widths = [max(len(str(r[c])) for r in rows) for c in range(len(rows[0]))]
     for r in rows:
         click.echo("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())
@@ -159,7 +89,7 @@ def ls(ctx: click.Context, state: str | None, as_json: bool) -> None:
 @click.pass_context
 def info(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
     """Show one sandbox."""
-    data = settings(ctx).api.get(sandbox_id)
+    data = settings(ctx).api.get(sandbox_id).wire()
     if as_json:
         emit_json(data)
         return
@@ -218,17 +148,16 @@ def fork(ctx: click.Context, sandbox_id: str, count: int, as_json: bool) -> None
     """Fork a sandbox into N children; prints one child id per line."""
     results = settings(ctx).api.fork(sandbox_id, count)
     if as_json:
-        emit_json(results)
+        emit_json([r.wire() for r in results])
     failed = 0
     for r in results:
-        if r.get("sandbox"):
+        if r.sandbox is not None:
             if not as_json:
-                click.echo(r["sandbox"]["sandboxID"])
+                click.echo(r.sandbox.sandbox_id)
         else:
             failed += 1
-            err = r.get("error") or {}
-            click.echo(f"aenv: fork failed: {err.get('code', '?')} {err.get('message', '')}",
-                       err=True)
+            what = f"{r.error.code} {r.error.message}" if r.error else "? (no error given)"
+            click.echo(f"aenv: fork failed: {what}", err=True)
     if failed:
         ctx.exit(EXIT_GENERIC)
 
@@ -241,7 +170,7 @@ def fork(ctx: click.Context, sandbox_id: str, count: int, as_json: bool) -> None
 @click.pass_context
 def snapshot(ctx: click.Context, sandbox_id: str, name: str | None) -> None:
     """Snapshot a sandbox; prints the snapshot id."""
-    click.echo(settings(ctx).api.snapshot(sandbox_id, name)["snapshotID"])
+    click.echo(settings(ctx).api.snapshot(sandbox_id, name).snapshot_id)
 
 
 @cli.command()
@@ -252,11 +181,11 @@ def snapshots(ctx: click.Context, sandbox_id: str | None, as_json: bool) -> None
     """List snapshots."""
     items = settings(ctx).api.snapshots(sandbox_id)
     if as_json:
-        emit_json(items)
+        emit_json([s.wire() for s in items])
         return
     for s in items:
-        names = [n for n in s.get("names", []) if n != s["snapshotID"]]
-        click.echo(s["snapshotID"] + (f"  ({', '.join(names)})" if names else ""))
+        names = [n for n in s.names if n != s.snapshot_id]
+        click.echo(s.snapshot_id + (f"  ({', '.join(names)})" if names else ""))
 
 
 @cli.command("rm-snapshot")
@@ -277,10 +206,10 @@ def logs(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
     """Print the sandbox's logs."""
     entries = settings(ctx).api.logs(sandbox_id)
     if as_json:
-        emit_json(entries)
+        emit_json([e.wire() for e in entries])
         return
     for e in entries:
-        click.echo(f"{e.get('timestamp', '')} {e.get('level', 'info'):5} {e.get('message', '')}")
+        click.echo(f"{rfc3339(e.timestamp)} {e.level:5} {e.message}")
 
 
 @cli.command()
@@ -291,135 +220,16 @@ def metrics(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
     """Print the sandbox's resource metrics."""
     items = settings(ctx).api.metrics(sandbox_id)
     if as_json:
-        emit_json(items)
+        emit_json([x.wire() for x in items])
         return
     click.echo("TIMESTAMP             CPUS  CPU%    MEM USED/TOTAL          DISK USED/TOTAL")
-    for m in items:
-        click.echo(f"{m.get('timestamp', ''):20}  {m.get('cpuCount', 0):4}  "
-                   f"{m.get('cpuUsedPct', 0):5.1f}  "
-                   f"{m.get('memUsed', 0):>10}/{m.get('memTotal', 0):<12} "
-                   f"{m.get('diskUsed', 0):>10}/{m.get('diskTotal', 0)}")
+    for x in items:
+        click.echo(f"{rfc3339(x.timestamp):20}  {x.cpu_count:4}  {x.cpu_used_pct:5.1f}  "
+                   f"{x.mem_used:>10}/{x.mem_total:<12} {x.disk_used:>10}/{x.disk_total}")
 
 
-# --- inside the sandbox ------------------------------------------------------------------
-
-@cli.command("exec", context_settings={"ignore_unknown_options": True})
-@click.argument("sandbox_id")
-@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-@click.option("--user", "-u", default=None, help="Run as this user (default: envd's).")
-@click.option("--cwd", default=None)
-@click.option("--env", "envs", multiple=True, metavar="K=V")
-@click.pass_context
-def exec_command(ctx: click.Context, sandbox_id: str, command: tuple[str, ...], user: str | None,
-         cwd: str | None, envs: Sequence[str]) -> None:
-    """Run COMMAND in the sandbox (`aenv exec ID -- CMD...`), exit with its exit code.
-
-    One argument is a shell command line (`bash -l -c`); several are shell-quoted first.
-    """
-    env = pairs(envs, "--env")
-    envd = settings(ctx).envd(sandbox_id)
-    pid: list[int] = []
-    try:
-        result = envd.exec(shell_command(command), user=user, cwd=cwd, envs=env,
-                           stdout=sys.stdout.buffer,
-                           stderr=sys.stderr.buffer, on_start=pid.append)
-    except KeyboardInterrupt:
-        if pid:
-            try:
-                envd.kill_process(pid[0])
-            except CliError:
-                pass
-        click.echo("aenv: interrupted; remote process killed", err=True)
-        ctx.exit(130)
-    finally:
-        envd.close()
-    code = result.exit_code
-    if not result.exited:  # killed by a signal: say so (an exit status speaks for itself)
-        click.echo(f"aenv: remote command {result.error or result.status}", err=True)
-        code = code if code > 0 else EXIT_GENERIC
-    ctx.exit(code if 0 <= code <= 255 else EXIT_GENERIC)
-
-
-def _terminal(ctx: click.Context, sandbox_id: str, command: str | None, user: str | None,
-              cwd: str | None) -> None:
-    from .terminal import run_terminal  # termios: POSIX only, loaded when used
-
-    envd = settings(ctx).envd(sandbox_id)
-    try:
-        code = run_terminal(envd, cmd=command, user=user, cwd=cwd)
-    finally:
-        envd.close()
-    ctx.exit(code if 0 <= code <= 255 else EXIT_GENERIC)
-
-
-_terminal_options: list[Callable[[Any], Any]] = [
-    click.argument("sandbox_id"),
-    click.option("--cmd", "command", default=None, help="Run this instead of a login shell."),
-    click.option("--user", "-u", default=None),
-    click.option("--cwd", default=None),
-]
-
-
-def _with_terminal_options(fn: Any) -> Any:
-    for deco in reversed(_terminal_options):
-        fn = deco(fn)
-    return fn
-
-
-@cli.command()
-@_with_terminal_options
-@click.pass_context
-def terminal(ctx: click.Context, sandbox_id: str, command: str | None, user: str | None,
-             cwd: str | None) -> None:
-    """Open an interactive terminal in a running sandbox."""
-    _terminal(ctx, sandbox_id, command, user, cwd)
-
-
-@cli.command()
-@_with_terminal_options
-@click.option("--timeout", "timeout_s", type=click.IntRange(min=0), default=None)
-@click.pass_context
-def connect(ctx: click.Context, sandbox_id: str, command: str | None, user: str | None,
-            cwd: str | None, timeout_s: int | None) -> None:
-    """Resume the sandbox if paused, then open an interactive terminal."""
-    settings(ctx).api.connect(sandbox_id, timeout_s)
-    _terminal(ctx, sandbox_id, command, user, cwd)
-
-
-@cli.command()
-@click.argument("sandbox_id")
-@click.argument("local", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.argument("remote")
-@click.option("--user", "-u", default=None)
-@click.pass_context
-def upload(ctx: click.Context, sandbox_id: str, local: Path, remote: str,
-           user: str | None) -> None:
-    """Copy a local file into the sandbox (streamed)."""
-    envd = settings(ctx).envd(sandbox_id)
-    try:
-        size = envd.upload(local, remote, user=user)
-    finally:
-        envd.close()
-    click.echo(f"{local} -> {sandbox_id}:{remote} ({size} bytes)", err=True)
-
-
-@cli.command()
-@click.argument("sandbox_id")
-@click.argument("remote")
-@click.argument("local", type=click.Path(path_type=Path))
-@click.option("--user", "-u", default=None)
-@click.pass_context
-def download(ctx: click.Context, sandbox_id: str, remote: str, local: Path,
-             user: str | None) -> None:
-    """Copy a file out of the sandbox (streamed); LOCAL may be a directory."""
-    if local.is_dir():
-        local = local / PurePosixPath(remote).name
-    envd = settings(ctx).envd(sandbox_id)
-    try:
-        size = envd.download(remote, local, user=user)
-    finally:
-        envd.close()
-    click.echo(f"{sandbox_id}:{remote} -> {local} ({size} bytes)", err=True)
+for _command in guest.COMMANDS:
+    cli.add_command(_command)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,22 +1,38 @@
-"""The REST API client of the CLI: plain httpx, one method per endpoint the CLI uses."""
+"""The REST API client of the CLI: plain httpx, one method per endpoint the CLI uses.
+
+Answers are parsed with the API's own response models (host.api.models), so the CLI reads
+fields by name and a malformed answer is one error line, not a KeyError.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import httpx
+from pydantic import TypeAdapter, ValidationError
 
-from .errors import ApiError, ConnectionFailed
+from host.api import models as m
+
+from .errors import ApiError, CliError, ConnectionFailed
+
+T = TypeVar("T")
 
 USER_AGENT = "aenv-cli/0.1"
 
 
 def error_message(resp: httpx.Response) -> str:
     """The server's `message` (E2B error body, envd/proxy JSON), else the raw text."""
+    try:
+        error = m.Error.model_validate_json(resp.content)
+    except ValidationError:
+        pass
+    else:
+        if error.message:
+            return error.message
     try:
         body = resp.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -34,6 +50,17 @@ def raise_for_status(resp: httpx.Response, *, what: str = "API") -> None:
         if not resp.is_closed:
             resp.read()
         raise ApiError(resp.status_code, error_message(resp), what=what)
+
+
+def parse(resp: httpx.Response, schema: type[T]) -> T:
+    """The answer's body as `schema` (a model, or e.g. `list[Model]`)."""
+    try:
+        return TypeAdapter(schema).validate_json(resp.content)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in err["loc"]) or "body"
+        raise CliError(f"unexpected answer from {resp.request.method} {resp.request.url.path}: "
+                       f"{where}: {err['msg']}") from exc
 
 
 @contextlib.contextmanager
@@ -70,26 +97,27 @@ class ApiClient:
 
     # --- sandboxes ----------------------------------------------------------------------
 
-    def create(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self.request("POST", "/v2/sandboxes", json_body=body).json()  # type: ignore[no-any-return]
+    def create(self, body: dict[str, Any]) -> m.Sandbox:
+        return parse(self.request("POST", "/v2/sandboxes", json_body=body), m.Sandbox)
 
-    def list_sandboxes(self, state: str | None) -> list[dict[str, Any]]:
+    def list_sandboxes(self, state: str | None) -> list[m.ListedSandbox]:
         """Every page of GET /v2/sandboxes."""
-        return self._all_pages("/v2/sandboxes", {"state": state} if state else {})
+        return self._all_pages("/v2/sandboxes", {"state": state} if state else {},
+                               list[m.ListedSandbox])
 
-    def _all_pages(self, path: str, params: dict[str, str]) -> list[dict[str, Any]]:
+    def _all_pages(self, path: str, params: dict[str, str], page: type[list[T]]) -> list[T]:
         """GET `path` page after page, following X-Next-Token until it is absent."""
-        out: list[dict[str, Any]] = []
+        out: list[T] = []
         while True:
             resp = self.request("GET", path, params=params)
-            out.extend(resp.json())
+            out.extend(parse(resp, page))
             token = resp.headers.get("x-next-token")
             if not token:
                 return out
             params["nextToken"] = token
 
-    def get(self, sandbox_id: str) -> dict[str, Any]:
-        return self.request("GET", f"/sandboxes/{_seg(sandbox_id)}").json()  # type: ignore[no-any-return]
+    def get(self, sandbox_id: str) -> m.SandboxDetail:
+        return parse(self.request("GET", f"/sandboxes/{_seg(sandbox_id)}"), m.SandboxDetail)
 
     def kill(self, sandbox_id: str) -> None:
         self.request("DELETE", f"/sandboxes/{_seg(sandbox_id)}")
@@ -99,43 +127,46 @@ class ApiClient:
                      json_body={} if memory else {"memory": False})
 
     def resume(self, sandbox_id: str, timeout_s: int | None, *,
-               memory: bool = True) -> dict[str, Any]:
+               memory: bool = True) -> m.Sandbox:
         body: dict[str, Any] = {} if timeout_s is None else {"timeout": timeout_s}
         if not memory:
             body["memory"] = False
-        return self.request("POST", f"/sandboxes/{_seg(sandbox_id)}/resume",  # type: ignore[no-any-return]
-                            json_body=body).json()
+        resp = self.request("POST", f"/sandboxes/{_seg(sandbox_id)}/resume", json_body=body)
+        return parse(resp, m.Sandbox)
 
-    def connect(self, sandbox_id: str, timeout_s: int | None) -> dict[str, Any]:
+    def connect(self, sandbox_id: str, timeout_s: int | None) -> m.Sandbox:
         """Resume if paused, else just return the sandbox (POST /v2/.../connect)."""
         body = {} if timeout_s is None else {"timeout": timeout_s}
-        return self.request("POST", f"/v2/sandboxes/{_seg(sandbox_id)}/connect",  # type: ignore[no-any-return]
-                            json_body=body).json()
+        resp = self.request("POST", f"/v2/sandboxes/{_seg(sandbox_id)}/connect", json_body=body)
+        return parse(resp, m.Sandbox)
 
     def set_timeout(self, sandbox_id: str, timeout_s: int) -> None:
         self.request("POST", f"/sandboxes/{_seg(sandbox_id)}/timeout",
                      json_body={"timeout": timeout_s})
 
-    def fork(self, sandbox_id: str, count: int) -> list[dict[str, Any]]:
-        return self.request("POST", f"/sandboxes/{_seg(sandbox_id)}/fork",  # type: ignore[no-any-return]
-                            json_body={"count": count}).json()
+    def fork(self, sandbox_id: str, count: int) -> list[m.SandboxForkResult]:
+        resp = self.request("POST", f"/sandboxes/{_seg(sandbox_id)}/fork",
+                            json_body={"count": count})
+        return parse(resp, list[m.SandboxForkResult])
 
-    def logs(self, sandbox_id: str) -> list[dict[str, Any]]:
-        body = self.request("GET", f"/v2/sandboxes/{_seg(sandbox_id)}/logs").json()
-        return list(body.get("logs", []))
+    def logs(self, sandbox_id: str) -> list[m.SandboxLogEntry]:
+        resp = self.request("GET", f"/v2/sandboxes/{_seg(sandbox_id)}/logs")
+        return parse(resp, m.SandboxLogsV2Response).logs
 
-    def metrics(self, sandbox_id: str) -> list[dict[str, Any]]:
-        return self.request("GET", f"/sandboxes/{_seg(sandbox_id)}/metrics").json()  # type: ignore[no-any-return]
+    def metrics(self, sandbox_id: str) -> list[m.SandboxMetric]:
+        resp = self.request("GET", f"/sandboxes/{_seg(sandbox_id)}/metrics")
+        return parse(resp, list[m.SandboxMetric])
 
     # --- snapshots ----------------------------------------------------------------------
 
-    def snapshot(self, sandbox_id: str, name: str | None) -> dict[str, Any]:
+    def snapshot(self, sandbox_id: str, name: str | None) -> m.SnapshotInfo:
         body = {} if name is None else {"name": name}
-        return self.request("POST", f"/sandboxes/{_seg(sandbox_id)}/snapshots",  # type: ignore[no-any-return]
-                            json_body=body).json()
+        resp = self.request("POST", f"/sandboxes/{_seg(sandbox_id)}/snapshots", json_body=body)
+        return parse(resp, m.SnapshotInfo)
 
-    def snapshots(self, sandbox_id: str | None) -> list[dict[str, Any]]:
-        return self._all_pages("/snapshots", {"sandboxID": sandbox_id} if sandbox_id else {})
+    def snapshots(self, sandbox_id: str | None) -> list[m.SnapshotInfo]:
+        return self._all_pages("/snapshots", {"sandboxID": sandbox_id} if sandbox_id else {},
+                               list[m.SnapshotInfo])
 
     def delete_snapshot(self, snapshot_id: str) -> None:
         self.request("DELETE", f"/templates/{_seg(snapshot_id)}")

@@ -1,0 +1,167 @@
+"""The route table: every operation of the REST API in one place.
+
+Each `Operation` names its path, method, handler, the models it reads (body, query,
+headers) and its replies. The same table builds the starlette routes (whose dispatcher
+validates exactly the declared models before calling the handler) and the OpenAPI document
+(openapi.py), so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from . import models as m
+from . import sandboxes as sb
+from . import snapshots as snap
+from .errors import response_for
+from .validation import read_body, read_headers, read_query
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+Handler = Callable[..., Awaitable[Response]]   # (request, *, body=, query=, headers=)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One documented success answer: status, text, body type (a model or e.g.
+    `list[Model]`; None: no body) and the response headers it may carry."""
+
+    status: int
+    description: str
+    schema: Any = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Operation:
+    method: str
+    path: str                   # starlette syntax; parameters named as on the wire
+    operation_id: str
+    handler: Handler
+    replies: tuple[Reply, ...]
+    body: type[BaseModel] | None = None
+    body_required: bool = True
+    query: type[BaseModel] | None = None
+    headers: type[BaseModel] | None = None
+    errors: tuple[int, ...] = (400, 401, 404, 500)
+
+
+def dispatcher(op: Operation) -> Endpoint:
+    """The endpoint of `op`: validate the declared models, call the handler with them, and
+    turn every exception into an E2B error body."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            kwargs: dict[str, Any] = {}
+            if op.headers is not None:
+                kwargs["headers"] = read_headers(request, op.headers)
+            if op.query is not None:
+                kwargs["query"] = read_query(request, op.query)
+            if op.body is not None:
+                kwargs["body"] = await read_body(request, op.body, required=op.body_required)
+            return await op.handler(request, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - the edge: map everything, cancel passes
+            return response_for(exc)
+
+    return endpoint
+
+
+def _by_method(handlers: dict[str, Endpoint]) -> tuple[Endpoint, list[str]]:
+    """One endpoint per path, so that a 405 lists every allowed method in `Allow`."""
+    if "GET" in handlers:
+        handlers = {**handlers, "HEAD": handlers["GET"]}
+
+    async def endpoint(request: Request) -> Response:
+        return await handlers[request.method](request)
+
+    return endpoint, list(handlers)
+
+
+def starlette_routes(operations: Iterable[Operation]) -> list[Route]:
+    by_path: dict[str, dict[str, Endpoint]] = {}
+    for op in operations:
+        by_path.setdefault(op.path, {})[op.method] = dispatcher(op)
+    out = []
+    for path, handlers in by_path.items():
+        endpoint, methods = _by_method(handlers)
+        out.append(Route(path, endpoint, methods=methods))
+    return out
+
+
+# --- the table ------------------------------------------------------------------------
+
+async def health(request: Request) -> Response:
+    return sb.reply(m.Health(status="ok"))
+
+
+async def openapi(request: Request) -> Response:
+    return JSONResponse(request.app.state.openapi)
+
+
+SID = "/sandboxes/{sandboxID}"
+NO_CONTENT = (Reply(204, "No content"),)
+NEXT_TOKEN = {"X-Next-Token": "cursor of the next page (absent on the last)"}
+CONNECTED = (Reply(200, "Already running", m.Sandbox), Reply(201, "Resumed", m.Sandbox))
+_409 = (400, 401, 404, 409, 500)
+
+
+def _op(method: str, path: str, operation_id: str, handler: Handler,
+        *replies: Reply, **kwargs: Any) -> Operation:
+    return Operation(method, path, operation_id, handler, replies, **kwargs)
+
+
+OPERATIONS: tuple[Operation, ...] = (
+    _op("GET", "/health", "health", health, Reply(200, "OK", m.Health), errors=()),
+    _op("GET", "/openapi.json", "openapi", openapi, Reply(200, "This document", dict[str, Any]),
+        errors=(401,)),
+    _op("POST", "/v2/sandboxes", "createSandboxV2", sb.create_v2,
+        Reply(201, "The sandbox was created", m.Sandbox),
+        body=m.NewSandboxV2, headers=m.CreateHeaders, errors=_409),
+    _op("GET", "/v2/sandboxes", "listSandboxesV2", sb.list_v2,
+        Reply(200, "OK", list[m.ListedSandbox], NEXT_TOKEN),
+        query=m.ListSandboxesQuery, errors=(400, 401, 500)),
+    _op("POST", "/sandboxes", "createSandbox", sb.create_v1,
+        Reply(201, "The sandbox was created", m.Sandbox), body=m.NewSandbox, errors=_409),
+    _op("GET", "/sandboxes", "listSandboxes", sb.list_v1, Reply(200, "OK", list[m.ListedSandbox]),
+        query=m.ListSandboxesV1Query, errors=(400, 401, 500)),
+    _op("GET", SID, "getSandbox", sb.get_one, Reply(200, "OK", m.SandboxDetail)),
+    _op("DELETE", SID, "killSandbox", sb.kill, *NO_CONTENT),
+    _op("POST", f"/v2{SID}/connect", "connectSandboxV2", sb.connect_v2, *CONNECTED,
+        body=m.ConnectSandboxV2, body_required=False, errors=_409),
+    _op("POST", f"{SID}/connect", "connectSandbox", sb.connect_v1, *CONNECTED,
+        body=m.ConnectSandbox, errors=_409),
+    _op("POST", f"{SID}/pause", "pauseSandbox", sb.pause, *NO_CONTENT,
+        body=m.SandboxPauseRequest, body_required=False, errors=(*_409, 503)),
+    _op("POST", f"{SID}/resume", "resumeSandbox", sb.resume_v1, Reply(201, "Resumed", m.Sandbox),
+        body=m.ResumedSandbox, body_required=False, errors=_409),
+    _op("POST", f"{SID}/timeout", "setSandboxTimeout", sb.set_timeout, *NO_CONTENT,
+        body=m.SandboxTimeoutRequest),
+    _op("POST", f"{SID}/refreshes", "refreshSandbox", sb.refresh, *NO_CONTENT,
+        body=m.SandboxRefreshRequest, body_required=False),
+    _op("POST", f"{SID}/fork", "forkSandbox", sb.fork,
+        Reply(201, "Forks (one entry each)", list[m.SandboxForkResult]),
+        body=m.SandboxForkRequest, body_required=False, errors=_409),
+    _op("PUT", f"{SID}/network", "updateSandboxNetwork", sb.update_network, *NO_CONTENT,
+        body=m.SandboxNetworkUpdateConfig),
+    _op("GET", f"{SID}/metrics", "getSandboxMetrics", sb.metrics,
+        Reply(200, "OK", list[m.SandboxMetric]), query=m.MetricsQuery),
+    _op("GET", f"{SID}/logs", "getSandboxLogs", sb.logs_v1, Reply(200, "OK", m.SandboxLogs),
+        query=m.LogsQuery),
+    _op("GET", f"/v2{SID}/logs", "getSandboxLogsV2", sb.logs_v2,
+        Reply(200, "OK", m.SandboxLogsV2Response), query=m.LogsV2Query),
+    _op("POST", f"{SID}/snapshots", "createSnapshot", snap.create,
+        Reply(201, "Snapshot created", m.SnapshotInfo),
+        body=m.SandboxSnapshotRequest, body_required=False, errors=_409),
+    _op("GET", "/snapshots", "listSnapshots", snap.list_all,
+        Reply(200, "OK", list[m.SnapshotInfo], NEXT_TOKEN),
+        query=m.ListSnapshotsQuery, errors=(400, 401, 500)),
+    # `path` convertor: ids like team/snap:default arrive as team%2Fsnap%3Adefault
+    _op("DELETE", "/templates/{templateID:path}", "deleteTemplate", snap.delete_template,
+        *NO_CONTENT),
+)
