@@ -16,7 +16,9 @@ The implementation is `host.runtime.NodeRuntime`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 
@@ -71,9 +73,87 @@ class Placement:
         return (self.envd_host, port)
 
 
+# -- template builds ------------------------------------------------------------------------
+
+STEP_TYPES = ("RUN", "COPY", "ENV", "WORKDIR", "USER")
+
+
+@dataclass(frozen=True)
+class BuildStep:
+    """One step of a template build, as E2B's `TemplateStep` carries it (wire contract:
+    docs/e2b-template-api.md §5): RUN [cmd] | [cmd, user]; COPY [src, dest, user, mode]
+    with `files_hash` naming the uploaded archive; ENV [k1, v1, ...]; WORKDIR [path];
+    USER [name]. `force` rebuilds this step and every later one."""
+
+    type: str
+    args: tuple[str, ...] = ()
+    files_hash: str | None = None
+    force: bool = False
+
+
+@dataclass(frozen=True)
+class RegistryAuth:
+    """Credentials for pulling `BuildSpec.from_image` (E2B `fromImageRegistry` type
+    "registry")."""
+
+    username: str
+    password: str
+
+
+@dataclass(frozen=True)
+class GuestDefaults:
+    """What a template sets for its sandboxes' processes (its last USER, WORKDIR and
+    ENV steps, or an image's config): sent to envd's /init."""
+
+    user: str = "user"
+    workdir: str = "/home/user"
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    """A template build. The source is `from_image` (an OCI reference), else
+    `from_snapshot` (an existing template's snapshot id), else the built-in image
+    `machine.image`. The result is committed as snapshot `snapshot_id`."""
+
+    snapshot_id: str
+    machine: MachineSpec
+    from_image: str | None = None
+    registry: RegistryAuth | None = None
+    from_snapshot: str | None = None
+    steps: tuple[BuildStep, ...] = ()
+    start_cmd: str | None = None
+    ready_cmd: str | None = None
+    force: bool = False            # no build-cache hits at all (E2B `force` / skip_cache)
+    files_dir: Path | None = None  # COPY archives, one file per files_hash
+
+
+BuildLog = Callable[[str, str, "str | None"], None]
+"""A build's log sink: (level: debug|info|warn|error, message, step: "base" | "1".. |
+"finalize" | None). Called from the event loop; must not block."""
+
+
+class BuildFailed(Exception):
+    """A template build failed; `step` is where (E2B's `reason.step`), the message says
+    why (a failing step's message includes its exit code; its output went to the log)."""
+
+    def __init__(self, message: str, *, step: str | None = None) -> None:
+        super().__init__(message)
+        self.step = step
+
+
 class SandboxRuntime(Protocol):
     async def build_template(self, template_id: str, machine: MachineSpec) -> SnapshotRef:
         """Cold-boot `machine.image`, wait for envd, snapshot it as a template."""
+        ...
+
+    async def build(self, spec: BuildSpec, log: BuildLog) -> SnapshotRef:
+        """Build a template: the source's layers, then each step in a build VM (a step's
+        disk changes sealed as a layer cached under hash(parent, step), so unchanged
+        steps are cache hits), then the start command until the ready command passes,
+        then memory + disk snapshot. `facts["guest"]` holds the `GuestDefaults` fields,
+        `facts["build"]` what was cached. Raises BuildFailed; leaves no VM, stack,
+        network or partial snapshot behind."""
         ...
 
     async def start(self, sandbox_id: str, snapshot: SnapshotRef, network: NetworkConfig, *,
