@@ -12,7 +12,11 @@
     AENV_CACHE_MIB   --cache-mib    10240             its bound, and that of the local copies
                                                       of remote memory snapshots (<state>/memory)
     AENV_TLS         --tls          off               serve both listeners over HTTPS
-    AENV_VMM         --vmm          auto              auto | qemu
+    AENV_VMM         --vmm          auto              auto | qemu | firecracker (auto: Firecracker
+                                                      where its binary and KVM work, else QEMU)
+    AENV_FIRECRACKER --firecracker  firecracker       the Firecracker binary (name on PATH or path)
+    AENV_JAILER      --jailer       auto              auto (jailer on PATH, as root) | off | path
+    AENV_JAILER_UID / AENV_JAILER_GID  (0 / 0)        uid:gid a jailed Firecracker runs as
     AENV_NETWORK     --network      auto              auto | netns | user
     AENV_NETWORK_PREFIX / AENV_NETWORK_POOL   namespace/veth name prefix (aenv-) and the
                      guest address pool (10.200.0.0/16): distinct per service on one host
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
-VMM_DRIVERS = ("auto", "qemu")
+VMM_DRIVERS = ("auto", "qemu", "firecracker")
 NETWORK_MODES = ("auto", "netns", "user")
 
 
@@ -50,6 +54,10 @@ class Config:
     cache_mib: int = 10240
     tls: bool = False
     vmm: str = "auto"
+    firecracker: str = "firecracker"
+    jailer: str = "auto"
+    jailer_uid: int = 0
+    jailer_gid: int = 0
     network: str = "auto"
     network_prefix: str = "aenv-"
     network_pool: str = "10.200.0.0/16"
@@ -103,6 +111,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-mib", type=int, help="bound of that cache (MiB)")
     p.add_argument("--tls", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--vmm", choices=VMM_DRIVERS)
+    p.add_argument("--firecracker", help="the Firecracker binary (default: firecracker on PATH)")
+    p.add_argument("--jailer", help="auto (jailer on PATH when root), off, or a path")
+    p.add_argument("--jailer-uid", type=int)
+    p.add_argument("--jailer-gid", type=int)
     p.add_argument("--network", choices=NETWORK_MODES)
     p.add_argument("--network-prefix")
     p.add_argument("--network-pool")
@@ -123,6 +135,8 @@ _ENV: dict[str, tuple[str, type]] = {
     "repository": ("AENV_REPOSITORY", str), "tls": ("AENV_TLS", bool),
     "cache_dir": ("AENV_CACHE_DIR", Path), "cache_mib": ("AENV_CACHE_MIB", int),
     "vmm": ("AENV_VMM", str), "network": ("AENV_NETWORK", str),
+    "firecracker": ("AENV_FIRECRACKER", str), "jailer": ("AENV_JAILER", str),
+    "jailer_uid": ("AENV_JAILER_UID", int), "jailer_gid": ("AENV_JAILER_GID", int),
     "network_prefix": ("AENV_NETWORK_PREFIX", str), "network_pool": ("AENV_NETWORK_POOL", str),
     "image": ("AENV_IMAGE", str),
     "cpu_count": ("AENV_CPU_COUNT", int), "memory_mb": ("AENV_MEMORY_MB", int),
@@ -158,10 +172,12 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"{name} must be a TCP port, got {port}")
     if cfg.api_port == cfg.proxy_port:
         raise ConfigError("the API and the proxy need different ports")
-    if cfg.vmm == "firecracker":
-        raise ConfigError("the node runtime drives QEMU only; use --vmm auto or qemu")
     if cfg.vmm not in VMM_DRIVERS:
         raise ConfigError(f"vmm must be one of {VMM_DRIVERS}, got {cfg.vmm!r}")
+    if not cfg.firecracker.strip():
+        raise ConfigError("firecracker must name a binary")
+    if cfg.jailer_uid < 0 or cfg.jailer_gid < 0:
+        raise ConfigError("jailer_uid and jailer_gid must be >= 0")
     if cfg.network not in NETWORK_MODES:
         raise ConfigError(f"network must be one of {NETWORK_MODES}, got {cfg.network!r}")
     if not cfg.domain or "/" in cfg.domain or ":" in cfg.domain:

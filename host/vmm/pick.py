@@ -1,53 +1,118 @@
-"""Choosing a VMM driver: Firecracker where it can run, else QEMU (KVM or TCG).
+"""Choosing a VMM driver: `--vmm auto|qemu|firecracker` (and "fake" for unit tests).
 
-`pick_driver()` honours an explicit name (argument, else $AENV_VMM): "qemu",
-"firecracker" or "fake". Without one it takes Firecracker when its driver module, the
-`firecracker` binary and a KVM usable for standard guests are all present, else QEMU.
+`pick_driver()` honours an explicit name (argument, else $AENV_VMM). "auto" (the
+default) takes Firecracker when its binary exists and KVM runs standard guests
+(`firecracker_usable`), else QEMU (KVM where usable, else TCG), and logs why. Options
+that only one driver takes (`firecracker=`, `jailer=`, ... / `qemu=`, `accel=`) are
+dropped for the other, so a caller passes its whole configuration either way.
+
+`python -m host.vmm.pick` prints, per driver, whether it can run its VM tests here and
+why (scripts/check-kvm.sh reads it).
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import logging
 import os
 import shutil
+import sys
 from typing import Any
 
-from .accel import detect_accel
+from .accel import DEFAULT_QEMU, detect_accel
 from .driver import VmmDriver
 from .errors import VmmError
 
 log = logging.getLogger(__name__)
 
+VMM_CHOICES = ("auto", "qemu", "firecracker", "fake")
+FIRECRACKER_OPTIONS = ("firecracker", "jailer", "jailer_uid", "jailer_gid", "balloon",
+                       "track_dirty_pages", "block")
+QEMU_OPTIONS = ("qemu", "accel")
+DEFAULT_FIRECRACKER = "firecracker"
+
+
+def _without(kw: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    return {k: v for k, v in kw.items() if k not in names}
+
 
 def _firecracker(**kw: Any) -> VmmDriver:
     try:
         mod = importlib.import_module(".firecracker", __package__)
+        jail = importlib.import_module(".jailer", __package__)
     except ImportError as exc:
         raise VmmError("the Firecracker driver is not available in this build") from exc
+    uid, gid = kw.pop("jailer_uid", 0), kw.pop("jailer_gid", 0)
+    if isinstance(kw.get("jailer"), str):
+        kw["jailer"] = jail.find_jailer(kw["jailer"], uid=uid, gid=gid)
     driver: VmmDriver = mod.FirecrackerDriver(**kw)
     return driver
 
 
+def firecracker_check(binary: str = DEFAULT_FIRECRACKER) -> tuple[bool, str]:
+    """(usable, why) for Firecracker: `firecracker_usable` (binary + standard KVM)."""
+    try:
+        mod = importlib.import_module(".firecracker_config", __package__)
+    except ImportError:
+        return False, "the Firecracker driver is not available in this build"
+    ok, why = mod.firecracker_usable(binary)
+    return bool(ok), str(why)
+
+
+def auto_choice(firecracker: str = DEFAULT_FIRECRACKER, qemu: str = DEFAULT_QEMU
+                ) -> tuple[str, str]:
+    """("firecracker" | "qemu", why) for --vmm auto."""
+    ok, why = firecracker_check(firecracker)
+    if ok:
+        return "firecracker", why
+    accel = detect_accel(qemu)
+    return "qemu", (f"QEMU with {accel.name.upper()} ({accel.reason}); Firecracker not "
+                    f"usable: {why}")
+
+
 def pick_driver(name: str | None = None, **kw: Any) -> VmmDriver:
     """A driver instance; keyword arguments go to its constructor."""
-    name = (name or os.environ.get("AENV_VMM") or "").strip().lower() or None
+    name = (name or os.environ.get("AENV_VMM") or "").strip().lower() or "auto"
+    if name == "auto":
+        name, why = auto_choice(kw.get("firecracker", DEFAULT_FIRECRACKER),
+                                kw.get("qemu", DEFAULT_QEMU))
+        log.info("VMM auto: %s: %s", name, why)
     if name == "qemu":
         from .qemu import QemuDriver
 
-        return QemuDriver(**kw)
+        return QemuDriver(**_without(kw, FIRECRACKER_OPTIONS))
     if name == "firecracker":
-        return _firecracker(**kw)
+        return _firecracker(**_without(kw, QEMU_OPTIONS))
     if name == "fake":
         from .fake import FakeDriver
 
-        return FakeDriver(**kw)
-    if name is not None:
-        raise VmmError(f"unknown VMM driver {name!r} (qemu, firecracker, fake)")
-    fc_module = importlib.util.find_spec(f"{__package__}.firecracker") is not None
-    if fc_module and shutil.which("firecracker") and detect_accel().name == "kvm":
-        return _firecracker(**kw)
-    from .qemu import QemuDriver
+        return FakeDriver(**_without(kw, FIRECRACKER_OPTIONS + QEMU_OPTIONS))
+    raise VmmError(f"unknown VMM driver {name!r} ({', '.join(VMM_CHOICES)})")
 
-    return QemuDriver(**kw)
+
+def availability(*, firecracker: str = DEFAULT_FIRECRACKER, qemu: str = DEFAULT_QEMU
+                 ) -> list[tuple[str, bool, str]]:
+    """(row, available, why) for the VM test rows: qemu-kvm, firecracker, qemu-tcg."""
+    rows = []
+    if shutil.which(qemu) is None:
+        rows.append(("qemu-kvm", False, f"{qemu} not found on PATH"))
+    else:
+        accel = detect_accel(qemu)
+        rows.append(("qemu-kvm", accel.name == "kvm", accel.reason))
+    rows.append(("firecracker", *firecracker_check(firecracker)))
+    tcg = shutil.which(qemu) is not None
+    rows.append(("qemu-tcg", tcg, "software emulation, slow" if tcg
+                 else f"{qemu} not found on PATH"))
+    return rows
+
+
+def main() -> int:
+    """Print `row<TAB>yes|no<TAB>reason` per driver row."""
+    for row, ok, why in availability(firecracker=os.environ.get("AENV_FIRECRACKER")
+                                     or DEFAULT_FIRECRACKER):
+        print(f"{row}\t{'yes' if ok else 'no'}\t{why}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -152,3 +152,22 @@ async def terminate(proc: ProcessHandle, *, grace_s: float, kill_s: float = 5.0,
         while group_alive(pgid) and loop.time() < deadline:
             await asyncio.sleep(0.01)
     return proc.returncode is not None and not group_alive(pgid)
+
+
+async def run_command(argv: list[str], *, timeout_s: float = 30.0) -> tuple[int, str]:
+    """(exit code, stdout+stderr) of a short helper command (nbd-client, mount, ...):
+    127 when it cannot be run, 124 when it ran past `timeout_s` (it is then killed)."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT)
+    except OSError as exc:
+        return 127, f"cannot run {argv[0]}: {exc}"
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return 124, f"{argv[0]} timed out after {timeout_s:g}s"
+    rc = proc.returncode
+    return (rc if rc is not None else -1), out.decode(errors="replace")

@@ -148,6 +148,10 @@ class VmBase:
         """Close the control connection (errors ignored) and forget it."""
         raise NotImplementedError
 
+    async def _release_host(self) -> None:
+        """Release what the VMM held outside its work dir (kernel block devices, mounts)
+        after its process is gone; errors are logged, not raised (kill must finish)."""
+
     def _facts_extra(self) -> dict[str, Any]:
         return {}
 
@@ -217,13 +221,14 @@ class VmBase:
         if len(str(self._control_socket)) > 107:
             raise VmmStartError(f"work dir path too long for a unix socket: {self._work_dir}")
 
-    async def _exec(self, *, stdout: int | IO[bytes], stderr: IO[bytes]) -> None:
+    async def _exec(self, *, stdout: int | IO[bytes], stderr: IO[bytes],
+                    cwd: Path | None = None) -> None:
         """Spawn `argv` in a new session (killed with us if the driver says so)."""
         loop = asyncio.get_running_loop()
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=stdout, stderr=stderr,
-                start_new_session=True,
+                start_new_session=True, cwd=cwd,
                 preexec_fn=procs.die_with_parent if self._driver.die_with_parent else None)
         except OSError as exc:
             raise VmmStartError(f"{self._spec.name}: cannot run {self.argv[0]}: {exc}") \
@@ -293,7 +298,10 @@ class VmBase:
             gone = await procs.terminate(proc, grace_s=self.timeouts.kill_s, already_asked=asked)
         # 3. Close the control connection after the process: no request races its exit.
         await self._close_control()
-        # 4. Files last, once nothing writes to them.
+        # 4. Host resources the process held open (block devices, mounts), once it is gone.
+        if gone:
+            await self._release_host()
+        # 5. Files last, once nothing writes to them.
         self._remove_files()
         self._state = VmState.KILLED
         self._driver._forget(self)

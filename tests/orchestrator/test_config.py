@@ -34,12 +34,23 @@ def test_env_then_flags() -> None:
     assert cfg.repository_spec.startswith("oss://b/p")
 
 
+def test_vmm_firecracker_and_its_binaries() -> None:
+    cfg = parse_config(["--vmm", "firecracker", "--firecracker", "/opt/fc/firecracker"],
+                       {"AENV_JAILER": "off", "AENV_JAILER_UID": "123"})
+    assert (cfg.vmm, cfg.firecracker, cfg.jailer) == ("firecracker", "/opt/fc/firecracker",
+                                                      "off")
+    assert (cfg.jailer_uid, cfg.jailer_gid) == (123, 0)
+    assert parse_config([], {"AENV_VMM": "firecracker"}).vmm == "firecracker"
+    assert (Config().firecracker, Config().jailer) == ("firecracker", "auto")
+
+
 @pytest.mark.parametrize(("argv", "env"), [
     (["--api-port", "3001"], {}),
     ([], {"AENV_API_PORT": "70000"}),
     ([], {"AENV_TLS": "maybe"}),
     ([], {"AENV_API_PORT": "x"}),
-    ([], {"AENV_VMM": "firecracker"}),
+    ([], {"AENV_VMM": "cloud-hypervisor"}),
+    ([], {"AENV_JAILER_UID": "-1"}),
     (["--domain", "http://x"], {}),
     (["--run-dir", "/tmp/" + "x" * 80], {}),
     (["--cache-mib", "8"], {}),

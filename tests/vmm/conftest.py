@@ -16,6 +16,8 @@ import pytest
 from host.vmm import FileDisk
 from host.vmm.image import GuestImage, ImageNotFound, build, find_image
 
+from .fakefc import fake_fc, spec  # noqa: F401 - the Firecracker tests' fixtures
+
 
 @pytest.fixture(scope="session")
 def guest_image() -> GuestImage:
