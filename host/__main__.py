@@ -45,7 +45,9 @@ async def open_runtime(cfg: Config) -> Any:
     rt = NodeRuntime(RuntimeConfig(state_dir=cfg.state_dir, run_dir=cfg.run_dir,
                                    repository=cfg.repository_spec, cache_dir=cfg.cache_dir,
                                    cache_mib=cfg.cache_mib, memory_cache_mib=cfg.cache_mib,
-                                   network=cfg.network, vmm=cfg.vmm,
+                                   network=cfg.network, vmm=cfg.vmm, firecracker=cfg.firecracker,
+                                   jailer=cfg.jailer, jailer_uid=cfg.jailer_uid,
+                                   jailer_gid=cfg.jailer_gid,
                                    network_prefix=cfg.network_prefix,
                                    network_pool=cfg.network_pool,
                                    envd_timeout_s=cfg.envd_timeout_s))

@@ -11,7 +11,7 @@ from typing import Any
 from host.contract import Placement
 from host.storage.errors import StorageError
 
-from .parts import NodeParts
+from .parts import NodeParts, build_stack
 from .sandbox import RunningSandbox
 from .snapshots import release
 
@@ -66,7 +66,7 @@ async def reap_orphans(p: NodeParts, known: set[str]) -> list[str]:
             reaped.add(sid)
     mx = p.machines
     live = set(p.sandboxes) | p.busy
-    building = {f"tpl-{t}" for t in p.building}
+    building = {build_stack(t) for t in p.building}
     vms_dir: Path = p.config.vms_dir
     stale = {d.name for d in vms_dir.iterdir()} if vms_dir.is_dir() else set()
     stale |= set((await asyncio.to_thread(mx.vmm.leftovers, vms_dir)).values())

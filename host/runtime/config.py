@@ -39,6 +39,10 @@ class RuntimeConfig:
     network_pool: str = "10.200.0.0/16"
     vmm: str = "auto"  # auto | qemu | firecracker (auto: $AENV_VMM, else what the host runs)
     qemu: str = "qemu-system-x86_64"
+    firecracker: str = "firecracker"
+    jailer: str = "auto"  # auto (on PATH, as root) | off | a path
+    jailer_uid: int = 0
+    jailer_gid: int = 0
     vms_survive_service: bool = True
     max_chain: int = 8  # memory diff chain length before a pause writes a cumulative diff
     envd_timeout_s: float = 60.0  # restore -> envd /health

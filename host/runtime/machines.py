@@ -26,7 +26,7 @@ from host.network import (
     SandboxNetwork,
 )
 from host.storage.errors import StackNotFoundError
-from host.vmm import QemuDriver, pick_driver, procscan
+from host.vmm import pick_driver, procscan
 from host.vmm import proc as procs
 from host.vmm.driver import (
     ENVD_PORT,
@@ -53,14 +53,15 @@ Attach = tuple[TapNet | UserNet, str, int, int | None]  # vm network, envd host,
 
 def make_driver(cfg: RuntimeConfig) -> VmmDriver:
     """The configured driver (`cfg.vmm`: auto | qemu | firecracker; $AENV_VMM for auto)."""
-    kw: dict[str, Any] = {"run_dir": cfg.vms_dir, "die_with_parent": not cfg.vms_survive_service}
+    # pick_driver drops the options the chosen driver does not take
+    kw: dict[str, Any] = {"run_dir": cfg.vms_dir, "die_with_parent": not cfg.vms_survive_service,
+                          "qemu": cfg.qemu, "firecracker": cfg.firecracker,
+                          "jailer": cfg.jailer, "jailer_uid": cfg.jailer_uid,
+                          "jailer_gid": cfg.jailer_gid}
     try:
-        driver = pick_driver(None if cfg.vmm == "auto" else cfg.vmm, **kw)
+        return pick_driver(None if cfg.vmm == "auto" else cfg.vmm, **kw)
     except VmmError as exc:
         raise NodeRuntimeError(str(exc)) from exc
-    if isinstance(driver, QemuDriver):
-        driver.qemu = cfg.qemu
-    return driver
 
 
 class Machines:

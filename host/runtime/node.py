@@ -23,14 +23,21 @@ import contextlib
 import logging
 from typing import Any, Self
 
-from host.contract import MachineSpec, NetworkConfig, Placement, SnapshotRef
+from host.contract import (
+    BuildLog,
+    BuildSpec,
+    MachineSpec,
+    NetworkConfig,
+    Placement,
+    SnapshotRef,
+)
 from host.network import NetworkError
 from host.storage.errors import StorageError
 from host.vmm.accel import host_tsc_khz
 from host.vmm.errors import VmmError
 from host.vmm.proc import tail
 
-from . import adoption, snapshots, starts, templates
+from . import adoption, builds, snapshots, starts, templates
 from .blockd import BlockServerHandle
 from .config import RuntimeConfig
 from .errors import NodeRuntimeError, SnapshotNotFoundError
@@ -154,6 +161,11 @@ class NodeRuntime:
         """Cold-boot `machine.image`, freeze its memory once envd answers, seal its disk."""
         self._check_open()
         return await templates.build_template(self.parts, template_id, machine)
+
+    async def build(self, spec: BuildSpec, log: BuildLog) -> SnapshotRef:
+        """Build a template from an image, another template or our base, with steps."""
+        self._check_open()
+        return await builds.build(self.parts, spec, log)
 
     async def start(self, sandbox_id: str, snapshot: SnapshotRef, network: NetworkConfig, *,
                     reboot: bool = False) -> Placement:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,14 @@ from .machines import Machines
 from .manifests import ManifestStore
 from .memory import MemoryFiles
 from .sandbox import RunningSandbox
+
+
+def build_stack(snapshot_id: str) -> str:
+    """The stack, network and VM name of the build of template snapshot `snapshot_id`
+    (short: it ends up in socket paths and interface names)."""
+    if len(snapshot_id) <= 20:
+        return f"tpl-{snapshot_id}"
+    return "tpl-" + hashlib.sha256(snapshot_id.encode()).hexdigest()[:16]
 
 
 @dataclass

@@ -1,0 +1,270 @@
+"""Template builds: a source's layers, build steps in a VM, start + ready, snapshot.
+
+    source layers (built-in image | an existing template | an OCI image)
+    -> the longest prefix of steps found in the build cache (their layers, no VM work)
+    -> cold boot of a build VM on those layers, RAM in a share=on file
+    -> each remaining step through envd; a step that touched the disk is sealed as a layer
+       (guest `sync`, vCPUs stopped for the seal) and cached under hash(parent, step)
+    -> the start command in the background until the ready command exits 0
+    -> freeze the memory base, seal the disk, commit the template manifest
+
+Everything a failed build made is removed (VM, stack, network, memory dir); layers and
+cache entries of the steps that succeeded stay: they are the cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from host.contract import BuildFailed, BuildLog, BuildSpec, GuestDefaults, SnapshotRef
+from host.network import NetworkPolicy
+from host.vmm.driver import MemoryBacking, Vm
+from host.vmm.errors import VmmError
+from host.vmm.image import find_image
+
+from . import steps as guest_steps
+from .buildcache import BuildCache, CacheEntry, source_key, step_key
+from .errors import NodeRuntimeError, SandboxStartError, SnapshotNotFoundError
+from .guest import GuestCommandError, GuestShell
+from .layers import image_layers
+from .manifests import VERSION
+from .parts import NodeParts, build_stack
+
+log_ = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 600.0
+DEFAULT_READY_WITH_START = "sleep 20"  # E2B's default when a start command has none
+
+
+def _noop(level: str, message: str, step: str | None) -> None:
+    log_.debug("build %s [%s] %s", level, step, message)
+
+
+async def build(p: NodeParts, spec: BuildSpec, log: BuildLog | None = None) -> SnapshotRef:
+    if spec.snapshot_id in p.building:
+        raise NodeRuntimeError(f"template {spec.snapshot_id} is already being built")
+    p.building.add(spec.snapshot_id)
+    try:
+        return await _Build(p, spec, log or _noop).run()
+    finally:
+        p.building.discard(spec.snapshot_id)
+
+
+@dataclasses.dataclass
+class _Source:
+    layers: tuple[str, ...]
+    kernel: str
+    cmdline: str          # without the per-namespace network part (added at boot)
+    image: str
+    guest: GuestDefaults
+
+
+class _Build:
+    def __init__(self, p: NodeParts, spec: BuildSpec, log: BuildLog) -> None:
+        self.p, self.spec, self.log = p, spec, log
+        self.stack = build_stack(spec.snapshot_id)
+        self.mem_root = p.memory.dir / spec.snapshot_id
+        self.vm: Vm | None = None
+        self.net_made = False
+        self.shell: GuestShell | None = None
+        self.timings: dict[str, float] = {}
+        self.cache = BuildCache(p.manifests)
+
+    async def run(self) -> SnapshotRef:
+        t0 = time.perf_counter()
+        guest_steps.validate(self.spec.steps, self.spec.files_dir)
+        try:
+            src = await self._source()
+            self.timings["source_s"] = time.perf_counter() - t0
+            layers, guest, first, keys = await self._cached_prefix(src)
+            ref = await self._build_in_vm(src, layers, guest, first, keys)
+            self.timings["total_s"] = time.perf_counter() - t0
+            return ref
+        except BaseException:
+            await self._cleanup()
+            shutil.rmtree(self.mem_root, ignore_errors=True)
+            raise
+        finally:
+            if self.shell is not None:
+                await self.shell.aclose()
+
+    # -- source and cache -------------------------------------------------------------------
+
+    async def _source(self) -> _Source:
+        spec, p = self.spec, self.p
+        if spec.from_image:
+            raise BuildFailed(f"cannot build from image {spec.from_image!r}: OCI image "
+                              "import is not available on this node yet", step="base")
+        if spec.from_snapshot:
+            try:
+                m = await p.manifests.get(spec.from_snapshot)
+            except SnapshotNotFoundError as exc:
+                raise BuildFailed(f"template {spec.from_snapshot} not found", step="base") \
+                    from exc
+            g = m.get("guest") or {}
+            return _Source(tuple(m["disk"]["layers"]), m["kernel"],
+                           m.get("base_cmdline", m["cmdline"]), m.get("image") or "",
+                           GuestDefaults(user=g.get("user", "user"),
+                                         workdir=g.get("workdir", "/home/user"),
+                                         env=dict(g.get("env") or {})))
+        image = await asyncio.to_thread(find_image, spec.machine.image, p.config.image_cache)
+        layers = await image_layers(image, p.block.client, p.config.state_dir / "layers.json")
+        return _Source(tuple(layers), str(image.kernel.vmlinux), image.cmdline, image.name,
+                       GuestDefaults())
+
+    async def _cached_prefix(self, src: _Source
+                             ) -> tuple[tuple[str, ...], GuestDefaults, int, list[str]]:
+        """(layers, guest defaults, index of the first step to run, every step's key)."""
+        keys, k = [], source_key(src.layers, src.guest)
+        for step in self.spec.steps:
+            k = step_key(k, step)
+            keys.append(k)
+        layers, guest, first = src.layers, src.guest, 0
+        n = len(self.spec.steps)
+        for i, step in enumerate(self.spec.steps):
+            if self.spec.force or step.force:
+                break
+            entry = await self.cache.get(keys[i])
+            if entry is None:
+                break
+            layers, guest, first = entry.layers, entry.guest, i + 1
+            self.log("info", f"CACHED [{i + 1}/{n}] {guest_steps.describe(step)}", str(i + 1))
+        return layers, guest, first, keys
+
+    # -- the build VM ---------------------------------------------------------------------------
+
+    async def _build_in_vm(self, src: _Source, layers: tuple[str, ...], guest: GuestDefaults,
+                           first: int, keys: list[str]) -> SnapshotRef:
+        p, spec, mx = self.p, self.spec, self.p.machines
+        if self.mem_root.exists():
+            shutil.rmtree(self.mem_root)
+        self.mem_root.mkdir(parents=True)
+        net, (network, host, port, _fwd) = await mx.make_net(self.stack, NetworkPolicy())
+        self.net_made = True
+        cmdline = (src.cmdline + (f" {net.kernel_cmdline()}" if net is not None else "")).strip()
+        m: dict[str, Any] = {
+            "version": VERSION, "kind": "template", "snapshot_id": spec.snapshot_id,
+            "machine": dataclasses.asdict(spec.machine), "network_mode": mx.mode,
+            "image": src.image, "kernel": src.kernel, "cmdline": cmdline,
+            "base_cmdline": src.cmdline,
+        }
+        await mx.drop_stack(self.stack)
+        await p.block.client.create(self.stack, list(layers))
+        scratch = self.mem_root / "scratch.mem"
+        vspec = mx.spec(m, name=self.stack, memory=MemoryBacking(path=scratch, shared=True),
+                        stack=self.stack, network=network)
+        self.log("info", "Booting the build VM", "base")
+        t1 = time.perf_counter()
+        self.vm, boot = await mx.boot(vspec, timeout_s=p.config.boot_timeout_s)
+        self.timings.update(boot)
+        self.shell = GuestShell(host, port)
+        n = len(spec.steps)
+        for i in range(first, n):
+            step = spec.steps[i]
+            self.log("info", f"[{i + 1}/{n}] {guest_steps.describe(step)}", str(i + 1))
+            t = time.perf_counter()
+            touched_disk, guest = await guest_steps.execute(
+                self.shell, step, guest, spec.files_dir, index=i + 1,
+                on_output=lambda _s, line, step_no=str(i + 1): self.log("info", line, step_no))
+            if touched_disk:
+                layers = await self._seal_step()
+            await self.cache.put(keys[i], CacheEntry(tuple(layers), guest))
+            self.timings[f"step{i + 1}_s"] = time.perf_counter() - t
+        await self._start_and_wait(guest)
+        return await self._commit(m, vspec, scratch, guest, first, t1)
+
+    async def _seal_step(self) -> tuple[str, ...]:
+        """The disk as this step left it becomes a layer: the guest flushes its page
+        cache, the vCPUs stop (QEMU drains its I/O) while the upper is sealed."""
+        assert self.shell is not None and self.vm is not None
+        await self.shell.run("sync", user="root", timeout_s=120.0)
+        await self.vm.pause()
+        try:
+            await self.p.block.client.seal(self.stack, upload=True)
+        finally:
+            await self.vm.resume()
+        info = await self.p.block.client.info(self.stack)
+        return tuple(info.layers)
+
+    async def _start_and_wait(self, guest: GuestDefaults) -> None:
+        spec = self.spec
+        assert self.shell is not None
+        ready = spec.ready_cmd or (DEFAULT_READY_WITH_START if spec.start_cmd else None)
+        if spec.start_cmd:
+            self.log("info", f"Starting: {spec.start_cmd}", "finalize")
+            try:
+                await self.shell.start(spec.start_cmd, user=guest.user, env=guest.env,
+                                       cwd=guest.workdir, tag="start_cmd")
+            except GuestCommandError as exc:
+                raise BuildFailed(f"the start command did not start: {exc}",
+                                  step="finalize") from exc
+        if ready:
+            self.log("info", f"Waiting for the ready command: {ready}", "finalize")
+            t = time.perf_counter()
+            ok = await self.shell.wait_until(
+                ready, user=guest.user, env=guest.env, cwd=guest.workdir,
+                timeout_s=READY_TIMEOUT_S,
+                on_fail=lambda code: self.log("debug", f"not ready yet (exit {code})",
+                                              "finalize"))
+            if not ok:
+                raise BuildFailed(f"the ready command {ready!r} did not succeed within "
+                                  f"{READY_TIMEOUT_S:g}s", step="finalize")
+            self.timings["ready_s"] = time.perf_counter() - t
+            self.log("info", "Ready", "finalize")
+
+    async def _commit(self, m: dict[str, Any], vspec: Any, scratch: Path,
+                      guest: GuestDefaults, first: int, t_boot: float) -> SnapshotRef:
+        p, mx, spec = self.p, self.p.machines, self.spec
+        assert self.vm is not None
+        t = time.perf_counter()
+        try:
+            base = await self.vm.freeze_memory(self.mem_root / "base")
+        except VmmError as exc:
+            raise SandboxStartError(f"template {spec.snapshot_id}: freezing memory: "
+                                    f"{exc}") from exc
+        await p.block.client.seal(self.stack, upload=True)
+        info = await p.block.client.info(self.stack)
+        self.timings["freeze_s"] = time.perf_counter() - t
+        self.timings["boot_to_frozen_s"] = time.perf_counter() - t_boot
+        await mx.release_vm(self.vm)
+        self.vm = None
+        scratch.unlink(missing_ok=True)
+        await self._cleanup()
+        t3 = time.perf_counter()
+        files = await p.memory.upload(base.dir)
+        self.timings["upload_memory_s"] = time.perf_counter() - t3
+        m.update({
+            "created_at": time.time(), "parent_id": spec.from_snapshot,
+            "config_sha256": mx.digest(vspec),
+            "memory": {"base_dir": p.memory.rel(base.dir), "base_id": base.id,
+                       "devstate": p.memory.rel(base.template_path), "snapshot_dir": None,
+                       "files": files},
+            "disk": {"layers": list(info.layers), "virtual_size": info.virtual_size},
+            "depends_on": [spec.snapshot_id],
+            "guest": dataclasses.asdict(guest),
+            "build": {"steps": len(spec.steps), "cached_steps": first,
+                      "start_cmd": spec.start_cmd, "ready_cmd": spec.ready_cmd},
+            "timings": {k: round(v, 3) for k, v in self.timings.items()},
+        })
+        await p.manifests.put(spec.snapshot_id, m)  # the commit point
+        p.last_timings = self.timings
+        return SnapshotRef(spec.snapshot_id, spec.machine, m["created_at"], spec.from_snapshot,
+                           m)
+
+    async def _cleanup(self) -> None:
+        mx = self.p.machines
+        if self.vm is not None:
+            await mx.release_vm(self.vm)
+            self.vm = None
+        with contextlib.suppress(Exception):
+            await mx.drop_stack(self.stack)
+        if self.net_made:
+            await mx.drop_net(self.stack)
+            self.net_made = False

@@ -1,0 +1,136 @@
+"""Template builds on real VMs: steps run in a build VM through envd, each step's disk
+changes cached as a layer; the start command is running (and ready) in the template's
+memory snapshot; a rebuild hits the cache; a failing step leaves nothing behind."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from host.contract import BuildFailed, BuildSpec, BuildStep, MachineSpec, NetworkConfig, SnapshotRef
+from host.runtime import NodeRuntime
+from host.runtime.parts import build_stack
+
+from .helpers import assert_gone, netns_names, run
+
+pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
+
+PORT = 8000
+READY = f'[ -n "$(ss -Htuln sport = :{PORT})" ]'  # what the SDK's wait_for_port sends
+
+
+def _archive(files_dir: Path, name: str, files: dict[str, str]) -> str:
+    """A COPY archive as the SDK uploads it (gzipped tar, paths relative to the context)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for path, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(path)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    files_dir.mkdir(parents=True, exist_ok=True)
+    (files_dir / name).write_bytes(buf.getvalue())
+    return name
+
+
+def _steps(files_hash: str, last: str = "echo built > /app/built.txt") -> tuple[BuildStep, ...]:
+    return (
+        BuildStep("ENV", ("GREETING", "hello world")),
+        BuildStep("RUN", ("mkdir -p /app && chown user:user /app", "root")),
+        BuildStep("COPY", ("site/index.html", "/app/", "", "0644"), files_hash=files_hash),
+        BuildStep("WORKDIR", ("/app",)),
+        BuildStep("RUN", ('echo "$GREETING from $(whoami) in $(pwd)" > env.txt',)),
+        BuildStep("RUN", (last,)),
+    )
+
+
+async def test_build_run_copy_env_workdir_start_ready_and_cache(
+        runtime: NodeRuntime, template: SnapshotRef, tmp_path: Path) -> None:
+    files = tmp_path / "files"
+    h = _archive(files, "a" * 64, {"site/index.html": "<h1>built by aenv</h1>\n"})
+    logs: list[tuple[str, str, str | None]] = []
+    spec = BuildSpec(snapshot_id="bt-1", machine=MachineSpec(memory_mb=256),
+                     from_snapshot=template.snapshot_id, steps=_steps(h),
+                     start_cmd=f"python3 -m http.server {PORT}", ready_cmd=READY,
+                     files_dir=files)
+    t0 = time.perf_counter()
+    ref = await runtime.build(spec, lambda lvl, msg, step: logs.append((lvl, msg, step)))
+    first_s = time.perf_counter() - t0
+    assert ref.facts["guest"] == {"user": "user", "workdir": "/app",
+                                  "env": {"GREETING": "hello world"}}
+    assert ref.facts["build"]["cached_steps"] == 0
+    assert any(step == "finalize" and "Ready" in msg for _, msg, step in logs)
+    assert not any(d for d in netns_names() if build_stack("bt-1") in d)
+
+    sid = "bt-sbx"
+    p = await runtime.start(sid, ref, NetworkConfig())
+    try:
+        out = await run(p, "cat /app/env.txt /app/index.html /app/built.txt; "
+                           "stat -c '%U %a' /app/index.html")
+        assert out.split("\n")[:4] == ["hello world from user in /app",
+                                       "<h1>built by aenv</h1>", "built", "user 644"]
+        host, port = p.address(PORT)  # the start command's server is already up
+        async with httpx.AsyncClient(trust_env=False) as http:
+            r = await http.get(f"http://{host}:{port}/index.html", timeout=30)
+        assert r.status_code == 200 and "built by aenv" in r.text
+    finally:
+        await runtime.kill(sid)
+    await assert_gone(runtime, sid)
+
+    # unchanged steps: every one a cache hit
+    t0 = time.perf_counter()
+    again = await runtime.build(BuildSpec(**{**spec.__dict__, "snapshot_id": "bt-2"}),
+                                lambda *a: None)
+    second_s = time.perf_counter() - t0
+    assert again.facts["build"]["cached_steps"] == len(spec.steps)
+    # one changed step (the last): only it runs again
+    changed = BuildSpec(**{**spec.__dict__, "snapshot_id": "bt-3",
+                           "steps": _steps(h, last="echo changed > /app/built.txt")})
+    third = await runtime.build(changed, lambda *a: None)
+    assert third.facts["build"]["cached_steps"] == len(spec.steps) - 1
+    print(f"\nbuild: first {first_s:.1f}s, all cached {second_s:.1f}s; "
+          f"timings {runtime.last_timings}")
+    p = await runtime.start(sid, third, NetworkConfig())
+    try:
+        assert (await run(p, "cat /app/built.txt /app/env.txt")).split("\n")[:2] == [
+            "changed", "hello world from user in /app"]
+    finally:
+        await runtime.kill(sid)
+    for s in ("bt-1", "bt-2", "bt-3"):
+        await runtime.delete_snapshot(s)
+
+
+async def test_failing_step_fails_the_build_and_leaves_nothing(
+        runtime: NodeRuntime, template: SnapshotRef) -> None:
+    logs: list[tuple[str, str, str | None]] = []
+    spec = BuildSpec(snapshot_id="bt-bad", machine=MachineSpec(memory_mb=256),
+                     from_snapshot=template.snapshot_id,
+                     steps=(BuildStep("RUN", ("echo about to fail; exit 3",)),))
+    with pytest.raises(BuildFailed) as err:
+        await runtime.build(spec, lambda lvl, msg, step: logs.append((lvl, msg, step)))
+    assert err.value.step == "1" and "exit code 3" in str(err.value)
+    assert ("info", "about to fail", "1") in logs
+    name = build_stack("bt-bad")
+    assert name not in [i.name for i in await runtime.block.client.list()]
+    assert not (runtime.config.vms_dir / name).exists()
+    assert not (runtime.config.memory_dir / "bt-bad").exists()
+    assert await runtime.find_snapshot("bt-bad") is None
+    assert not any(name in d for d in netns_names())
+
+
+async def test_unknown_step_and_missing_copy_files(runtime: NodeRuntime,
+                                                   template: SnapshotRef, tmp_path: Path) -> None:
+    for step, why in ((BuildStep("FROBNICATE", ("x",)), "unknown step type"),
+                      (BuildStep("COPY", ("a", "/b", "", ""), files_hash="f" * 64),
+                       "never uploaded")):
+        spec = BuildSpec(snapshot_id="bt-odd", machine=MachineSpec(memory_mb=256),
+                         from_snapshot=template.snapshot_id, steps=(step,),
+                         files_dir=tmp_path)
+        with pytest.raises(BuildFailed, match=why):
+            await runtime.build(spec, lambda *a: None)
+        assert await runtime.find_snapshot("bt-odd") is None
