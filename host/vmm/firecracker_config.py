@@ -17,7 +17,7 @@ import shlex
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from .accel import _kvm_openable, _pvm_loaded
 from .driver import NbdDisk, TapNet, UserNet, VmSpec
@@ -28,6 +28,21 @@ IFACE_ID = "eth0"
 _DRIVE_ID = re.compile(r"^[A-Za-z0-9_]+$")  # Firecracker accepts only these in ids
 
 Request = tuple[str, str, dict[str, Any]]
+
+
+class FirecrackerHost(Protocol):
+    """What a Firecracker VM uses of the driver that made it (the driver is
+    `FirecrackerDriver`; VM modules name this protocol instead, so they need not import
+    the driver's module)."""
+
+    firecracker: str
+    track_dirty_pages: bool
+    jailer: Any   # JailerConfig | None
+    block: Any    # NbdAttacher
+
+    def config_digest(self, spec: VmSpec) -> str: ...
+
+    def _track(self, vm: Any) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)

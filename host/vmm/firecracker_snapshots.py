@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 from . import firecracker_memory as fcmem
 from .driver import VmState
 from .errors import VmmSnapshotError, VmmStateError
+from .firecracker_config import FirecrackerHost
 from .memsnap import BaseImage, MemSnapError, MemSnapshot
 
 if TYPE_CHECKING:
-    from .firecracker import FirecrackerDriver
     from .jailer import HostRoot
     from .vmbase import VmBase as _Base
 else:
@@ -58,7 +58,7 @@ def _mapped(what: str) -> Iterator[None]:
 class MemoryMixin(_Base):
     """The snapshot half of `FirecrackerVm` (which provides `api`, `root`, `pause`...)."""
 
-    _driver: FirecrackerDriver
+    _driver: FirecrackerHost
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)

@@ -21,14 +21,20 @@ from . import procscan
 from .driver import ENVD_PORT, BootTimeouts, FileDisk, TapNet, VmSpec, VmState
 from .errors import VmmError, VmmStartError, VmmStateError
 from .firecracker_api import API_CALL_S, FirecrackerApi
-from .firecracker_config import boot_requests, check_spec, drive_ids, drive_path, load_request
+from .firecracker_config import (
+    FirecrackerHost,
+    boot_requests,
+    check_spec,
+    drive_ids,
+    drive_path,
+    load_request,
+)
 from .firecracker_leftovers import DEVICES_FILE, record_devices
 from .firecracker_snapshots import MemoryMixin, snapshot_mem_path
 from .jailer import API_SOCKET, HostRoot, JailRoot, jail_record, release_jail
 from .vmbase import TAIL_LINES, VmBase
 
 if TYPE_CHECKING:
-    from .firecracker import FirecrackerDriver
     from .memsnap import BaseImage, MemSnapshot
 
 log = logging.getLogger("host.vmm.firecracker")
@@ -41,9 +47,9 @@ class FirecrackerVm(MemoryMixin, VmBase):
 
     _VMM = "Firecracker"
     _log = log
-    _driver: FirecrackerDriver
+    _driver: FirecrackerHost
 
-    def __init__(self, driver: FirecrackerDriver, spec: VmSpec, timeouts: BootTimeouts
+    def __init__(self, driver: FirecrackerHost, spec: VmSpec, timeouts: BootTimeouts
                  ) -> None:
         super().__init__(driver, spec, timeouts)
         self._api: FirecrackerApi | None = None
