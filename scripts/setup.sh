@@ -12,7 +12,9 @@ APT_PACKAGES=(
   python3.11-venv python3.11-dev patchelf scons  # frozen envd (PyInstaller + staticx, Debian python)
   attr iproute2 nftables cpio xz-utils zstd
   libnss-myhostname   # tests/e2e/test_tls.py: *.localhost -> loopback in its netns (postinst also adds it to /etc/nsswitch.conf)
-  busybox-static                        # memsnap VM tests: busybox guest root (tests/vmm/memsnap)
+  busybox-static                        # memsnap VM tests: busybox guest root (tests/vmm/memsnap); tests/images busybox image
+  skopeo                                # host/images: pull OCI images into the local OCI cache
+  docker-registry apache2-utils         # tests/images: a local registry (distribution 2.8) and htpasswd -B for its auth
   nginx wrk                             # proxy benchmark peer and load generator
   nodejs npm                            # the JS e2b SDK in tests
 )

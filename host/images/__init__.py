@@ -1,0 +1,55 @@
+"""OCI images as template sources: pull into a content-addressed cache, read layers and
+chain ids (`pull`), and apply a layer tar onto a root directory inside the importer VM
+(`apply.py`, a standalone stdlib-only script: `APPLY_SCRIPT` is its path).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .blobs import verify_blob
+from .errors import (
+    ImageCorrupt,
+    ImageError,
+    ImageNotFound,
+    ImageReferenceError,
+    RegistryAuthError,
+    RegistryUnavailable,
+    UnsupportedImage,
+)
+from .layout import Image, ImageConfig, Layer, chain_ids, open_layer, read_image
+from .pull import ProgressCallback, PullProgress, pull
+from .reference import Reference, parse_reference
+from .registry import Credentials, RegistryConfig, Source, is_insecure, resolve_source
+
+APPLY_SCRIPT = Path(__file__).with_name("apply.py")
+"""The guest-side layer applier: copy it into the importer VM and run
+`python3 apply.py [--diff-id sha256:...] LAYER.tar[.gz]|- TARGET_DIR`."""
+
+__all__ = [
+    "APPLY_SCRIPT",
+    "Credentials",
+    "Image",
+    "ImageConfig",
+    "ImageCorrupt",
+    "ImageError",
+    "ImageNotFound",
+    "ImageReferenceError",
+    "Layer",
+    "ProgressCallback",
+    "PullProgress",
+    "Reference",
+    "RegistryAuthError",
+    "RegistryConfig",
+    "RegistryUnavailable",
+    "Source",
+    "UnsupportedImage",
+    "chain_ids",
+    "is_insecure",
+    "open_layer",
+    "parse_reference",
+    "pull",
+    "read_image",
+    "resolve_source",
+    "verify_blob",
+]

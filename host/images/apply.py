@@ -1,0 +1,608 @@
+#!/usr/bin/env python3
+"""Apply one OCI image layer (a tar changeset) onto a root directory.
+
+    python3 apply.py [--diff-id sha256:HEX] LAYER TARGET_DIR
+
+A standalone script (Python 3.11 standard library only): the runtime copies it into the
+importer VM and runs it there as root with the guest's python3; tests import it on the
+host. LAYER is a plain or gzip tar file, or `-` for standard input; the format is found
+from the first bytes, not the name. zstd layers are not read here: the host decompresses
+them first (`host.images.open_layer`, with the `zstandard` package) and sends a plain tar.
+
+Semantics (OCI image spec, "Applying Changesets"; what containerd does):
+- `.wh.NAME` deletes NAME from the layers below (a directory with all it holds); it is
+  never created itself. `.wh..wh..opq` in a directory hides everything the layers below
+  put in it. Neither hides what this same layer adds, whatever the order in the tar.
+- A non-directory replaces whatever is at its path; a directory entry over an existing
+  directory only updates its metadata (lower content stays unless opaque).
+- Hard links point at a path in this layer or below; symlinks, character and block
+  devices and fifos are created as such; owners are numeric uid/gid; modes (with
+  setuid/setgid/sticky), mtimes (ns precision from PAX) and xattrs (PAX
+  `SCHILY.xattr.*` and `LIBARCHIVE.xattr.*`) are applied. Directory modes and mtimes are
+  set last, so adding their children does not undo them.
+- Nothing is written outside TARGET_DIR: names are made relative and `..` cannot climb
+  above the root (as containerd neutralises them); every symlink met while resolving a
+  path, from this layer or below, resolves as if TARGET_DIR were `/`; the last
+  component is never followed (O_NOFOLLOW, *at() calls on directory fds).
+- Without root (tests), ownership changes and device nodes are skipped with a warning.
+
+The uncompressed tar is hashed while it is read: its sha256 is the layer's diff id.
+With --diff-id, a mismatch exits with status 3 (the result must then be discarded).
+Prints one JSON line: {"diff_id": ..., "entries": ..., ..., "warnings": [...]}.
+Exit status: 0 applied, 1 invalid layer or I/O error, 2 usage, 3 diff id mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import decimal
+import errno
+import gzip
+import hashlib
+import io
+import json
+import os
+import shutil
+import stat
+import sys
+import tarfile
+import zlib
+from collections import OrderedDict
+from typing import IO, Any
+from urllib.parse import unquote
+
+GZIP_MAGIC = b"\x1f\x8b"
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+WHITEOUT = ".wh."
+OPAQUE = ".wh..wh..opq"
+AUFS_META = ".wh..wh."
+MAX_SYMLINKS = 40
+FD_CACHE = 128
+CHUNK = 1 << 20
+MAX_WARNINGS = 50
+
+RPath = tuple[str, ...]  # a resolved path below the root: real directories, then a name
+
+
+class ApplyError(Exception):
+    """The layer cannot be applied (invalid entry, missing link target, I/O error)."""
+
+
+class DiffIdMismatch(ApplyError):
+    """The uncompressed tar does not hash to the expected diff id."""
+
+
+class _Hashing(io.RawIOBase):
+    """Passes reads through, hashing every byte."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self._f.read(len(buffer))
+        n = len(data)
+        buffer[:n] = data
+        self.sha.update(data)
+        self.size += n
+        return n
+
+
+def clean_name(name: str) -> tuple[list[str], bool]:
+    """Components of an archive name relative to the root, and whether it tried to
+    leave the root (an absolute name or a `..` above the top) and was neutralised."""
+    parts: list[str] = []
+    escaped = name.startswith("/")
+    for part in name.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if parts:
+                parts.pop()
+            else:
+                escaped = True
+            continue
+        parts.append(part)
+    return parts, escaped
+
+
+class _Root:
+    """TARGET_DIR opened once; resolves paths inside it as a chroot would."""
+
+    def __init__(self, target: str) -> None:
+        self.fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._dirs: OrderedDict[RPath, int] = OrderedDict()
+
+    def close(self) -> None:
+        self.forget()
+        os.close(self.fd)
+
+    def forget(self) -> None:
+        """Drop cached directory fds (after anything was removed)."""
+        for fd in self._dirs.values():
+            os.close(fd)
+        self._dirs.clear()
+
+    def _fd(self, path: RPath) -> int:
+        """A cached fd of the real directory `path` (every component a real directory)."""
+        if not path:
+            return self.fd
+        fd = self._dirs.get(path)
+        if fd is not None:
+            self._dirs.move_to_end(path)
+            return fd
+        parent = self._fd(path[:-1])
+        fd = os.open(path[-1], os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     dir_fd=parent)
+        self._dirs[path] = fd
+        if len(self._dirs) > FD_CACHE:
+            _, old = self._dirs.popitem(last=False)
+            os.close(old)
+        return fd
+
+    def open_real(self, path: RPath) -> int:
+        """A new fd (the caller closes it) of the real directory `path`."""
+        return os.dup(self._fd(path))
+
+    def resolve_dir(self, parts: list[str], *, create: bool,
+                    made: list[RPath] | None = None) -> RPath | None:
+        """The real path of directory `parts`, following symlinks inside the root.
+        Missing components are made (0755) when `create`, else None is returned; a
+        component that is not a directory raises ApplyError."""
+        real: list[str] = []
+        todo = list(parts)
+        links = 0
+        while todo:
+            comp = todo.pop(0)
+            if comp in ("", "."):
+                continue
+            if comp == "..":
+                if real:
+                    real.pop()
+                continue
+            dirfd = self._fd(tuple(real))
+            try:
+                st = os.stat(comp, dir_fd=dirfd, follow_symlinks=False)
+            except FileNotFoundError:
+                if not create:
+                    return None
+                os.mkdir(comp, 0o755, dir_fd=dirfd)
+                real.append(comp)
+                if made is not None:
+                    made.append(tuple(real))
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                links += 1
+                if links > MAX_SYMLINKS:
+                    raise ApplyError(f"too many levels of symbolic links in {'/'.join(parts)}")
+                target = os.readlink(comp, dir_fd=dirfd)
+                if target.startswith("/"):
+                    real = []
+                todo = target.split("/") + todo
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                raise ApplyError(f"{'/'.join(parts)}: {'/'.join(real + [comp])} is not a "
+                                 "directory")
+            real.append(comp)
+        return tuple(real)
+
+
+class Applier:
+    """Applies the entries of one layer tar, in order, onto a root directory."""
+
+    def __init__(self, target: str) -> None:
+        self.root = _Root(target)
+        self.privileged = os.geteuid() == 0
+        self.created: set[RPath] = set()   # what this layer wrote (resolved paths)
+        self.touched: set[RPath] = set()   # ... and every directory above those
+        self.dirs: dict[RPath, tarfile.TarInfo] = {}  # modes/mtimes to set at the end
+        self.counts = {"entries": 0, "files": 0, "dirs": 0, "symlinks": 0, "hardlinks": 0,
+                       "devices": 0, "fifos": 0, "whiteouts": 0, "opaque": 0, "bytes": 0,
+                       "neutralised": 0, "skipped": 0, "unowned": 0}
+        self.warnings: list[str] = []
+        self.warnings_total = 0
+
+    def close(self) -> None:
+        self.root.close()
+
+    def warn(self, message: str) -> None:
+        self.warnings_total += 1
+        if len(self.warnings) < MAX_WARNINGS:
+            self.warnings.append(message)
+
+    # --- entries ---------------------------------------------------------------------
+
+    def entry(self, tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
+        self.counts["entries"] += 1
+        parts, escaped = clean_name(member.name)
+        if escaped:
+            self.counts["neutralised"] += 1
+            self.warn(f"{member.name!r}: made relative to the root")
+        if not parts:
+            return  # the root itself: its metadata stays the target's
+        if any(p.startswith(AUFS_META) and p != OPAQUE for p in parts):
+            self.counts["skipped"] += 1
+            return  # aufs bookkeeping (.wh..wh.plnk, .wh..wh.aufs)
+        name = parts[-1]
+        try:
+            if name == OPAQUE:
+                self.opaque(parts[:-1])
+            elif name.startswith(WHITEOUT):
+                self.whiteout(parts[:-1], name[len(WHITEOUT):])
+            else:
+                self.create(tar, member, parts)
+        except OSError as exc:
+            raise ApplyError(f"{member.name}: {exc}") from exc
+
+    def _mark(self, path: RPath) -> None:
+        self.created.add(path)
+        for i in range(len(path)):
+            self.touched.add(path[:i])
+
+    def _parent(self, parts: list[str]) -> tuple[RPath, int]:
+        made: list[RPath] = []
+        parent = self.root.resolve_dir(parts[:-1], create=True, made=made)
+        if parent is None:  # create=True never returns None
+            raise ApplyError(f"cannot resolve {'/'.join(parts)}")
+        for path in made:
+            self.touched.add(path)
+        return parent, self.root.open_real(parent)
+
+    def create(self, tar: tarfile.TarFile, m: tarfile.TarInfo, parts: list[str]) -> None:
+        parent, pfd = self._parent(parts)
+        name = parts[-1]
+        path = parent + (name,)
+        try:
+            if m.isdir():
+                self._make_dir(pfd, name, m)
+                self.dirs[path] = m
+                self.counts["dirs"] += 1
+            elif m.isreg():
+                self._remove(pfd, name)
+                self._write_file(tar, pfd, name, m)
+                self.counts["files"] += 1
+            elif m.issym():
+                self._remove(pfd, name)
+                os.symlink(m.linkname, name, dir_fd=pfd)
+                self._metadata(pfd, name, m, chmod=False)
+                self.counts["symlinks"] += 1
+            elif m.islnk():
+                if not self._hardlink(pfd, name, path, m):
+                    return
+                self.counts["hardlinks"] += 1
+            elif m.ischr() or m.isblk() or m.isfifo():
+                if not self._make_node(pfd, name, m):
+                    return
+            else:
+                self.counts["skipped"] += 1
+                self.warn(f"{m.name!r}: tar entry type {m.type!r} is not supported, skipped")
+                return
+        finally:
+            os.close(pfd)
+        self._mark(path)
+
+    def _remove(self, pfd: int, name: str, *, keep_dir: bool = False) -> bool:
+        """Remove what is at `name`; returns True if it is a directory that was kept."""
+        try:
+            st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        if stat.S_ISDIR(st.st_mode):
+            if keep_dir:
+                return True
+            self.root.forget()
+            shutil.rmtree(name, dir_fd=pfd)
+        else:
+            os.unlink(name, dir_fd=pfd)
+        return False
+
+    def _make_dir(self, pfd: int, name: str, m: tarfile.TarInfo) -> None:
+        if not self._remove(pfd, name, keep_dir=True):
+            os.mkdir(name, 0o700, dir_fd=pfd)
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     dir_fd=pfd)
+        try:
+            self._chown(fd, None, m)
+            self._xattrs(fd, None, m)
+        finally:
+            os.close(fd)
+
+    def _write_file(self, tar: tarfile.TarFile, pfd: int, name: str,
+                    m: tarfile.TarInfo) -> None:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600, dir_fd=pfd)
+        try:
+            src = tar.extractfile(m)
+            if src is not None:
+                with src, open(fd, "wb", closefd=False) as out:
+                    shutil.copyfileobj(src, out, CHUNK)
+            self.counts["bytes"] += m.size
+            # chown first: it clears setuid/setgid bits and security.capability
+            self._chown(fd, None, m)
+            self._xattrs(fd, None, m)
+            os.fchmod(fd, m.mode & 0o7777)
+            os.utime(fd, ns=_times(m))
+        finally:
+            os.close(fd)
+
+    def _hardlink(self, pfd: int, name: str, path: RPath, m: tarfile.TarInfo) -> bool:
+        target, escaped = clean_name(m.linkname)
+        if escaped:
+            self.counts["neutralised"] += 1
+            self.warn(f"{m.name!r}: link target {m.linkname!r} made relative to the root")
+        if not target:
+            raise ApplyError(f"{m.name}: hard link to the root directory")
+        tparent = self.root.resolve_dir(target[:-1], create=False)
+        if tparent is None:
+            raise ApplyError(f"{m.name}: hard link target {m.linkname} does not exist")
+        if tparent + (target[-1],) == path:
+            return False  # a link to itself: nothing to do
+        tfd = self.root.open_real(tparent)
+        try:
+            try:
+                st = os.stat(target[-1], dir_fd=tfd, follow_symlinks=False)
+            except FileNotFoundError:
+                raise ApplyError(f"{m.name}: hard link target {m.linkname} does not "
+                                 "exist") from None
+            if stat.S_ISDIR(st.st_mode):
+                raise ApplyError(f"{m.name}: hard link target {m.linkname} is a directory")
+            self._remove(pfd, name)
+            os.link(target[-1], name, src_dir_fd=tfd, dst_dir_fd=pfd, follow_symlinks=False)
+        finally:
+            os.close(tfd)
+        return True
+
+    def _make_node(self, pfd: int, name: str, m: tarfile.TarInfo) -> bool:
+        if m.isfifo():
+            kind, dev, counter = stat.S_IFIFO, 0, "fifos"
+        else:
+            kind = stat.S_IFCHR if m.ischr() else stat.S_IFBLK
+            dev, counter = os.makedev(m.devmajor, m.devminor), "devices"
+        self._remove(pfd, name)
+        try:
+            os.mknod(name, kind | 0o600, dev, dir_fd=pfd)
+        except PermissionError:
+            if self.privileged:
+                raise
+            self.counts["skipped"] += 1
+            self.warn(f"{m.name!r}: device node skipped (not root)")
+            return False
+        self._metadata(pfd, name, m, chmod=True)
+        self.counts[counter] += 1
+        return True
+
+    # --- metadata --------------------------------------------------------------------
+
+    def _metadata(self, pfd: int, name: str, m: tarfile.TarInfo, *, chmod: bool) -> None:
+        """Owner, xattrs, mode and times of a node that cannot be opened (symlink, device,
+        fifo): through its name in `pfd`, never following it."""
+        self._chown(pfd, name, m)
+        self._xattrs(pfd, name, m)
+        if chmod:  # the node was just made here by mknod, so it is not a symlink
+            os.chmod(name, m.mode & 0o7777, dir_fd=pfd)
+        os.utime(name, ns=_times(m), dir_fd=pfd, follow_symlinks=False)
+
+    def _chown(self, fd: int, name: str | None, m: tarfile.TarInfo) -> None:
+        if not self.privileged:
+            if m.uid != os.geteuid() or m.gid != os.getegid():
+                self.counts["unowned"] += 1
+            return
+        if name is None:
+            os.fchown(fd, m.uid, m.gid)
+        else:
+            os.chown(name, m.uid, m.gid, dir_fd=fd, follow_symlinks=False)
+
+    def _xattrs(self, fd: int, name: str | None, m: tarfile.TarInfo) -> None:
+        attrs = _xattrs_of(m)
+        if not attrs:
+            return
+        # an fd for files and directories; for nodes opened through /proc/self/fd so the
+        # directory fd anchors the lookup and the last component is not followed
+        for key, value in attrs.items():
+            try:
+                if name is None:
+                    os.setxattr(fd, key, value)
+                else:
+                    os.setxattr(f"/proc/self/fd/{fd}/{name}", key, value,
+                                follow_symlinks=False)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM,
+                                     errno.EACCES, errno.EINVAL, errno.ENOENT):
+                    raise
+                self.warn(f"{m.name!r}: xattr {key} not set: {exc.strerror}")
+
+    def finish_dirs(self) -> None:
+        """Modes and mtimes of this layer's directories, deepest first."""
+        for path in sorted(self.dirs, key=len, reverse=True):
+            m = self.dirs[path]
+            try:
+                fd = self.root.open_real(path)
+            except OSError:
+                continue  # removed or replaced later in this layer
+            try:
+                os.fchmod(fd, m.mode & 0o7777)
+                os.utime(fd, ns=_times(m))
+            finally:
+                os.close(fd)
+
+    # --- whiteouts -------------------------------------------------------------------
+
+    def whiteout(self, dir_parts: list[str], name: str) -> None:
+        self.counts["whiteouts"] += 1
+        if name in ("", ".", "..") or "/" in name:
+            self.warn(f"whiteout {name!r} in {'/'.join(dir_parts) or '/'} ignored")
+            return
+        parent = self.root.resolve_dir(dir_parts, create=False)
+        if parent is None:
+            return  # nothing below to hide
+        path = parent + (name,)
+        if path in self.created:
+            return  # this layer's own entry: only a later layer can hide it
+        if path in self.touched:
+            self._purge(path)  # a lower directory this layer added to: hide only the lower part
+            return
+        pfd = self.root.open_real(parent)
+        try:
+            self._remove(pfd, name)
+        finally:
+            os.close(pfd)
+
+    def opaque(self, dir_parts: list[str]) -> None:
+        self.counts["opaque"] += 1
+        made: list[RPath] = []
+        parent = self.root.resolve_dir(dir_parts, create=True, made=made)
+        if parent is None:
+            return
+        for path in made:
+            self.touched.add(path)
+        self.touched.add(parent)
+        self._purge(parent)
+
+    def _purge(self, path: RPath) -> None:
+        """Remove everything under `path` that this layer did not write."""
+        fd = self.root.open_real(path)
+        try:
+            for name in os.listdir(fd):
+                child = path + (name,)
+                if child in self.created or child in self.touched:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                    if stat.S_ISDIR(st.st_mode):
+                        self._purge(child)
+                    continue
+                self._remove(fd, name)
+        finally:
+            os.close(fd)
+
+
+def _times(m: tarfile.TarInfo) -> tuple[int, int]:
+    """(atime, mtime) in ns, exact from PAX decimal strings (a float loses the ns)."""
+    mtime = _ns(m.pax_headers.get("mtime"), m.mtime)
+    atime = m.pax_headers.get("atime")
+    return (_ns(atime, m.mtime) if atime else mtime), mtime
+
+
+def _ns(text: str | None, fallback: float) -> int:
+    if text:
+        try:
+            return int(decimal.Decimal(text).scaleb(9))
+        except (decimal.InvalidOperation, ValueError):
+            pass
+    return int(decimal.Decimal(repr(float(fallback))).scaleb(9))
+
+
+def _xattrs_of(m: tarfile.TarInfo) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    for key, value in m.pax_headers.items():
+        if key.startswith("SCHILY.xattr."):
+            # tarfile decoded the value as UTF-8 with surrogateescape: undo it exactly
+            out[key[len("SCHILY.xattr."):]] = value.encode("utf-8", "surrogateescape")
+        elif key.startswith("LIBARCHIVE.xattr."):
+            try:
+                out[unquote(key[len("LIBARCHIVE.xattr."):])] = base64.b64decode(
+                    value + "=" * (-len(value) % 4))
+            except ValueError:
+                continue
+    return out
+
+
+def open_layer(source: str | IO[bytes]) -> tuple[IO[bytes], IO[bytes]]:
+    """(decompressed stream, raw stream to close) of a plain or gzip tar; ApplyError for
+    zstd or unknown formats."""
+    if isinstance(source, str):
+        raw: IO[bytes] = sys.stdin.buffer if source == "-" else open(source, "rb")  # noqa: SIM115
+    else:
+        raw = source
+    head = b""
+    while len(head) < 4:  # a pipe may deliver fewer bytes per read
+        more = raw.read(4 - len(head))
+        if not more:
+            break
+        head += more
+    stream = io.BufferedReader(_Prefixed(head, raw), CHUNK)
+    if head.startswith(GZIP_MAGIC):
+        return gzip.GzipFile(fileobj=stream, mode="rb"), raw  # type: ignore[return-value]
+    if head == ZSTD_MAGIC:
+        raise ApplyError("zstd-compressed layer: the host must decompress it first")
+    return stream, raw
+
+
+class _Prefixed(io.RawIOBase):
+    """`head` (already read from `f`), then the rest of `f`."""
+
+    def __init__(self, head: bytes, f: IO[bytes]) -> None:
+        self._head = head
+        self._f = f
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self._head:
+            n = min(len(buffer), len(self._head))
+            buffer[:n] = self._head[:n]
+            self._head = self._head[n:]
+            return n
+        data = self._f.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+
+def apply_layer(source: str | IO[bytes], target: str, *,
+                expect_diff_id: str | None = None) -> dict[str, Any]:
+    """Apply the layer tar `source` (path, "-" or binary stream) onto `target`; returns
+    the summary (counts, diff_id, warnings). Raises ApplyError or DiffIdMismatch."""
+    stream, raw = open_layer(source)
+    hashing = _Hashing(stream)
+    reader = io.BufferedReader(hashing, CHUNK)
+    applier = Applier(target)
+    old_umask = os.umask(0o022)
+    try:
+        try:
+            with tarfile.open(fileobj=reader, mode="r|", encoding="utf-8",
+                              errors="surrogateescape") as tar:
+                for member in tar:
+                    applier.entry(tar, member)
+            while reader.read(CHUNK):  # the tar's end padding counts in the diff id
+                pass
+        except (tarfile.TarError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
+            raise ApplyError(f"invalid layer tar: {exc}") from exc
+        applier.finish_dirs()
+    finally:
+        os.umask(old_umask)
+        applier.close()
+        if isinstance(source, str) and raw is not sys.stdin.buffer:
+            raw.close()  # only what we opened
+    diff_id = "sha256:" + hashing.sha.hexdigest()
+    summary: dict[str, Any] = {"diff_id": diff_id, "tar_bytes": hashing.size,
+                               **applier.counts, "warnings": applier.warnings,
+                               "warnings_total": applier.warnings_total}
+    if expect_diff_id is not None and diff_id != expect_diff_id:
+        raise DiffIdMismatch(f"layer diff id is {diff_id}, expected {expect_diff_id}")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Apply an OCI layer tar onto a directory.")
+    parser.add_argument("--diff-id", help="expected sha256 of the uncompressed tar")
+    parser.add_argument("layer", help="layer .tar / .tar.gz, or - for standard input")
+    parser.add_argument("target", help="root directory to apply onto")
+    args = parser.parse_args(argv)
+    try:
+        summary = apply_layer(args.layer, args.target, expect_diff_id=args.diff_id)
+    except DiffIdMismatch as exc:
+        print(f"apply.py: {exc}", file=sys.stderr)
+        return 3
+    except (ApplyError, OSError) as exc:
+        print(f"apply.py: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
