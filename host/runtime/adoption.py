@@ -70,14 +70,17 @@ async def reap_orphans(p: NodeParts, known: set[str]) -> list[str]:
     vms_dir: Path = p.config.vms_dir
     stale = {d.name for d in vms_dir.iterdir()} if vms_dir.is_dir() else set()
     stale |= set((await asyncio.to_thread(mx.vmm.leftovers, vms_dir)).values())
-    for sid in sorted(stale - live - building):
+    def building_part(name: str) -> bool:  # a build's VM, or its importer's (-i, -t)
+        return name in building or name[:-2] in building
+
+    for sid in sorted(s for s in stale - live if not building_part(s)):
         await mx.release_leftovers(sid, None)
         reaped.add(sid)
     for info in await p.block.client.list():
         if info.name.startswith("sbx-") and info.name[4:] not in live:
             await mx.drop_stack(info.name)
             reaped.add(info.name[4:])
-        elif info.name.startswith("tpl-") and info.name not in building:
+        elif info.name.startswith("tpl-") and not building_part(info.name):
             await mx.drop_stack(info.name)
     if mx.nm is not None:
         before = {ex.sandbox_id for ex in await mx.nm.list_existing() if ex.sandbox_id}

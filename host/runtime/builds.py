@@ -18,12 +18,14 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import shlex
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from host.contract import BuildFailed, BuildLog, BuildSpec, GuestDefaults, SnapshotRef
+from host.images import ImageError, RegistryConfig, pull
 from host.network import NetworkPolicy
 from host.vmm.driver import MemoryBacking, Vm
 from host.vmm.errors import VmmError
@@ -33,6 +35,7 @@ from . import steps as guest_steps
 from .buildcache import BuildCache, CacheEntry, source_key, step_key
 from .errors import NodeRuntimeError, SandboxStartError, SnapshotNotFoundError
 from .guest import GuestCommandError, GuestShell
+from .imports import import_image
 from .layers import image_layers
 from .manifests import VERSION
 from .parts import NodeParts, build_stack
@@ -64,6 +67,7 @@ class _Source:
     cmdline: str          # without the per-namespace network part (added at boot)
     image: str
     guest: GuestDefaults
+    start_cmd: str | None = None  # an image's ENTRYPOINT + CMD, if the build sets none
 
 
 class _Build:
@@ -100,8 +104,7 @@ class _Build:
     async def _source(self) -> _Source:
         spec, p = self.spec, self.p
         if spec.from_image:
-            raise BuildFailed(f"cannot build from image {spec.from_image!r}: OCI image "
-                              "import is not available on this node yet", step="base")
+            return await self._image_source(spec.from_image)
         if spec.from_snapshot:
             try:
                 m = await p.manifests.get(spec.from_snapshot)
@@ -118,6 +121,25 @@ class _Build:
         layers = await image_layers(image, p.block.client, p.config.state_dir / "layers.json")
         return _Source(tuple(layers), str(image.kernel.vmlinux), image.cmdline, image.name,
                        GuestDefaults())
+
+    async def _image_source(self, reference: str) -> _Source:
+        """Pull the image and import its layers (or find them imported already)."""
+        cfg = self.p.config
+        reg = RegistryConfig(cache_dir=cfg.oci_cache_dir, mirror=cfg.registry_mirror,
+                             insecure_registries=cfg.insecure_registries)
+        self.log("info", f"Pulling {reference}", "base")
+        try:
+            image = await pull(reference, reg, credentials=self.spec.registry,
+                               progress=lambda pr: pr.message and self.log("info", pr.message,
+                                                                           "base"))
+        except ImageError as exc:
+            raise BuildFailed(f"pulling {reference}: {exc}", step="base") from exc
+        base = await asyncio.to_thread(find_image, self.spec.machine.image, cfg.image_cache)
+        imported = await import_image(self.p, image, base, self.log, name=self.stack)
+        c = image.config
+        start = shlex.join([*c.entrypoint, *c.cmd]) if (c.entrypoint or c.cmd) else None
+        return _Source(imported.layers, str(base.kernel.vmlinux), imported.cmdline,
+                       image.name, imported.guest, start)
 
     async def _cached_prefix(self, src: _Source
                              ) -> tuple[tuple[str, ...], GuestDefaults, int, list[str]]:
@@ -177,7 +199,7 @@ class _Build:
                 layers = await self._seal_step()
             await self.cache.put(keys[i], CacheEntry(tuple(layers), guest))
             self.timings[f"step{i + 1}_s"] = time.perf_counter() - t
-        await self._start_and_wait(guest)
+        await self._start_and_wait(guest, src.start_cmd)
         return await self._commit(m, vspec, scratch, guest, first, t1)
 
     async def _seal_step(self) -> tuple[str, ...]:
@@ -193,14 +215,15 @@ class _Build:
         info = await self.p.block.client.info(self.stack)
         return tuple(info.layers)
 
-    async def _start_and_wait(self, guest: GuestDefaults) -> None:
+    async def _start_and_wait(self, guest: GuestDefaults, image_start: str | None) -> None:
         spec = self.spec
         assert self.shell is not None
         ready = spec.ready_cmd or (DEFAULT_READY_WITH_START if spec.start_cmd else None)
-        if spec.start_cmd:
-            self.log("info", f"Starting: {spec.start_cmd}", "finalize")
+        start = spec.start_cmd or image_start
+        if start:
+            self.log("info", f"Starting: {start}", "finalize")
             try:
-                await self.shell.start(spec.start_cmd, user=guest.user, env=guest.env,
+                await self.shell.start(start, user=guest.user, env=guest.env,
                                        cwd=guest.workdir, tag="start_cmd")
             except GuestCommandError as exc:
                 raise BuildFailed(f"the start command did not start: {exc}",

@@ -37,6 +37,8 @@ class RuntimeConfig:
     network: str = "auto"
     network_prefix: str = "aenv-"
     network_pool: str = "10.200.0.0/16"
+    registry_mirror: str | None = None  # serves docker.io names (e.g. http://127.0.0.1:5000)
+    insecure_registries: tuple[str, ...] = ()  # plain HTTP allowed (loopback always is)
     vmm: str = "auto"  # auto | qemu | firecracker (auto: $AENV_VMM, else what the host runs)
     qemu: str = "qemu-system-x86_64"
     firecracker: str = "firecracker"
@@ -60,6 +62,11 @@ class RuntimeConfig:
     @property
     def memory_dir(self) -> Path:
         return self.state_dir / "memory"
+
+    @property
+    def oci_cache_dir(self) -> Path:
+        """Pulled OCI images: blobs shared by all images, one layout per manifest."""
+        return self.state_dir / "oci"
 
     @property
     def vms_dir(self) -> Path:

@@ -104,13 +104,16 @@ class Machines:
 
     # -- VM specs -----------------------------------------------------------------------
 
-    def spec(self, m: dict[str, Any], *, name: str, memory: MemoryBacking, stack: str,
-             network: TapNet | UserNet | None) -> VmSpec:
+    def spec(self, m: dict[str, Any], *, name: str, memory: MemoryBacking | None, stack: str,
+             network: TapNet | UserNet | None, extra_stacks: tuple[str, ...] = ()) -> VmSpec:
+        """The VM of manifest-like `m` (kernel, cmdline, machine): its root disk is
+        `stack`, then one disk per `extra_stacks` (/dev/vdb, ...)."""
         machine = m["machine"]
+        disks = tuple(NbdDisk(socket=self.block.nbd_socket, export=s)
+                      for s in (stack, *extra_stacks))
         return VmSpec(kernel=Path(m["kernel"]), cmdline=m["cmdline"],
                       vcpus=int(machine["cpu_count"]), mem_mib=int(machine["memory_mb"]),
-                      disks=(NbdDisk(socket=self.block.nbd_socket, export=stack),),
-                      network=network, memory=memory, name=name,
+                      disks=disks, network=network, memory=memory, name=name,
                       work_dir=self.config.vms_dir / name)
 
     def digest(self, spec: VmSpec) -> str:

@@ -13,6 +13,9 @@ import pytest
 
 from host.contract import MachineSpec, SnapshotRef
 from host.runtime import NodeRuntime, RuntimeConfig
+from tests.images.conftest import auth_registry, images, registry  # noqa: F401 - fixtures
+
+# test_image_builds.py pushes images into real registries (tests/images/conftest.py)
 
 MEM_MB = 256
 

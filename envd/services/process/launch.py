@@ -44,6 +44,15 @@ def resolve_cwd(requested: str | None, user: User, defaults: Defaults) -> str:
     return "/"
 
 
+def program(cmd: str) -> str:
+    """The program to run for `cmd`. The SDKs start every command as `/bin/bash -l -c`
+    (and PTYs as `/bin/bash -i -l`); an image without bash (busybox, alpine) still has a
+    POSIX shell that takes those flags, so `/bin/bash` falls back to `/bin/sh` there."""
+    if cmd == "/bin/bash" and not os.path.exists(cmd) and os.path.exists("/bin/sh"):
+        return "/bin/sh"
+    return cmd
+
+
 def spawn_spec(request: StartRequest, user: User, defaults: Defaults) -> SpawnSpec:
     config: ProcessConfig | None = request.process
     if config is None or not config.cmd:
@@ -56,7 +65,7 @@ def spawn_spec(request: StartRequest, user: User, defaults: Defaults) -> SpawnSp
         rows = (size.rows if size is not None else 0) or DEFAULT_PTY_SIZE[1]
         pty_size = (cols, rows)
     return SpawnSpec(
-        argv=[config.cmd, *config.args],
+        argv=[program(config.cmd), *config.args],
         env=process_env(user, defaults, dict(config.envs)),
         cwd=cwd,
         user=user,
@@ -67,4 +76,4 @@ def spawn_spec(request: StartRequest, user: User, defaults: Defaults) -> SpawnSp
     )
 
 
-__all__ = ["process_env", "resolve_cwd", "spawn_spec"]
+__all__ = ["process_env", "program", "resolve_cwd", "spawn_spec"]
