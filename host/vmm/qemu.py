@@ -398,13 +398,22 @@ class QemuVm(VmBase):
         await self.pause()
         await self.qmp("migrate-set-parameters", {"max-bandwidth": _MAX_BANDWIDTH})
         await self._set_ignore_shared()
+        # the exec: helper renames the file when `cat` is done: QEMU reports "completed"
+        # once the stream is in the pipe, before the file is complete
+        dest.unlink(missing_ok=True)
+        q_part, q_dest = shlex.quote(str(part)), shlex.quote(str(dest))
         try:
-            await self.qmp("migrate", {"uri": f"exec:cat > {shlex.quote(str(part))}"})
+            await self.qmp("migrate", {"uri": f"exec:cat > {q_part} && mv {q_part} {q_dest}"})
             info = await self._wait_migration(timeout_s)
             if info.get("status") != "completed":
                 raise VmmError(f"{self._spec.name}: snapshot failed: "
                                f"{info.get('error-desc', info.get('status'))}")
-            await asyncio.to_thread(os.replace, part, dest)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout_s
+            while not dest.exists():
+                if loop.time() > deadline:
+                    raise VmmTimeout(f"{self._spec.name}: {dest} not written in {timeout_s}s")
+                await asyncio.sleep(0.002)
         finally:
             part.unlink(missing_ok=True)
 

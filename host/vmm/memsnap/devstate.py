@@ -20,6 +20,7 @@ length, be64 addr with x-ignore-shared), ZERO 0x02 (+ [idstr] u8 fill), PAGE 0x0
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shlex
@@ -260,9 +261,27 @@ async def save_template(qmp: Any, path: str | os.PathLike[str], *, timeout_s: fl
     """``migrate`` a stopped share=on VM with x-ignore-shared to ``path`` (ROM pages + devices)."""
     await qmp_execute(qmp, "migrate-set-parameters", {"max-bandwidth": 100 << 30})
     await enable_ignore_shared(qmp)
-    uri = "exec:cat > " + shlex.quote(os.fspath(path))
+    await migrate_to_file(qmp, path, timeout_s=timeout_s, what="template migration")
+
+
+async def migrate_to_file(qmp: Any, path: str | os.PathLike[str], *, timeout_s: float,
+                          what: str) -> None:
+    """`migrate` into `path` through an `exec:` helper. QEMU reports the migration
+    completed once it has written the stream into the helper's pipe, while `cat` may
+    still be writing the file: the helper renames `path.part` to `path` when done, and
+    only then is the file complete."""
+    dest = os.fspath(path)
+    part = dest + ".part"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(dest)
+    uri = f"exec:cat > {shlex.quote(part)} && mv {shlex.quote(part)} {shlex.quote(dest)}"
     await qmp_execute(qmp, "migrate", {"uri": uri})
-    await wait_migration(qmp, timeout_s=timeout_s, what="template migration")
+    await wait_migration(qmp, timeout_s=timeout_s, what=what)
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(dest):
+        if time.monotonic() > deadline:
+            raise MemSnapError(f"{what}: {dest} was not written within {timeout_s} s")
+        await asyncio.sleep(0.002)
 
 
 async def load_device_state(qmp: Any, path: str | os.PathLike[str], *, timeout_s: float = 60.0) -> None:

@@ -1,0 +1,142 @@
+"""Templates from OCI images: pull + import + build, against the floor, and sandbox creates
+from the new template against creates from the built-in one, in the same run.
+
+    .venv/bin/python bench/bench_templates.py [--creates 5] [--out FILE.json]
+
+The image (pushed into a Debian `docker-registry` on 127.0.0.1 started here): a busybox
+layer and a layer of this host's Python standard library (~40 MB of small files), i.e. a
+realistic two-layer image. Rows:
+
+- floor: `skopeo copy docker://... dir:` of the same image (download + digest checks only)
+- first build: pull + import (importer VM, one block layer per OCI layer + init/envd) +
+  build VM boot + memory snapshot, with the stage breakdown
+- rebuild (all cached): the same image and steps again
+- create from the new template vs from the built-in template (restore -> envd answers)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from host.contract import BuildSpec, BuildStep, MachineSpec, NetworkConfig
+from host.runtime import NodeRuntime, RuntimeConfig
+from tests.images.conftest import _start, _stop
+from tests.images.ocibuild import OciLayout, busybox_layer, push
+
+
+def stdlib_layer() -> bytes:
+    """A tar of this host's Python standard library under /usr/lib/pylib."""
+    src = Path(sys.base_prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        tar.add(src, arcname="usr/lib/pylib",
+                filter=lambda ti: None if "__pycache__" in ti.name or "site-packages" in ti.name
+                else ti)
+    return buf.getvalue()
+
+
+def ms(s: float) -> str:
+    return f"{s * 1e3:8.0f} ms"
+
+
+async def amain(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="aenv-btpl-", dir="/var/tmp"))
+    (work / "registry").mkdir()
+    reg = _start(work / "registry", htpasswd=None)
+    res: dict[str, Any] = {}
+    rt = await NodeRuntime(RuntimeConfig(
+        state_dir=work / "state", run_dir=Path(f"/tmp/aenv-btpl-{work.name[-6:]}"),
+        vms_survive_service=False)).open()
+    try:
+        layout = OciLayout(work / "layout")
+        img = layout.image([busybox_layer(), stdlib_layer()],
+                           config={"Env": ["PATH=/bin"], "WorkingDir": "/srv"})
+        push(layout.tag("app", img.manifest), f"{reg.host}/bench/app:1")
+        ref = f"{reg.host}/bench/app:1"
+        res["image_bytes"] = sum(p.stat().st_size for p in
+                                 (work / "layout" / "blobs" / "sha256").iterdir())
+
+        t0 = time.perf_counter()
+        await asyncio.to_thread(
+            subprocess.run, ["skopeo", "--insecure-policy", "copy", "-q",
+                             "--src-tls-verify=false", f"docker://{ref}", f"dir:{work / 'floor'}"],
+            check=True)
+        res["floor_skopeo_s"] = time.perf_counter() - t0
+
+        steps = (BuildStep("RUN", ("echo built > /srv/built.txt",)),)
+        machine = MachineSpec(memory_mb=256)
+        stages: list[tuple[float, str]] = []
+        t0 = time.perf_counter()
+        await rt.build(BuildSpec(snapshot_id="bench-img", machine=machine, from_image=ref,
+                                 steps=steps),
+                       lambda lvl, msg, step: stages.append((time.perf_counter() - t0, msg)))
+        res["first_build_s"] = time.perf_counter() - t0
+        res["first_build_timings"] = dict(rt.last_timings)
+        res["first_build_stages"] = [(round(t, 2), m) for t, m in stages
+                                     if not m.startswith(("Copying", "Writing"))][:40]
+        t0 = time.perf_counter()
+        await rt.build(BuildSpec(snapshot_id="bench-img2", machine=machine, from_image=ref,
+                                 steps=steps), lambda *a: None)
+        res["cached_build_s"] = time.perf_counter() - t0
+
+        base = await rt.build_template("bench-base", machine)
+        new = await rt.find_snapshot("bench-img")
+        assert new is not None
+        for name, snap in (("builtin", base), ("image", new)):
+            times = []
+            for i in range(args.creates):
+                t = time.perf_counter()
+                await rt.start(f"bc-{name[:3]}{i}", snap, NetworkConfig())
+                times.append(time.perf_counter() - t)
+                await rt.kill(f"bc-{name[:3]}{i}")
+            res[f"create_{name}_s"] = times
+    finally:
+        await rt.shutdown()
+        _stop(reg.proc)
+        shutil.rmtree(work, ignore_errors=True)
+    return res
+
+
+def report(r: dict[str, Any]) -> None:
+    print(f"image: 2 layers, {r['image_bytes'] / 2**20:.1f} MiB compressed")
+    print(f"floor: skopeo copy to dir            {ms(r['floor_skopeo_s'])}")
+    print(f"first build (pull+import+build)      {ms(r['first_build_s'])}   "
+          f"{r['first_build_s'] / r['floor_skopeo_s']:.1f}x the floor")
+    t = r["first_build_timings"]
+    print("  build VM stages: " + ", ".join(f"{k} {v:.2f}s" for k, v in t.items()))
+    for at, msg in r["first_build_stages"]:
+        print(f"  {at:7.2f}s  {msg[:90]}")
+    print(f"rebuild, every layer and step cached {ms(r['cached_build_s'])}   "
+          f"{r['cached_build_s'] / r['first_build_s']:.2f}x the first build")
+    b, i = statistics.median(r["create_builtin_s"]), statistics.median(r["create_image_s"])
+    print(f"create from built-in template p50    {ms(b)}  (n={len(r['create_builtin_s'])})")
+    print(f"create from image template p50       {ms(i)}   {i / b:.2f}x the built-in")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--creates", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    r = asyncio.run(amain(args))
+    report(r)
+    if args.out:
+        args.out.write_text(json.dumps(r, indent=1))
+
+
+if __name__ == "__main__":
+    main()
