@@ -3,32 +3,23 @@
 
     python3 apply.py [--diff-id sha256:HEX] LAYER TARGET_DIR
 
-A standalone script (Python 3.11 standard library only): the runtime copies it into the
-importer VM and runs it there as root with the guest's python3; tests import it on the
-host. LAYER is a plain or gzip tar file, or `-` for standard input; the format is found
-from the first bytes, not the name. zstd layers are not read here: the host decompresses
-them first (`host.images.open_layer`, with the `zstandard` package) and sends a plain tar.
+Standalone (Python 3.11 stdlib only): run as root by the importer VM's python3; tests
+import it. LAYER: a plain or gzip tar (found from its first bytes) or `-` for stdin; the
+host decompresses zstd layers first (`host.images.open_layer`).
 
-Semantics (OCI image spec, "Applying Changesets"; what containerd does):
-- `.wh.NAME` deletes NAME from the layers below (a directory with all it holds); it is
-  never created itself. `.wh..wh..opq` in a directory hides everything the layers below
-  put in it. Neither hides what this same layer adds, whatever the order in the tar.
-- A non-directory replaces whatever is at its path; a directory entry over an existing
-  directory only updates its metadata (lower content stays unless opaque).
-- Hard links point at a path in this layer or below; symlinks, character and block
-  devices and fifos are created as such; owners are numeric uid/gid; modes (with
-  setuid/setgid/sticky), mtimes (ns precision from PAX) and xattrs (PAX
-  `SCHILY.xattr.*` and `LIBARCHIVE.xattr.*`) are applied. Directory modes and mtimes are
-  set last, so adding their children does not undo them.
-- Nothing is written outside TARGET_DIR: names are made relative and `..` cannot climb
-  above the root (as containerd neutralises them); every symlink met while resolving a
-  path, from this layer or below, resolves as if TARGET_DIR were `/`; the last
-  component is never followed (O_NOFOLLOW, *at() calls on directory fds).
-- Without root (tests), ownership changes and device nodes are skipped with a warning.
+Semantics (OCI image spec, "Applying Changesets"; what containerd does): `.wh.NAME`
+deletes NAME below (never created itself); `.wh..wh..opq` hides what the layers below put
+in its directory (neither hides what this layer adds, in any order). A non-directory
+replaces what is at its path; a directory over a directory updates metadata only. Hard
+links, symlinks, devices and fifos as such; numeric owners, modes (setuid/setgid/sticky),
+ns mtimes and xattrs (PAX `SCHILY.xattr.*`, `LIBARCHIVE.xattr.*`); directory metadata
+last. Nothing is written outside TARGET_DIR: names made relative, `..` cannot climb above
+the root, symlinks resolve as if TARGET_DIR were `/`, the last component is never
+followed (O_NOFOLLOW, *at() calls). Without root (tests) owners and devices are skipped
+with a warning.
 
-The uncompressed tar is hashed while it is read: its sha256 is the layer's diff id.
-With --diff-id, a mismatch exits with status 3 (the result must then be discarded).
-Prints one JSON line: {"diff_id": ..., "entries": ..., ..., "warnings": [...]}.
+The uncompressed tar's sha256 (the diff id) is checked against --diff-id: a mismatch exits
+3 (discard the result). Prints one JSON line {"diff_id", "entries", ..., "warnings"}.
 Exit status: 0 applied, 1 invalid layer or I/O error, 2 usage, 3 diff id mismatch.
 """
 
