@@ -126,6 +126,7 @@ class BuildSpec:
     ready_cmd: str | None = None
     force: bool = False            # no build-cache hits at all (E2B `force` / skip_cache)
     files_dir: Path | None = None  # COPY archives, one file per files_hash
+    min_free_disk_mb: int = 0      # E2B `minFreeDiskMb`: the disk grows to leave this free
 
 
 BuildLog = Callable[[str, str, "str | None"], None]

@@ -80,6 +80,7 @@ class _Build:
         self.shell: GuestShell | None = None
         self.timings: dict[str, float] = {}
         self.cache = BuildCache(p.manifests)
+        self.disk_mib = 0
 
     async def run(self) -> SnapshotRef:
         t0 = time.perf_counter()
@@ -177,8 +178,7 @@ class _Build:
             "image": src.image, "kernel": src.kernel, "cmdline": cmdline,
             "base_cmdline": src.cmdline,
         }
-        await mx.drop_stack(self.stack)
-        await p.block.client.create(self.stack, list(layers))
+        grow = await self._create_stack(layers)
         scratch = self.mem_root / "scratch.mem"
         vspec = mx.spec(m, name=self.stack, memory=MemoryBacking(path=scratch, shared=True),
                         stack=self.stack, network=network)
@@ -187,6 +187,8 @@ class _Build:
         self.vm, boot = await mx.boot(vspec, timeout_s=p.config.boot_timeout_s)
         self.timings.update(boot)
         self.shell = GuestShell(host, port)
+        if grow:
+            await self._grow_filesystem()
         n = len(spec.steps)
         for i in range(first, n):
             step = spec.steps[i]
@@ -199,8 +201,62 @@ class _Build:
                 layers = await self._seal_step()
             await self.cache.put(keys[i], CacheEntry(tuple(layers), guest))
             self.timings[f"step{i + 1}_s"] = time.perf_counter() - t
+        await self._check_free_disk()
         await self._start_and_wait(guest, src.start_cmd)
         return await self._commit(m, vspec, scratch, guest, first, t1)
+
+    async def _create_stack(self, layers: tuple[str, ...]) -> bool:
+        """The build's disk: the source's layers, grown to the machine's disk size or
+        to leave `min_free_disk_mb` free (unwritten blocks cost nothing). True if the
+        device is bigger than the source's filesystem."""
+        client, spec = self.p.block.client, self.spec
+        await self.p.machines.drop_stack(self.stack)
+        info = await client.create(self.stack, list(layers))
+        want = max(spec.machine.disk_mb << 20, info.virtual_size + (spec.min_free_disk_mb << 20))
+        want = -(-want // (1 << 20)) << 20
+        if want <= info.virtual_size:
+            return False
+        await client.delete(self.stack)
+        await client.create(self.stack, list(layers), virtual_size=want)
+        self.disk_mib = want >> 20
+        return True
+
+    async def _grow_filesystem(self) -> None:
+        """Grow the mounted root filesystem to the (bigger) device: the kernel's online
+        resize (EXT4_IOC_RESIZE_FS on /; resize2fs itself fails on a root mounted as
+        /dev/root: "Device or resource busy"). Needs python3 in the guest."""
+        assert self.shell is not None
+        out: list[str] = []
+        script = ("python3 -c 'import fcntl,os,struct; "
+                  "n=int(open(\"/sys/block/vda/size\").read())*512//os.statvfs(\"/\").f_frsize; "
+                  "fd=os.open(\"/\",os.O_RDONLY); "
+                  "fcntl.ioctl(fd,0x40086610,struct.pack(\"Q\",n))'")
+        code = await self.shell.run(script, user="root",
+                                    on_output=lambda _s, line: out.append(line))
+        if code != 0 and self.spec.min_free_disk_mb:
+            raise BuildFailed("growing the disk for minFreeDiskMb failed: "
+                              + " | ".join(out[-3:]), step="base")
+        self.log("info" if code == 0 else "warn",
+                 f"disk grown to {self.disk_mib} MiB" if code == 0 else
+                 "the image cannot grow its filesystem (no python3): disk size unchanged",
+                 "base")
+
+    async def _check_free_disk(self) -> None:
+        need = self.spec.min_free_disk_mb
+        if not need or self.shell is None:
+            return
+        out: list[str] = []
+        await self.shell.run("df -Pm / | tail -1", user="root",
+                             on_output=lambda _s, line: out.append(line))
+        try:
+            free = int(out[-1].split()[3])
+        except (IndexError, ValueError):
+            raise BuildFailed(f"cannot read the free disk space: {out}", step="finalize") \
+                from None
+        if free < need:
+            raise BuildFailed(f"{free} MiB free on the disk, {need} MiB asked "
+                              "(minFreeDiskMb)", step="finalize")
+        self.log("info", f"{free} MiB free on the disk", "finalize")
 
     async def _seal_step(self) -> tuple[str, ...]:
         """The disk as this step left it becomes a layer: the guest flushes its page

@@ -134,3 +134,19 @@ async def test_unknown_step_and_missing_copy_files(runtime: NodeRuntime,
         with pytest.raises(BuildFailed, match=why):
             await runtime.build(spec, lambda *a: None)
         assert await runtime.find_snapshot("bt-odd") is None
+
+
+async def test_min_free_disk_grows_the_template_disk(runtime: NodeRuntime,
+                                                     template: SnapshotRef) -> None:
+    spec = BuildSpec(snapshot_id="bt-disk", machine=MachineSpec(memory_mb=256),
+                     from_snapshot=template.snapshot_id, min_free_disk_mb=6000,
+                     steps=(BuildStep("RUN", ("touch /home/user/x",)),))
+    ref = await runtime.build(spec, lambda *a: None)
+    assert ref.facts["disk"]["virtual_size"] >= (4096 + 6000) << 20
+    p = await runtime.start("bt-dsk", ref, NetworkConfig())
+    try:
+        free_mib = int((await run(p, "df -Pm / | tail -1")).split()[3])
+        assert free_mib >= 6000, free_mib
+    finally:
+        await runtime.kill("bt-dsk")
+    await runtime.delete_snapshot("bt-disk")
