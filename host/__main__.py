@@ -50,7 +50,9 @@ async def open_runtime(cfg: Config) -> Any:
                                    jailer_gid=cfg.jailer_gid,
                                    network_prefix=cfg.network_prefix,
                                    network_pool=cfg.network_pool,
-                                   envd_timeout_s=cfg.envd_timeout_s))
+                                   envd_timeout_s=cfg.envd_timeout_s,
+                                   registry_mirror=cfg.registry_mirror,
+                                   insecure_registries=cfg.insecure_registries))
     return await rt.open()
 
 
@@ -88,7 +90,8 @@ async def serve(cfg: Config) -> None:
                                 disk_mb=cfg.disk_mb, image=cfg.image))
         await orch.start(ttl_interval_s=cfg.ttl_interval_s)
         keys = ApiKeys.load_or_create(cfg.keys_path)
-        api = build_api_app(orch, keys, domain=cfg.domain)
+        api = build_api_app(orch, keys, domain=cfg.domain, state_dir=cfg.state_dir,
+                            max_upload_bytes=cfg.template_upload_mib << 20)
         proxy = build_proxy_app(orch, cfg.domain, api_app=api if cfg.tls else None)
         ssl: dict[str, Any] = {}
         if cfg.tls:

@@ -22,6 +22,11 @@
                      guest address pool (10.200.0.0/16): distinct per service on one host
     AENV_ENVD_TIMEOUT_S --envd-timeout 180            restore -> envd /health (generous: TCG under load)
     AENV_IMAGE, AENV_CPU_COUNT, AENV_MEMORY_MB, AENV_DISK_MB   the default template's machine
+    AENV_TEMPLATE_UPLOAD_MIB --template-upload-mib 2048   largest COPY archive a template
+                                                      build may upload (MiB)
+    AENV_REGISTRY_MIRROR --registry-mirror -          serves docker.io image names for builds
+    AENV_INSECURE_REGISTRIES --insecure-registry       registries reached over plain HTTP
+                     (comma list / repeatable; loopback registries always are)
 """
 
 from __future__ import annotations
@@ -68,6 +73,9 @@ class Config:
     default_template: str = "base"
     ttl_interval_s: float = 1.0
     envd_timeout_s: float = 180.0
+    template_upload_mib: int = 2048
+    registry_mirror: str | None = None
+    insecure_registries: tuple[str, ...] = ()
     log_level: str = "info"
 
     @property
@@ -123,6 +131,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-mb", type=int)
     p.add_argument("--disk-mb", type=int)
     p.add_argument("--envd-timeout", type=float, dest="envd_timeout_s")
+    p.add_argument("--registry-mirror",
+                   help="serves docker.io image names (e.g. http://127.0.0.1:5000)")
+    p.add_argument("--insecure-registry", action="append", dest="insecure_registries",
+                   help="a registry (host[:port]) reached over plain HTTP; repeatable "
+                        "(loopback registries always are)")
+    p.add_argument("--template-upload-mib", type=int,
+                   help="largest COPY archive a template build may upload (MiB)")
     p.add_argument("--ttl-interval", type=float, dest="ttl_interval_s")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     return p
@@ -142,6 +157,9 @@ _ENV: dict[str, tuple[str, type]] = {
     "cpu_count": ("AENV_CPU_COUNT", int), "memory_mb": ("AENV_MEMORY_MB", int),
     "disk_mb": ("AENV_DISK_MB", int), "ttl_interval_s": ("AENV_TTL_INTERVAL_S", float),
     "envd_timeout_s": ("AENV_ENVD_TIMEOUT_S", float),
+    "template_upload_mib": ("AENV_TEMPLATE_UPLOAD_MIB", int),
+    "registry_mirror": ("AENV_REGISTRY_MIRROR", str),
+    "insecure_registries": ("AENV_INSECURE_REGISTRIES", tuple),
     "log_level": ("AENV_LOG_LEVEL", str),
 }
 
@@ -155,11 +173,15 @@ def parse_config(argv: Sequence[str] | None = None,
         if raw is None or raw == "":
             continue
         try:
-            values[field] = _bool(raw, var) if typ is bool else typ(raw)
+            if typ is tuple:  # a comma-separated list
+                values[field] = tuple(x.strip() for x in raw.split(",") if x.strip())
+            else:
+                values[field] = _bool(raw, var) if typ is bool else typ(raw)
         except ValueError as exc:
             raise ConfigError(f"{var}: {exc}") from None
     args = _parser().parse_args(argv)
-    values.update({k: v for k, v in vars(args).items() if v is not None})
+    values.update({k: (tuple(v) if isinstance(v, list) else v)
+                   for k, v in vars(args).items() if v is not None})
     cfg = Config(**values)  # type: ignore[arg-type]
     _validate(cfg)
     return cfg
@@ -184,6 +206,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"domain must be a DNS name, got {cfg.domain!r}")
     if cfg.cpu_count < 1 or cfg.memory_mb < 128 or cfg.disk_mb < 0:
         raise ConfigError("cpu_count >= 1, memory_mb >= 128, disk_mb >= 0")
+    if cfg.template_upload_mib < 1:
+        raise ConfigError(f"template_upload_mib must be at least 1, got {cfg.template_upload_mib}")
     if cfg.cache_mib < 64:
         raise ConfigError(f"cache_mib must be at least 64, got {cfg.cache_mib}")
     if cfg.repository and cfg.repository.startswith(("oss://", "s3://")):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -16,6 +17,7 @@ from .auth import ApiKeyMiddleware, ApiKeys
 from .errors import error_response
 from .openapi import served_document
 from .routes import OPERATIONS, starlette_routes
+from .uploads import DEFAULT_MAX_UPLOAD_BYTES, SECRET_FILE, Uploads, UploadSigner
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
@@ -27,12 +29,15 @@ async def http_error(request: Request, exc: Exception) -> Response:
 
 
 def build_api_app(orchestrator: Orchestrator, keys: ApiKeys | Path | str, *,
-                  domain: str | None = None) -> Starlette:
+                  domain: str | None = None, state_dir: Path | None = None,
+                  max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES) -> Starlette:
     """The REST API app.
 
     `keys`: an `ApiKeys`, or the path of the key file (created with one key on first use).
     `domain`: returned as `domain` in Sandbox objects so the SDK reaches envd through our
-    proxy; defaults to `orchestrator.domain`.
+    proxy; defaults to `orchestrator.domain`. `state_dir` keeps the secret that signs
+    COPY upload URLs (default: the orchestrator's `state_dir`; with neither, a secret
+    that lives as long as the app); `max_upload_bytes` bounds one upload.
     """
     if not isinstance(keys, ApiKeys):
         keys = ApiKeys.load_or_create(keys)
@@ -45,4 +50,8 @@ def build_api_app(orchestrator: Orchestrator, keys: ApiKeys | Path | str, *,
     app.state.domain = domain
     app.state.keys = keys
     app.state.openapi = served_document()
+    state_dir = state_dir or getattr(orchestrator, "state_dir", None)
+    signer = (UploadSigner.load_or_create(Path(state_dir) / SECRET_FILE) if state_dir
+              else UploadSigner(secrets.token_bytes(32)))
+    app.state.uploads = Uploads(signer=signer, max_bytes=max_upload_bytes)
     return app

@@ -1,7 +1,8 @@
 """API keys: generated on first start, kept in a 0600 file, checked on every request.
 
 The file holds one key per line (blank lines and `#` comments ignored). Clients send a key
-as `X-API-Key` (any case; the SDKs spell it `X-API-KEY`). Only `GET /health` is open.
+as `X-API-Key` (any case; the SDKs spell it `X-API-KEY`). Only `GET /health` is open, and
+the PUT of a COPY archive to its signed URL (uploads.py), which the signature authorises.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ from .errors import error_response
 DEFAULT_KEYS_PATH = Path("/var/lib/aenv/api_keys")
 KEY_PREFIX = "e2b_"
 OPEN_PATHS = frozenset({"/health"})
+SIGNED_PREFIX = "/template-files/"  # PUT only: the URL's signature is checked instead
+
+
+def is_open(method: str, path: str) -> bool:
+    """Requests that need no API key."""
+    return path in OPEN_PATHS or (method == "PUT" and path.startswith(SIGNED_PREFIX))
 
 
 def new_key() -> str:
@@ -74,7 +81,7 @@ class ApiKeyMiddleware:
         self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or is_open(scope["method"], scope["path"]):
             await self.app(scope, receive, send)
             return
         key = None

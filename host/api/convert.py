@@ -11,19 +11,28 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from host.contract import NetworkConfig
+from host.contract import BuildStep, NetworkConfig, RegistryAuth
 from host.orchestrator import SandboxState
 from host.orchestrator.model import (
+    BuildInfo,
+    BuildLogLine,
+    BuildStart,
+    BuildStatus,
     CreateRequest,
     ForkResult,
     ListFilter,
     LogLine,
     Metric,
+    RequestedBuild,
     SandboxInfo,
     SnapshotInfo,
+    TemplateInfo,
+    TemplateTag,
 )
 
 from . import models as m
+from . import template_models as tm
+from .errors import ApiError
 
 # --- requests -------------------------------------------------------------------------
 
@@ -203,3 +212,90 @@ def log_entry(line: LogLine) -> m.SandboxLogEntry:
 def legacy_log(line: LogLine) -> m.SandboxLog:
     """`SandboxLog` (v1 logs)."""
     return m.SandboxLog(timestamp=utc(line.timestamp), line=line.line)
+
+
+# --- templates (template_models.py) ---------------------------------------------------
+
+def registry(body: tm.FromImageRegistry | None) -> RegistryAuth | None:
+    """fromImageRegistry -> credentials for the pull. GCP's is a basic-auth login
+    (`_json_key` + the key); AWS would need an ECR token exchange: not supported."""
+    if body is None:
+        return None
+    if isinstance(body, tm.GeneralRegistry):
+        return RegistryAuth(username=body.username, password=body.password)
+    if isinstance(body, tm.GcpRegistry):
+        return RegistryAuth(username="_json_key", password=body.service_account_json)
+    raise ApiError(400, "'fromImageRegistry' of type 'aws' is not supported by this server")
+
+
+def build_start(body: tm.TemplateBuildStartV2) -> BuildStart:
+    return BuildStart(
+        from_image=body.from_image, from_template=body.from_template,
+        registry=registry(body.from_image_registry), force=body.force,
+        steps=tuple(BuildStep(type=s.type, args=tuple(s.args), files_hash=s.files_hash,
+                              force=s.force) for s in body.steps),
+        start_cmd=body.start_cmd, ready_cmd=body.ready_cmd)
+
+
+def requested_build(res: RequestedBuild) -> tm.TemplateRequestResponseV3:
+    return tm.TemplateRequestResponseV3(
+        templateID=res.template_id, buildID=res.build_id, public=res.public,
+        names=list(res.names), tags=list(res.tags), aliases=list(res.aliases))
+
+
+def _build_log(line: BuildLogLine) -> tm.BuildLogEntry:
+    body: dict[str, Any] = {"timestamp": utc(line.timestamp),
+                            "level": _LEVELS.get(line.level, "info"), "message": line.message}
+    if line.step is not None:
+        body["step"] = line.step
+    return tm.BuildLogEntry.model_validate(body)
+
+
+def build_status(st: BuildStatus) -> tm.TemplateBuildInfo:
+    body: dict[str, Any] = {"templateID": st.template_id, "buildID": st.build_id,
+                            "status": st.status, "logs": [],
+                            "logEntries": [_build_log(e) for e in st.entries]}
+    if st.reason:
+        reason: dict[str, Any] = {"message": st.reason}
+        if st.reason_step is not None:
+            reason["step"] = st.reason_step
+            reason["logEntries"] = [_build_log(e) for e in st.reason_entries]
+        body["reason"] = reason
+    return tm.TemplateBuildInfo.model_validate(body)
+
+
+def _template_fields(t: TemplateInfo) -> dict[str, Any]:
+    return {
+        "templateID": t.template_id, "buildID": t.build.build_id, "cpuCount": t.cpu_count,
+        "memoryMB": t.memory_mb, "diskSizeMB": t.disk_mb, "public": t.public,
+        "aliases": list(t.aliases), "names": list(t.names), "createdAt": utc(t.created_at),
+        "updatedAt": utc(t.updated_at), "createdBy": None,
+        "lastSpawnedAt": utc(t.last_spawned_at) if t.last_spawned_at is not None else None,
+        "spawnCount": t.spawn_count, "buildCount": t.build_count,
+        "envdVersion": t.envd_version, "buildStatus": t.build.status,
+    }
+
+
+def template(t: TemplateInfo) -> tm.Template:
+    return tm.Template.model_validate(_template_fields(t))
+
+
+def template_build(b: BuildInfo) -> tm.TemplateBuild:
+    body: dict[str, Any] = {"buildID": b.build_id, "status": b.status,
+                            "createdAt": utc(b.created_at), "updatedAt": utc(b.updated_at),
+                            "cpuCount": b.cpu_count, "memoryMB": b.memory_mb,
+                            "diskSizeMB": b.disk_mb}
+    if b.finished_at is not None:
+        body["finishedAt"] = utc(b.finished_at)
+    if b.envd_version:
+        body["envdVersion"] = b.envd_version
+    return tm.TemplateBuild.model_validate(body)
+
+
+def template_with_builds(t: TemplateInfo, builds: Iterable[BuildInfo]) -> tm.TemplateWithBuilds:
+    return tm.TemplateWithBuilds.model_validate(
+        {**_template_fields(t), "builds": [template_build(b) for b in builds]})
+
+
+def template_tag(t: TemplateTag) -> tm.TemplateTag:
+    return tm.TemplateTag(tag=t.tag, buildID=t.build_id, createdAt=utc(t.created_at))

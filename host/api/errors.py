@@ -14,6 +14,9 @@ import logging
 from starlette.responses import JSONResponse
 
 from host.orchestrator.errors import (
+    AliasConflict,
+    AliasTaken,
+    BuildNotFound,
     GuestUnresponsive,
     IdempotencyMismatch,
     InvalidRequest,
@@ -22,6 +25,8 @@ from host.orchestrator.errors import (
     SandboxNotFound,
     SnapshotNotFound,
     StateConflict,
+    TemplateNotFound,
+    UploadTooLarge,
 )
 
 from .models import Error
@@ -55,6 +60,11 @@ _STATUS: dict[type[Exception], int] = {
     InvalidRequest: 400,
     OperationFailed: 500,
     GuestUnresponsive: 503,     # Py ServiceBusyException, JS ServiceBusyError
+    TemplateNotFound: 404,
+    BuildNotFound: 400,         # E2B: 400 `Build '<id>' not found`
+    AliasConflict: 409,         # the alias is another template's id
+    AliasTaken: 403,            # the alias is owned by someone else (the built-in template)
+    UploadTooLarge: 413,
 }
 
 # Statuses a client may retry unchanged; every other 5xx carries `Should-Retry: false`

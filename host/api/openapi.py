@@ -17,16 +17,19 @@ from pydantic import BaseModel, TypeAdapter
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaMode
 
 from . import models as m
-from .auth import OPEN_PATHS
+from .auth import is_open
 from .routes import OPERATIONS, Operation
 
 J = dict[str, Any]
 REF = "#/components/schemas/{model}"
 
-_ERROR_TEXT = {400: "Bad request", 401: "Authentication error", 404: "Not found",
-               409: "Conflict", 500: "Server error", 503: "Service busy"}
+_ERROR_TEXT = {400: "Bad request", 401: "Authentication error", 403: "Forbidden",
+               404: "Not found", 409: "Conflict", 413: "Too large", 500: "Server error",
+               503: "Service busy"}
 _PATH_PARAMS = {"sandboxID": "",
-                "templateID": "percent-encoded; may contain '/' and ':'"}
+                "templateID": "template id or name; percent-encoded, may contain '/' and ':'",
+                "alias": "[namespace/]alias[:tag]; percent-encoded",
+                "buildID": "a UUID", "hash": "filesHash: 64 lower-case hex digits"}
 
 
 class _Schema(GenerateJsonSchema):
@@ -121,7 +124,10 @@ def document(operations: Iterable[Operation] = OPERATIONS) -> J:
             item["parameters"] = params
         if op.body is not None:
             item["requestBody"] = {"required": op.body_required, **_json(schemas[(i, "body")])}
-        if op.path in OPEN_PATHS:
+        if op.raw_body is not None:
+            item["requestBody"] = {"required": True, "content": {
+                op.raw_body: {"schema": {"type": "string", "format": "binary"}}}}
+        if is_open(op.method, op.path):
             item["security"] = []
         paths.setdefault(openapi_path(op.path), {})[op.method.lower()] = item
 

@@ -20,6 +20,9 @@ from starlette.routing import Route
 from . import models as m
 from . import sandboxes as sb
 from . import snapshots as snap
+from . import template_models as tm
+from . import templates as tpl
+from . import uploads
 from .errors import response_for
 from .validation import read_body, read_headers, read_query
 
@@ -50,6 +53,7 @@ class Operation:
     query: type[BaseModel] | None = None
     headers: type[BaseModel] | None = None
     errors: tuple[int, ...] = (400, 401, 404, 500)
+    raw_body: str | None = None  # a non-JSON body the handler streams (its media type)
 
 
 def dispatcher(op: Operation) -> Endpoint:
@@ -105,6 +109,7 @@ async def openapi(request: Request) -> Response:
 
 
 SID = "/sandboxes/{sandboxID}"
+TID = "/templates/{templateID:path}"
 NO_CONTENT = (Reply(204, "No content"),)
 NEXT_TOKEN = {"X-Next-Token": "cursor of the next page (absent on the last)"}
 CONNECTED = (Reply(200, "Already running", m.Sandbox), Reply(201, "Resumed", m.Sandbox))
@@ -161,7 +166,40 @@ OPERATIONS: tuple[Operation, ...] = (
     _op("GET", "/snapshots", "listSnapshots", snap.list_all,
         Reply(200, "OK", list[m.SnapshotInfo], NEXT_TOKEN),
         query=m.ListSnapshotsQuery, errors=(400, 401, 500)),
-    # `path` convertor: ids like team/snap:default arrive as team%2Fsnap%3Adefault
-    _op("DELETE", "/templates/{templateID:path}", "deleteTemplate", snap.delete_template,
-        *NO_CONTENT),
+    # --- templates (docs/e2b-template-api.md). `path` convertor: ids like aenv/app:v1
+    # arrive as aenv%2Fapp%3Av1, decoded before routing; the catch-all
+    # /templates/{templateID} routes come last so that the longer paths match first.
+    _op("GET", "/templates/aliases/{alias:path}", "getTemplateByAlias", tpl.alias,
+        Reply(200, "OK", tm.TemplateAliasResponse), errors=(400, 401, 403, 404, 500)),
+    _op("POST", "/v3/templates", "requestTemplateBuildV3", tpl.request_build,
+        Reply(202, "The build was requested", tm.TemplateRequestResponseV3),
+        body=tm.TemplateBuildRequestV3, errors=(400, 401, 403, 409, 500)),
+    _op("GET", f"{TID}/files/{{hash}}", "getTemplateFileUpload", tpl.file_upload_link,
+        Reply(201, "Whether the archive is here, and where to PUT it",
+              tm.TemplateBuildFileUpload)),
+    _op("PUT", uploads.UPLOAD_PATH, "uploadTemplateFile", uploads.upload,
+        Reply(200, "Stored"), query=tm.UploadQuery, raw_body="application/octet-stream",
+        errors=(400, 403, 413, 500)),
+    _op("POST", f"/v2{TID}/builds/{{buildID}}", "startTemplateBuildV2", tpl.start_build,
+        Reply(202, "The build started"), body=tm.TemplateBuildStartV2,
+        headers=tm.BuildHeaders),
+    _op("GET", f"{TID}/builds/{{buildID}}/status", "getTemplateBuildStatus", tpl.build_status,
+        Reply(200, "OK", tm.TemplateBuildInfo), query=tm.BuildStatusQuery),
+    _op("GET", f"{TID}/tags", "listTemplateTags", tpl.list_tags,
+        Reply(200, "OK", list[tm.TemplateTag])),
+    _op("POST", "/templates/tags", "assignTemplateTags", tpl.assign_tags,
+        Reply(201, "Assigned", tm.AssignedTemplateTags), body=tm.AssignTemplateTagsRequest,
+        errors=(400, 401, 403, 404, 500)),
+    _op("DELETE", "/templates/tags", "deleteTemplateTags", tpl.remove_tags, *NO_CONTENT,
+        body=tm.DeleteTemplateTagsRequest, errors=(400, 401, 403, 404, 500)),
+    _op("GET", "/templates", "listTemplates", tpl.list_v1, Reply(200, "OK", list[tm.Template]),
+        query=tm.ListTemplatesQuery, errors=(400, 401, 500)),
+    _op("GET", "/v2/templates", "listTemplatesV2", tpl.list_v2,
+        Reply(200, "OK", list[tm.Template], NEXT_TOKEN), query=tm.ListTemplatesV2Query,
+        errors=(400, 401, 500)),
+    _op("GET", TID, "getTemplate", tpl.get_one,
+        Reply(200, "OK, builds newest first", tm.TemplateWithBuilds, NEXT_TOKEN),
+        query=tm.TemplateBuildsQuery),
+    # a built template, else a named snapshot (Sandbox.delete_snapshot)
+    _op("DELETE", TID, "deleteTemplate", tpl.delete, *NO_CONTENT),
 )

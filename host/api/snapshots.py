@@ -1,4 +1,5 @@
-"""Handlers of the snapshot endpoints: create, list (paginated), delete (as a template)."""
+"""Handlers of the snapshot endpoints: create, list (paginated). Deleting one is
+DELETE /templates/{id} (templates.py), as the SDKs do it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from starlette.responses import Response
 
 from . import convert
 from . import models as m
-from .sandboxes import no_content, orch, reply, sandbox_id
+from .sandboxes import orch, reply, sandbox_id
 from .types import encode_cursor
 
 
@@ -27,11 +28,3 @@ async def list_all(request: Request, *, query: m.ListSnapshotsQuery) -> Response
     if len(ordered) > query.limit:
         headers = {"X-Next-Token": encode_cursor(page[-1].created_at, page[-1].snapshot_id)}
     return reply([convert.snapshot(s) for s in page], headers=headers)
-
-
-async def delete_template(request: Request) -> Response:
-    # The route uses the `path` convertor: the server already decoded %2F and %3A, so
-    # `team%2Fsnap%3Adefault` arrives here as `team/snap:default` (decoded after routing).
-    template_id = str(request.path_params["templateID"])
-    await orch(request).delete_snapshot(template_id)
-    return no_content()

@@ -9,6 +9,9 @@ from host.contract import MachineSpec, Placement, SandboxRuntime, SnapshotRef
 
 from .envd import EnvdClient
 from .errors import (
+                     AliasConflict,
+                     AliasTaken,
+                     BuildNotFound,
                      IdempotencyMismatch,
                      InvalidRequest,
                      OperationFailed,
@@ -16,16 +19,20 @@ from .errors import (
                      SandboxNotFound,
                      SnapshotNotFound,
                      StateConflict,
+                     TemplateNotFound,
+                     UploadTooLarge,
 )
 from .node import NodeOrchestrator
 from .recovery import recover
 from .service import Orchestrator
 from .states import SandboxState
 from .store import Store
+from .template_store import TemplateStore
 from .ttl import TtlLoop, TtlOwner
 
-__all__ = ["EnvdClient", "IdempotencyMismatch", "InvalidRequest", "MachineSpec",
-           "NodeOrchestrator", "OperationFailed", "Orchestrator", "OrchestratorError",
-           "Placement", "SandboxNotFound", "SandboxRuntime", "SandboxState", "SnapshotNotFound",
-           "SnapshotRef", "StateConflict", "Store", "TtlLoop", "TtlOwner",
-           "recover"]
+__all__ = ["AliasConflict", "AliasTaken", "BuildNotFound", "EnvdClient",
+           "IdempotencyMismatch", "InvalidRequest", "MachineSpec", "NodeOrchestrator",
+           "OperationFailed", "Orchestrator", "OrchestratorError", "Placement",
+           "SandboxNotFound", "SandboxRuntime", "SandboxState", "SnapshotNotFound",
+           "SnapshotRef", "StateConflict", "Store", "TemplateNotFound", "TemplateStore",
+           "TtlLoop", "TtlOwner", "UploadTooLarge", "recover"]

@@ -1,10 +1,12 @@
 """`Context`: what the orchestrator's operation modules share.
 
 `NodeOrchestrator` (node.py) builds one and passes it to the functions of lifecycle.py,
-pausing.py, snapshots.py, forks.py, timeouts.py and guest.py. It holds the store, the
-runtime, the envd client, the clock and the settings, and the node-wide state every
-operation needs: the per-sandbox locks, the orchestrator's task spawner and the proxy's
-run events. It owns no task and closes nothing: the orchestrator does.
+pausing.py, snapshots.py, forks.py, timeouts.py, guest.py, templates.py, builds.py and
+template_files.py. It holds the store (and its template tables), the runtime, the envd
+client, the clock and the settings, and the node-wide state every operation needs: the
+per-sandbox locks, the orchestrator's task spawner, the proxy's run events, and the
+running builds' logs and per-template queues. It owns no task and closes nothing: the
+orchestrator does.
 """
 
 from __future__ import annotations
@@ -13,15 +15,18 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from host.contract import MachineSpec, SandboxRuntime
 
+from .build_log import BuildLogBuffer
 from .envd import EnvdClient
 from .errors import InvalidRequest, SandboxNotFound
 from .model import RunEnded, SandboxInfo
 from .records import GONE
 from .store import SandboxRecord, Store
+from .template_store import TemplateStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -46,6 +51,8 @@ class Context:
     template_aliases: frozenset[str]  # template ids that mean the default template
     default_timeout_s: int
     max_timeout_s: int
+    templates: TemplateStore
+    files_dir: Path                   # uploaded COPY archives, one file per filesHash
     locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
     # One event per running incarnation that the proxy was routed to (made by
     # guest.route), set and dropped when that incarnation ends: see end_run.
@@ -53,6 +60,9 @@ class Context:
     # lifecycle.py's: one lock per template built on first use, in-flight idempotent creates
     template_locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
     idempotent: dict[str, asyncio.Task[SandboxInfo]] = dataclasses.field(default_factory=dict)
+    # builds.py's: the log of each running build (by build id), one queue per template
+    build_logs: dict[str, BuildLogBuffer] = dataclasses.field(default_factory=dict)
+    build_queues: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
 
     async def shielded(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run an operation as an owned task; the caller's cancellation does not stop it."""

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from host.connect_envelope import END_STREAM, EnvelopeError, envelope, messages
-from host.contract import Placement
+from host.contract import GuestDefaults, Placement
 
 from .errors import OperationFailed
 from .model import Metric
@@ -45,16 +45,18 @@ class EnvdClient:
         return f"http://{host}:{port}{path}"
 
     async def init(self, placement: Placement, *, token: str | None, current_token: str | None,
-                   env_vars: dict[str, str]) -> None:
+                   env_vars: dict[str, str], guest: GuestDefaults | None = None) -> None:
         """Install the access token, env vars, default user/workdir and the clock.
 
         `current_token` is the token envd already holds (restored from a snapshot taken
-        after an earlier /init): envd requires it on a re-init.
+        after an earlier /init): envd requires it on a re-init. `guest`: a built
+        template's defaults (its USER, WORKDIR and ENV); the sandbox's own `env_vars`
+        win over the template's.
         """
         body: dict[str, Any] = {
-            "envVars": env_vars,
-            "defaultUser": DEFAULT_USER,
-            "defaultWorkdir": DEFAULT_WORKDIR,
+            "envVars": {**guest.env, **env_vars} if guest else env_vars,
+            "defaultUser": guest.user if guest else DEFAULT_USER,
+            "defaultWorkdir": guest.workdir if guest else DEFAULT_WORKDIR,
             "timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
         }
         if token:

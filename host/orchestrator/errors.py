@@ -5,6 +5,11 @@
     ├── SnapshotNotFound         404
     ├── StateConflict            409  (e.g. pausing a paused sandbox)
     ├── IdempotencyMismatch      409  (an Idempotency-Key reused with another request)
+    ├── TemplateNotFound         404  (no such template, or no build with that tag)
+    ├── BuildNotFound            400  (E2B answers 400 "Build '<id>' not found")
+    ├── AliasConflict            409  (a template alias that is another template's id)
+    ├── AliasTaken               403  (an alias owned by someone else: the built-in template)
+    ├── UploadTooLarge           413  (a COPY archive over the upload limit)
     ├── InvalidRequest           400
     └── OperationFailed          500  (the VMM or storage failed; state was rolled back)
 """
@@ -68,3 +73,27 @@ class IdempotencyMismatch(OrchestratorError):
     def __init__(self, key: str) -> None:
         super().__init__(f"Idempotency-Key '{key}' was already used with a different request")
         self.key = key
+
+
+class TemplateNotFound(OrchestratorError, LookupError):
+    status = 404
+
+
+class BuildNotFound(OrchestratorError, LookupError):
+    status = 400  # E2B: `Build '<id>' not found` is a 400
+
+    def __init__(self, build_id: str) -> None:
+        super().__init__(f"Build '{build_id}' not found")
+        self.build_id = build_id
+
+
+class AliasConflict(OrchestratorError):
+    status = 409
+
+
+class AliasTaken(OrchestratorError):
+    status = 403
+
+
+class UploadTooLarge(OrchestratorError):
+    status = 413

@@ -1,8 +1,9 @@
 """Creating and killing sandboxes.
 
-Create resolves the template (the default one is built on first use, once even when many
-creates race), persists `creating`, starts the VM from the template's snapshot, /inits envd
-and moves to `running`, or to `killed` on failure. Creates with an idempotency key return
+Create resolves the template (a built template's tagged build, templates.py; the default
+one is built on first use, once even when many creates race), persists `creating`, starts
+the VM from the template's snapshot, /inits envd (with the template's user, workdir and
+env) and moves to `running`, or to `killed` on failure. Creates with an idempotency key return
 the sandbox of the first request with that key. Kill moves to `killing`, stops the VM, then
 `killed`, and collects the snapshots nobody can reach any more (snapshots.py).
 """
@@ -17,16 +18,18 @@ import logging
 
 from host.contract import NetworkConfig
 
-from . import ids, snapshots
+from . import ids, snapshots, templates
 from .context import Context
 from .errors import IdempotencyMismatch, OperationFailed, OrchestratorError, SnapshotNotFound
 from .model import CreateRequest, SandboxInfo
 from .records import (
     GONE,
+    guest_of,
     network_to_json,
     placement_to_json,
     ref_to_json,
     sandbox_info,
+    snapshot_guest,
     snapshot_ref,
     with_runtime,
 )
@@ -76,7 +79,18 @@ async def _create_bound(ctx: Context, req: CreateRequest, key: str) -> SandboxIn
 
 
 async def _create(ctx: Context, req: CreateRequest) -> SandboxInfo:
-    source = await _resolve_template(ctx, req.template_id)
+    built = await templates.sandbox_source(ctx, req.template_id)
+    if built is not None:  # a template built through the build API, by id or name[:tag]
+        snap, tmpl = built
+        info = await new_sandbox(
+            ctx, snap, template_id=tmpl.id, alias=tmpl.aliases[0] if tmpl.aliases else None,
+            timeout_s=req.timeout_s, auto_pause=req.auto_pause, auto_resume=req.auto_resume,
+            metadata=req.metadata, env_vars=req.env_vars, network=req.network,
+            secure=req.secure, parent_id=None, op="created",
+            auto_pause_memory=req.auto_pause_memory)
+        await templates.count_spawn(ctx, tmpl.id)
+        return info
+    source = await resolve_template(ctx, req.template_id)
     is_default = source.id == ctx.default_template
     return await new_sandbox(
         ctx, source, template_id=source.id, alias=ctx.default_template if is_default else None,
@@ -86,9 +100,10 @@ async def _create(ctx: Context, req: CreateRequest) -> SandboxInfo:
         auto_pause_memory=req.auto_pause_memory)
 
 
-async def _resolve_template(ctx: Context, template_id: str) -> SnapshotRecord:
+async def resolve_template(ctx: Context, template_id: str) -> SnapshotRecord:
     """The snapshot to start from: the default template (built on first use, once even
-    when many creates race), or a template / named snapshot by id."""
+    when many creates race), or a template / named snapshot by its store id (built
+    templates by name: templates.sandbox_source)."""
     tid = ctx.default_template if template_id in ctx.template_aliases else template_id
     for candidate in (tid, f"{tid}:default"):
         with contextlib.suppress(SnapshotNotFound):
@@ -117,9 +132,11 @@ async def new_sandbox(ctx: Context, source: SnapshotRecord, *, template_id: str,
                       metadata: dict[str, str], env_vars: dict[str, str],
                       network: NetworkConfig, secure: bool, parent_id: str | None,
                       op: str, auto_pause_memory: bool = True) -> SandboxInfo:
-    """Persist `creating`, start from `source`, /init envd, then `running` (or killed)."""
+    """Persist `creating`, start from `source`, /init envd (with the guest defaults of
+    the template or sandbox `source` was made from), then `running` (or killed)."""
     ref = snapshot_ref(source)
     held_token = source.spec.get("envd_token")
+    guest = snapshot_guest(source)
     sandbox_id = ids.new_sandbox_id()
     # A snapshot taken after an /init keeps that token inside envd: the new sandbox
     # must get its own token then, or it would answer to the source's.
@@ -134,7 +151,8 @@ async def new_sandbox(ctx: Context, source: SnapshotRecord, *, template_id: str,
         traffic_token=None if network.allow_public_traffic else ids.new_traffic_token(),
         network=network_to_json(network),
         runtime={"origin": source.id, **({} if auto_pause_memory else
-                                         {"auto_pause_memory": False})},
+                                         {"auto_pause_memory": False}),
+                 **({"guest": guest} if guest else {})},
         parent_id=parent_id)
     async with ctx.lock(sandbox_id):
         await ctx.db(ctx.store.insert_sandbox, rec,
@@ -147,7 +165,7 @@ async def new_sandbox(ctx: Context, source: SnapshotRecord, *, template_id: str,
             raise OperationFailed(f"starting sandbox {sandbox_id} failed: {exc}") from exc
         try:
             await ctx.envd.init(placement, token=token, current_token=held_token,
-                                env_vars=rec.env_vars)
+                                env_vars=rec.env_vars, guest=guest_of(rec))
             now = ctx.clock()
             rec = await ctx.db(
                 ctx.store.transition, sandbox_id, {S.CREATING}, S.RUNNING,

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from host.contract import NetworkConfig  # also imported from here by the API
+from host.contract import BuildStep, NetworkConfig, RegistryAuth  # also imported by the API
 
 from .states import SandboxState
 
@@ -144,3 +144,98 @@ class Route:
     # Ends when the running incarnation this route points into ends (the proxy then ends
     # its exchanges with it). None: the proxy does not watch.
     gone: RunEnded | None = field(default=None, compare=False)
+
+
+# ---- templates (templates.py, builds.py) -----------------------------------------------
+
+@dataclass(frozen=True)
+class BuildRequest:
+    """POST /v3/templates: `name` is `[namespace/]alias[:tag]`."""
+
+    name: str
+    tags: tuple[str, ...] = ()
+    cpu_count: int | None = None
+    memory_mb: int | None = None
+    min_free_disk_mb: int | None = None
+
+
+@dataclass(frozen=True)
+class RequestedBuild:
+    template_id: str
+    build_id: str
+    public: bool
+    names: tuple[str, ...]
+    tags: tuple[str, ...]
+    aliases: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class BuildStart:
+    """POST /v2/templates/{id}/builds/{buildID}: the source (exactly one of `from_image`,
+    `from_template`), the steps as sent (validated by the orchestrator), start/ready."""
+
+    from_image: str | None = None
+    from_template: str | None = None
+    registry: RegistryAuth | None = None
+    force: bool = False
+    steps: tuple[BuildStep, ...] = ()
+    start_cmd: str | None = None
+    ready_cmd: str | None = None
+
+
+@dataclass(frozen=True)
+class BuildLogLine:
+    timestamp: float
+    level: str                         # debug | info | warn | error
+    message: str
+    step: str | None = None            # "base", "1".., "finalize"
+
+
+@dataclass(frozen=True)
+class BuildStatus:
+    template_id: str
+    build_id: str
+    status: str                        # waiting | building | ready | error
+    entries: tuple[BuildLogLine, ...] = ()
+    reason: str | None = None          # why it failed
+    reason_step: str | None = None
+    reason_entries: tuple[BuildLogLine, ...] = ()
+
+
+@dataclass(frozen=True)
+class BuildInfo:
+    build_id: str
+    status: str
+    created_at: float
+    updated_at: float
+    cpu_count: int
+    memory_mb: int
+    disk_mb: int
+    finished_at: float | None = None
+    envd_version: str | None = None
+
+
+@dataclass(frozen=True)
+class TemplateInfo:
+    template_id: str
+    build: BuildInfo                   # the newest build
+    public: bool
+    aliases: tuple[str, ...]
+    names: tuple[str, ...]
+    cpu_count: int
+    memory_mb: int
+    disk_mb: int
+    created_at: float
+    updated_at: float
+    spawn_count: int
+    last_spawned_at: float | None
+    build_count: int
+    envd_version: str
+    builds: tuple[BuildInfo, ...] = ()  # newest first (get_template only)
+
+
+@dataclass(frozen=True)
+class TemplateTag:
+    tag: str
+    build_id: str
+    created_at: float

@@ -10,8 +10,10 @@ its lock; one that no longer fits the state it finds raises `StateConflict` (409
 This class is the facade: it owns the tasks, the TTL loop (ttl.py) and the `Context` the
 operations share (context.py), serves get/list, and hands every other operation to the
 module of its job: lifecycle.py (create, kill), pausing.py (pause, connect), snapshots.py,
-forks.py, timeouts.py (TTLs, expiry, VMs that exited) and guest.py (metrics, logs,
-network, route). Recovery after a restart is in recovery.py.
+forks.py, timeouts.py (TTLs, expiry, VMs that exited), guest.py (metrics, logs,
+network, route), and for templates builds.py (request, start, status), templates.py (list,
+get, delete, aliases, tags) and template_files.py (COPY uploads). Recovery after a restart
+is in recovery.py (sandboxes) and builds.recover (builds).
 """
 
 from __future__ import annotations
@@ -20,28 +22,46 @@ import asyncio
 import builtins
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterable, Callable, Coroutine, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from host.contract import MachineSpec, NetworkConfig, SandboxRuntime
 
-from . import forks, guest, lifecycle, pausing, snapshots, timeouts
+from . import (
+    builds,
+    forks,
+    guest,
+    lifecycle,
+    pausing,
+    snapshots,
+    template_files,
+    templates,
+    timeouts,
+)
 from .context import Context
 from .envd import EnvdClient
 from .errors import OperationFailed, OrchestratorError
 from .model import (
+    BuildRequest,
+    BuildStart,
+    BuildStatus,
     CreateRequest,
     ForkResult,
     ListFilter,
     LogLine,
     Metric,
+    RequestedBuild,
     Route,
     SandboxInfo,
     SnapshotInfo,
+    TemplateInfo,
+    TemplateTag,
 )
 from .records import expand_states, sandbox_info
 from .recovery import recover as run_recovery
 from .store import Store
+from .template_store import TemplateStore
 from .ttl import TtlLoop
 
 log = logging.getLogger(__name__)
@@ -54,7 +74,8 @@ class NodeOrchestrator:
     """Implements `host.orchestrator.service.Orchestrator` for the sandboxes of one node.
 
     Call `await start()` (recovery, then the TTL loop) before serving and `await aclose()`
-    after. The store and the runtime belong to the caller.
+    after. The store and the runtime belong to the caller. `files_dir` holds the uploaded
+    COPY archives of template builds (default: `template-files` next to the database).
     """
 
     def __init__(self, store: Store, runtime: SandboxRuntime, *, domain: str | None = None,
@@ -62,8 +83,10 @@ class NodeOrchestrator:
                  template_aliases: Sequence[str] = ("base", "default"),
                  machine: MachineSpec | None = None, envd: EnvdClient | None = None,
                  default_timeout_s: int = 300, max_timeout_s: int = 24 * 3600,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 files_dir: Path | None = None) -> None:
         self.domain = domain
+        self.state_dir = store.path.parent  # the API keeps its upload-signing key here
         self.store = store
         self.runtime = runtime
         self.default_template = default_template
@@ -76,7 +99,9 @@ class NodeOrchestrator:
             store=store, runtime=runtime, envd=self.envd, spawn=self.spawn, clock=clock,
             machine=self.machine, default_template=default_template,
             template_aliases=frozenset({"", default_template, *template_aliases}),
-            default_timeout_s=default_timeout_s, max_timeout_s=max_timeout_s)
+            default_timeout_s=default_timeout_s, max_timeout_s=max_timeout_s,
+            templates=TemplateStore(store),
+            files_dir=files_dir or self.state_dir / "template-files")
         self._runs = self._ctx.runs  # the proxy's run events (Context.end_run)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ttl: TtlLoop | None = None
@@ -88,6 +113,7 @@ class NodeOrchestrator:
         """Recover the store against reality (recovery.py), then start the TTL loop."""
         if recover:
             await run_recovery(self.store, self.runtime, self.envd, clock=self.clock)
+            await builds.recover(self._ctx)
         self._ttl = TtlLoop(self, interval_s=ttl_interval_s)
         self._ttl.start()
 
@@ -221,3 +247,50 @@ class NodeOrchestrator:
 
     async def route(self, sandbox_id: str, port: int, *, resume: bool) -> Route:
         return await guest.route(self._ctx, sandbox_id, port, resume=resume)
+
+    # ---- templates (builds.py, templates.py, template_files.py) ------------------------
+
+    async def request_build(self, req: BuildRequest) -> RequestedBuild:
+        return await builds.request_build(self._ctx, req)
+
+    async def start_build(self, template_id: str, build_id: str, start: BuildStart) -> None:
+        await builds.start_build(self._ctx, template_id, build_id, start)
+
+    async def build_status(self, template_id: str, build_id: str, *, offset: int = 0,
+                           limit: int = 100, level: str | None = None) -> BuildStatus:
+        return await builds.build_status(self._ctx, template_id, build_id, offset=offset,
+                                         limit=limit, level=level)
+
+    async def list_templates(self) -> Sequence[TemplateInfo]:
+        return await templates.list_templates(self._ctx)
+
+    async def get_template(self, template_id: str) -> TemplateInfo:
+        return await templates.get_template(self._ctx, template_id)
+
+    async def delete_template(self, template_id: str) -> None:
+        """A built template, else a named snapshot (`Sandbox.delete_snapshot` calls
+        DELETE /templates/{id} too)."""
+        if not await templates.delete_template(self._ctx, template_id):
+            await snapshots.delete_snapshot(self._ctx, template_id)
+
+    async def template_alias(self, alias: str) -> tuple[str, bool]:
+        return await templates.alias_info(self._ctx, alias)
+
+    async def assign_tags(self, target: str,
+                          tags: Sequence[str]) -> tuple[str, builtins.list[str]]:
+        return await templates.assign_tags(self._ctx, target, builtins.list(tags))
+
+    async def remove_tags(self, name: str, tags: Sequence[str]) -> None:
+        await templates.remove_tags(self._ctx, name, builtins.list(tags))
+
+    async def list_tags(self, template_id: str) -> Sequence[TemplateTag]:
+        return await templates.list_tags(self._ctx, template_id)
+
+    async def template_file(self, template_id: str, files_hash: str) -> bool:
+        """Whether the COPY archive `files_hash` is here (400 bad hash, 404 template)."""
+        return await template_files.template_file(self._ctx, template_id, files_hash)
+
+    async def put_template_file(self, files_hash: str, chunks: AsyncIterable[bytes], *,
+                                max_bytes: int) -> int:
+        return await template_files.put_file(self._ctx, files_hash, chunks,
+                                             max_bytes=max_bytes)

@@ -13,6 +13,7 @@ from .context import Context
 from .errors import GuestUnresponsive, OperationFailed, OrchestratorError, StateConflict
 from .model import SandboxInfo
 from .records import (
+    guest_of,
     network_from_json,
     placement_of,
     placement_to_json,
@@ -138,7 +139,7 @@ async def _resume_locked(ctx: Context, rec: SandboxRecord, timeout_s: int | None
         # Same token as before the pause: SDK handles of this sandbox keep working.
         await ctx.envd.init(placement, token=rec.envd_token,
                             current_token=None if reboot else snap.spec.get("envd_token"),
-                            env_vars=rec.env_vars)
+                            env_vars=rec.env_vars, guest=guest_of(rec))
     except Exception as exc:
         await ctx.release(sid)
         await ctx.db(ctx.store.transition, sid, {S.RESUMING}, S.PAUSED,

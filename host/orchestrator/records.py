@@ -1,8 +1,10 @@
 """Conversions between store records and the orchestrator's values.
 
 `SandboxRecord.runtime` holds {"placement": {...} | None, "origin": <store snapshot id>,
-"pending_snapshot": <runtime snapshot id> | None}; `SnapshotRecord.spec` holds
-{"ref": <SnapshotRef as JSON>, "envd_token": <token envd holds inside that snapshot>}.
+"pending_snapshot": <runtime snapshot id> | None, "guest": <GuestDefaults as JSON>, set
+for sandboxes of a built template}; `SnapshotRecord.spec` holds {"ref": <SnapshotRef as
+JSON>, "envd_token": <token envd holds inside that snapshot>, "guest": <the sandbox's
+GuestDefaults>}. A built template's snapshot keeps its defaults in `ref.facts["guest"]`.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import dataclasses
 import time
 from typing import Any
 
-from host.contract import MachineSpec, Placement, SnapshotRef
+from host.contract import GuestDefaults, MachineSpec, Placement, SnapshotRef
 
 from .model import NetworkConfig, SandboxInfo, SnapshotInfo
 from .states import SandboxState
@@ -50,6 +52,33 @@ def ref_from_json(d: dict[str, Any]) -> SnapshotRef:
 
 def snapshot_ref(snap: SnapshotRecord) -> SnapshotRef:
     return ref_from_json(snap.spec["ref"])
+
+
+def guest_from_json(d: dict[str, Any] | None) -> GuestDefaults | None:
+    """GuestDefaults from JSON (None: none recorded, envd's defaults apply)."""
+    if not d:
+        return None
+    base = GuestDefaults()
+    return GuestDefaults(user=str(d.get("user") or base.user),
+                         workdir=str(d.get("workdir") or base.workdir),
+                         env={str(k): str(v) for k, v in (d.get("env") or {}).items()})
+
+
+def guest_to_json(g: GuestDefaults) -> dict[str, Any]:
+    return {"user": g.user, "workdir": g.workdir, "env": dict(g.env)}
+
+
+def snapshot_guest(snap: SnapshotRecord) -> dict[str, Any] | None:
+    """The guest defaults a sandbox started from `snap` gets: those of the sandbox it was
+    taken of, else those of the built template it is (`ref.facts["guest"]`)."""
+    if snap.spec.get("guest"):
+        return dict(snap.spec["guest"])
+    facts = (snap.spec.get("ref") or {}).get("facts") or {}
+    return dict(facts["guest"]) if facts.get("guest") else None
+
+
+def guest_of(rec: SandboxRecord) -> GuestDefaults | None:
+    return guest_from_json(rec.runtime.get("guest"))
 
 
 def placement_to_json(p: Placement) -> dict[str, Any]:

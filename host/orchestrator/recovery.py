@@ -31,7 +31,7 @@ from host.contract import Placement, SandboxRuntime, SnapshotRef
 from . import ids
 from .envd import EnvdClient
 from .errors import SnapshotNotFound
-from .records import placement_of, placement_to_json, ref_to_json, with_runtime
+from .records import guest_of, placement_of, placement_to_json, ref_to_json, with_runtime
 from .states import SandboxState as S
 from .store import SandboxRecord, SnapshotRecord, Store
 
@@ -145,7 +145,8 @@ class _Recovery:
             if placement is not None:
                 try:
                     await self.envd.init(placement, token=rec.envd_token,
-                                         current_token=rec.envd_token, env_vars=rec.env_vars)
+                                         current_token=rec.envd_token, env_vars=rec.env_vars,
+                                         guest=guest_of(rec))
                     return await self.to_running(rec, placement)
                 except Exception:
                     log.exception("recovery: re-init of %s failed", rec.id)

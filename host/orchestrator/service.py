@@ -6,19 +6,26 @@ implements it. Errors raised are those of errors.py.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import builtins
+from collections.abc import AsyncIterable, Sequence
 from typing import Protocol
 
 from .model import (
+    BuildRequest,
+    BuildStart,
+    BuildStatus,
     CreateRequest,
     ForkResult,
     ListFilter,
     LogLine,
     Metric,
     NetworkConfig,
+    RequestedBuild,
     Route,
     SandboxInfo,
     SnapshotInfo,
+    TemplateInfo,
+    TemplateTag,
 )
 
 
@@ -47,4 +54,42 @@ class Orchestrator(Protocol):
     async def update_network(self, sandbox_id: str, network: NetworkConfig) -> None: ...
     async def route(self, sandbox_id: str, port: int, *, resume: bool) -> Route:
         """Target for proxy traffic; resumes a paused sandbox when `resume` and autoResume."""
+        ...
+
+    # ---- templates (docs/e2b-template-api.md) -------------------------------------------
+    # Template ids below are a template id, an alias or `[namespace/]alias[:tag]`.
+    async def request_build(self, req: BuildRequest) -> RequestedBuild:
+        """A waiting build of the template `req.name` names (created on first build).
+        InvalidRequest (bad name or tags), AliasConflict (409), AliasTaken (403)."""
+        ...
+    async def start_build(self, template_id: str, build_id: str, start: BuildStart) -> None:
+        """Validate `start` (InvalidRequest naming the bad step or source) and run the
+        build in the background; InvalidRequest "build is not in waiting state" when it
+        was started already."""
+        ...
+    async def build_status(self, template_id: str, build_id: str, *, offset: int = 0,
+                           limit: int = 100, level: str | None = None) -> BuildStatus: ...
+    async def list_templates(self) -> Sequence[TemplateInfo]: ...
+    async def get_template(self, template_id: str) -> TemplateInfo:
+        """With its builds, newest first."""
+        ...
+    async def delete_template(self, template_id: str) -> None:
+        """A built template (InvalidRequest while sandboxes use it), else a named
+        snapshot."""
+        ...
+    async def template_alias(self, alias: str) -> tuple[str, bool]:
+        """(template id, public) of a name."""
+        ...
+    async def assign_tags(self, target: str,
+                          tags: Sequence[str]) -> tuple[str, builtins.list[str]]:
+        """Point `tags` at the build `target` (`name:tag`) names: (build id, tags)."""
+        ...
+    async def remove_tags(self, name: str, tags: Sequence[str]) -> None: ...
+    async def list_tags(self, template_id: str) -> Sequence[TemplateTag]: ...
+    async def template_file(self, template_id: str, files_hash: str) -> bool:
+        """Whether the COPY archive `files_hash` was uploaded already."""
+        ...
+    async def put_template_file(self, files_hash: str, chunks: AsyncIterable[bytes], *,
+                                max_bytes: int) -> int:
+        """Store an upload under `files_hash` (whole or not at all); UploadTooLarge."""
         ...

@@ -12,11 +12,12 @@ from host.contract import SnapshotRef
 
 from . import ids
 from .context import Context
-from .errors import InvalidRequest, OperationFailed, SnapshotNotFound
+from .errors import AliasConflict, InvalidRequest, OperationFailed, SnapshotNotFound
 from .model import SnapshotInfo
 from .records import GONE, ref_to_json, snapshot_info, snapshot_ref, with_runtime
 from .states import SandboxState as S
 from .store import SandboxRecord, SnapshotRecord
+from .template_names import TEAM
 
 
 async def snapshot(ctx: Context, sandbox_id: str, name: str | None) -> SnapshotInfo:
@@ -24,6 +25,10 @@ async def snapshot(ctx: Context, sandbox_id: str, name: str | None) -> SnapshotI
         public_id = ids.public_snapshot_id(name, sandbox_id)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
+    base = public_id.split(":", 1)[0].lower().removeprefix(f"{TEAM}/")
+    if name and await ctx.db(ctx.templates.find_template, base) is not None:
+        # creates by this name would start the built template, not the snapshot
+        raise AliasConflict(f"'{base}' is already the name of a template")
     return await ctx.shielded(_snapshot(ctx, sandbox_id, public_id, name))
 
 
@@ -64,7 +69,9 @@ def snapshot_record(store_id: str, kind: str, ref: SnapshotRef, rec: SandboxReco
     return SnapshotRecord(id=store_id, kind=kind, created_at=ref.created_at,
                           sandbox_id=rec.id, name=name, parent_id=ref.parent_id,
                           spec={"ref": ref_to_json(ref), "envd_token": rec.envd_token,
-                                "template_id": rec.template_id})
+                                "template_id": rec.template_id,
+                                **({"guest": rec.runtime["guest"]}
+                                   if rec.runtime.get("guest") else {})})
 
 
 async def list_snapshots(ctx: Context, sandbox_id: str | None,
@@ -87,17 +94,23 @@ async def delete_snapshot(ctx: Context, snapshot_id: str) -> None:
 
 async def collect_snapshots(ctx: Context) -> list[str]:
     """Delete pause/fork snapshots nobody can reach any more: their sandbox is gone, no
-    live sandbox started from or resumes from them, no other snapshot builds on them."""
+    live sandbox started from or resumes from them, no other snapshot builds on them. The
+    same for template snapshots no tag points at any more (`orphaned`, templates.py) that
+    no running build starts from."""
     deleted: list[str] = []
     while True:
         recs = await ctx.db(ctx.store.list_sandboxes)
         snaps = await ctx.db(ctx.store.list_snapshots)
+        building = await ctx.db(ctx.templates.list_builds, None, ["building"])
         alive = {r.id for r in recs if r.state not in GONE}
         used = {r.snapshot_id for r in recs if r.state not in GONE}
         used |= {r.runtime.get("origin") for r in recs if r.state not in GONE}
+        used |= {b.spec.get("source") for b in building}
         parents = {s.parent_id for s in snaps} | {
             snapshot_ref(s).parent_id for s in snaps if "ref" in s.spec}
-        victims = [s for s in snaps if s.kind in ("pause", "fork")
+        victims = [s for s in snaps
+                   if (s.kind in ("pause", "fork")
+                       or (s.kind == "template" and s.spec.get("orphaned")))
                    and s.sandbox_id not in alive and s.id not in used
                    and s.id not in parents and snapshot_ref(s).snapshot_id not in parents]
         if not victims:

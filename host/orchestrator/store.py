@@ -12,6 +12,7 @@ are not shareable across threads without care; one thread keeps writes ordered).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sqlite3
 import threading
@@ -177,6 +178,21 @@ class Store:
         """Run one store method on the store thread (for async callers)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+
+    # ---- for the store's extensions (template_store.py): same connection and thread ----
+    def add_schema(self, script: str) -> None:
+        """Create an extension's tables (`CREATE ... IF NOT EXISTS`: an older database
+        gains them when it is opened, its data untouched)."""
+        with self._lock:
+            self._db.executescript(script)
+
+    def transaction(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        """One write transaction (BEGIN IMMEDIATE ... COMMIT, rolled back on error)."""
+        return self._tx()
+
+    def select(self, sql: str, args: Iterable[Any] = ()) -> list[sqlite3.Row]:
+        """Rows of one read query."""
+        return self._db.execute(sql, list(args)).fetchall()
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:

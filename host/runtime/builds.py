@@ -44,6 +44,9 @@ log_ = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600.0
 DEFAULT_READY_WITH_START = "sleep 20"  # E2B's default when a start command has none
+# What the SDKs send as `fromImage` when no source was chosen (`Template()` alone, or
+# `from_base_image()`): E2B's base image, whose role our built-in image plays.
+E2B_BASE_IMAGES = ("e2bdev/base", "docker.io/e2bdev/base")
 
 
 def _noop(level: str, message: str, step: str | None) -> None:
@@ -104,7 +107,7 @@ class _Build:
 
     async def _source(self) -> _Source:
         spec, p = self.spec, self.p
-        if spec.from_image:
+        if spec.from_image and spec.from_image.split(":")[0] not in E2B_BASE_IMAGES:
             return await self._image_source(spec.from_image)
         if spec.from_snapshot:
             try:

@@ -23,8 +23,10 @@ API_KEY = "e2b_test_key"
 
 
 @pytest.fixture
-def orch() -> FakeOrchestrator:
-    return FakeOrchestrator()
+def orch() -> Iterator[FakeOrchestrator]:
+    o = FakeOrchestrator()
+    yield o
+    o.close()
 
 
 @pytest.fixture

@@ -2,37 +2,53 @@
 
 Allowed ONLY for unit tests of the HTTP mapping (REST API, proxy routing): it keeps
 sandboxes in a dict and runs no VM. The VM-backed orchestrator replaces it in the
-end-to-end tests once it exists.
+end-to-end tests once it exists. Template operations go to a real `NodeOrchestrator` over
+the fake runtime (tests/orchestrator/fakes.py) in a temporary directory, made on first
+use: the fuzz run and the HTTP-mapping tests then reach the real template semantics.
 """
 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import dataclasses
 import secrets
+import shutil
 import string
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterable, Sequence
+from pathlib import Path
 
+from host.orchestrator import NodeOrchestrator, Store
+from host.orchestrator.envd import EnvdClient
 from host.orchestrator.errors import (
     IdempotencyMismatch,
     SandboxNotFound,
     SnapshotNotFound,
     StateConflict,
+    TemplateNotFound,
 )
 from host.orchestrator.model import (
+    BuildRequest,
+    BuildStart,
+    BuildStatus,
     CreateRequest,
     ForkResult,
     ListFilter,
     LogLine,
     Metric,
     NetworkConfig,
+    RequestedBuild,
     Route,
     RunEnded,
     SandboxInfo,
     SnapshotInfo,
+    TemplateInfo,
+    TemplateTag,
 )
 from host.orchestrator.states import SandboxState
+from tests.orchestrator.fakes import FakeEnvd, FakeRuntime
 
 _ALNUM = string.ascii_lowercase + string.digits
 
@@ -55,6 +71,8 @@ class FakeOrchestrator:
         # route()'s RunEnded per sandbox, with the loop it was made on (the proxy's)
         self.runs: dict[str, tuple[RunEnded, asyncio.AbstractEventLoop]] = {}
         self._clock = 1_700_000_000.0
+        self._node: NodeOrchestrator | None = None
+        self._node_dir: Path | None = None
 
     def add(self, *, state: SandboxState = SandboxState.RUNNING, metadata: dict[str, str] | None = None,
             template: str = "base", traffic_token: str | None = None,
@@ -211,3 +229,71 @@ class FakeOrchestrator:
             entry = self.runs[sandbox_id] = (RunEnded(), asyncio.get_running_loop())
         return Route(host=host, port=target, traffic_token=info.traffic_access_token,
                      gone=entry[0])
+
+    # ---- templates: a real NodeOrchestrator over the fake runtime ------------------------
+
+    @property
+    def node(self) -> NodeOrchestrator:
+        if self._node is None:
+            self._node_dir = Path(tempfile.mkdtemp(prefix="aenv-api-double-"))
+            self.runtime = FakeRuntime()
+            self.runtime.envd = FakeEnvd()
+            self._node = NodeOrchestrator(
+                Store(self._node_dir / "state.db"), self.runtime, domain=self.domain,
+                envd=EnvdClient(transport=self.runtime.envd.transport()))
+        return self._node
+
+    def close(self) -> None:
+        """Close the node's store and remove its directory (its tasks, fake builds that
+        end in milliseconds, belong to whichever loop served the request)."""
+        if self._node is not None:
+            self._node.store.close()
+            self._node = None
+        if self._node_dir is not None:
+            shutil.rmtree(self._node_dir, ignore_errors=True)
+            self._node_dir = None
+
+    async def request_build(self, req: BuildRequest) -> RequestedBuild:
+        return await self.node.request_build(req)
+
+    async def start_build(self, template_id: str, build_id: str, start: BuildStart) -> None:
+        await self.node.start_build(template_id, build_id, start)
+
+    async def build_status(self, template_id: str, build_id: str, *, offset: int = 0,
+                           limit: int = 100, level: str | None = None) -> BuildStatus:
+        return await self.node.build_status(template_id, build_id, offset=offset,
+                                            limit=limit, level=level)
+
+    async def list_templates(self) -> Sequence[TemplateInfo]:
+        return await self.node.list_templates()
+
+    async def get_template(self, template_id: str) -> TemplateInfo:
+        return await self.node.get_template(template_id)
+
+    async def delete_template(self, template_id: str) -> None:
+        """A template of the node, else a snapshot of this double."""
+        self.calls.append(("delete_template", (template_id,)))
+        try:
+            await self.node.delete_template(template_id)
+        except (SnapshotNotFound, TemplateNotFound):
+            await self.delete_snapshot(template_id)
+
+    async def template_alias(self, alias: str) -> tuple[str, bool]:
+        return await self.node.template_alias(alias)
+
+    async def assign_tags(self, target: str,
+                          tags: Sequence[str]) -> tuple[str, builtins.list[str]]:
+        return await self.node.assign_tags(target, tags)
+
+    async def remove_tags(self, name: str, tags: Sequence[str]) -> None:
+        await self.node.remove_tags(name, tags)
+
+    async def list_tags(self, template_id: str) -> Sequence[TemplateTag]:
+        return await self.node.list_tags(template_id)
+
+    async def template_file(self, template_id: str, files_hash: str) -> bool:
+        return await self.node.template_file(template_id, files_hash)
+
+    async def put_template_file(self, files_hash: str, chunks: AsyncIterable[bytes], *,
+                                max_bytes: int) -> int:
+        return await self.node.put_template_file(files_hash, chunks, max_bytes=max_bytes)

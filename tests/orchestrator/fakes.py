@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from host.contract import MachineSpec, Placement, SnapshotRef
+from host.contract import BuildFailed, BuildLog, BuildSpec, MachineSpec, Placement, SnapshotRef
 from host.orchestrator.model import NetworkConfig
 
 
@@ -43,6 +43,7 @@ class FakeRuntime:
         self.reboots: list[str] = []  # sandboxes cold-booted (filesystem-only resume)
         self.memory_flags: list[bool] = []  # `memory` of each snapshot call
         self.dead: set[str] = set()  # VMs that "exited by themselves" (exited())
+        self.build_specs: list[BuildSpec] = []  # every build() call's spec, in order
         self._n = itertools.count(1)
 
     async def _step(self, op: str, sandbox_id: str) -> None:
@@ -61,6 +62,49 @@ class FakeRuntime:
         self.builds += 1
         ref = SnapshotRef(snapshot_id=f"tmpl-{template_id}", machine=machine,
                           created_at=time.time())
+        self.snapshots[ref.snapshot_id] = ref
+        return ref
+
+    async def build(self, spec: BuildSpec, log: BuildLog) -> SnapshotRef:
+        """Records the spec, logs a line per phase and step, folds USER / WORKDIR / ENV
+        into `facts["guest"]` (starting from the source snapshot's), and fails a step
+        whose args contain "exit 1" (BuildFailed, like a real non-zero exit) or a COPY
+        whose archive is not in `files_dir`."""
+        self.calls.append(("build", (spec.snapshot_id,)))
+        self.build_specs.append(spec)
+        await self._step("build", spec.snapshot_id)
+        guest: dict[str, Any] = {"user": "user", "workdir": "/home/user", "env": {}}
+        if spec.from_snapshot is not None:
+            source = self.snapshots.get(spec.from_snapshot)
+            if source is None:
+                raise BuildFailed(f"no snapshot {spec.from_snapshot}", step="base")
+            guest.update(source.facts.get("guest") or {})
+            guest["env"] = dict(guest["env"])
+        log("info", f"FROM {spec.from_image or spec.from_snapshot or spec.machine.image}",
+            "base")
+        for i, step in enumerate(spec.steps, 1):
+            log("info", f"{step.type} {' '.join(step.args)}", str(i))
+            await asyncio.sleep(0)
+            if any("exit 1" in a for a in step.args):
+                log("error", "exit status 1", str(i))
+                raise BuildFailed(f"Command '{step.args[0]}' failed with exit code 1",
+                                  step=str(i))
+            if step.type == "COPY" and not (spec.files_dir and step.files_hash and (
+                    spec.files_dir / step.files_hash).is_file()):
+                raise BuildFailed(f"no archive for {step.files_hash}", step=str(i))
+            if step.type == "USER":
+                guest["user"] = step.args[0]
+            elif step.type == "WORKDIR":
+                guest["workdir"] = step.args[0]
+            elif step.type == "ENV":
+                guest["env"].update(zip(step.args[::2], step.args[1::2], strict=True))
+        if spec.start_cmd:
+            log("info", f"start: {spec.start_cmd}", "finalize")
+        if spec.ready_cmd:
+            log("debug", f"ready: {spec.ready_cmd}", "finalize")
+        ref = SnapshotRef(snapshot_id=spec.snapshot_id, machine=spec.machine,
+                          created_at=time.time(), parent_id=spec.from_snapshot,
+                          facts={"guest": guest, "build": {"steps": len(spec.steps)}})
         self.snapshots[ref.snapshot_id] = ref
         return ref
 

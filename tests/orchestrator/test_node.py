@@ -294,9 +294,10 @@ async def test_watchdog_settles_vms_that_exit_by_themselves(store, rt, envd):
         gone = (await o.route(fresh, 49983, resume=False)).gone
         assert gone is not None and not gone.is_set()
         rt.dead |= {fresh, cycled}
-        for _ in range(100):
+        for _ in range(100):  # until settled in the store (the VMs go first)
             await asyncio.sleep(0.05)
-            if not rt.exited():
+            if not rt.exited() and {store.get_sandbox(fresh).state,
+                                    store.get_sandbox(cycled).state} <= {S.KILLED, S.PAUSED}:
                 break
         assert gone.is_set() and "VM exited" in gone.reason
         assert store.get_sandbox(fresh).state is S.KILLED
