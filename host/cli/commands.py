@@ -9,12 +9,13 @@ from collections.abc import Sequence
 
 import click
 
-from . import guest
+from . import guest, templates
 from .context import (
     DEFAULT_API_URL,
     DEFAULT_SANDBOX_URL,
     AenvGroup,
     Settings,
+    echo_table,
     emit_json,
     key_from_file,
     pairs,
@@ -78,9 +79,7 @@ def ls(ctx: click.Context, state: str | None, as_json: bool) -> None:
         meta = ",".join(f"{k}={v}" for k, v in sorted(i.metadata.items()))
         rows.append((i.sandbox_id, i.alias or i.template_id, i.state, rfc3339(i.started_at),
                      rfc3339(i.end_at), meta))
-    widths = [max(len(str(r[c])) for r in rows) for c in range(len(rows[0]))]
-    for r in rows:
-        click.echo("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())
+    echo_table(rows)
 
 
 @cli.command()
@@ -228,7 +227,7 @@ def metrics(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
                    f"{x.mem_used:>10}/{x.mem_total:<12} {x.disk_used:>10}/{x.disk_total}")
 
 
-for _command in guest.COMMANDS:
+for _command in (*guest.COMMANDS, *templates.COMMANDS):
     cli.add_command(_command)
 
 

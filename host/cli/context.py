@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -93,6 +93,13 @@ def settings(ctx: click.Context) -> Settings:
 
 def emit_json(value: Any) -> None:
     click.echo(json.dumps(value, indent=2, sort_keys=True))
+
+
+def echo_table(rows: Sequence[Sequence[object]]) -> None:
+    """Rows (the first is the header) in left-aligned columns, two spaces apart."""
+    widths = [max(len(str(r[c])) for r in rows) for c in range(len(rows[0]))]
+    for r in rows:
+        click.echo("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())
 
 
 def rfc3339(dt: datetime) -> str:

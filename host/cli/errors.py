@@ -5,8 +5,8 @@
       ConnectionFailed  the server could not be reached
 
 Exit codes: 1 generic, 2 usage (click), 3 authentication (401/403), 4 not found (404),
-5 conflict (409, e.g. pausing a paused sandbox). `aenv exec` and `aenv terminal` exit with
-the remote command's exit code instead.
+5 conflict (409, e.g. pausing a paused sandbox), 130 a build interrupted by Ctrl-C.
+`aenv exec` and `aenv terminal` exit with the remote command's exit code instead.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ EXIT_USAGE = 2
 EXIT_AUTH = 3
 EXIT_NOT_FOUND = 4
 EXIT_CONFLICT = 5
+EXIT_INTERRUPTED = 130
 
 _BY_STATUS = {401: EXIT_AUTH, 403: EXIT_AUTH, 404: EXIT_NOT_FOUND, 409: EXIT_CONFLICT}
 

@@ -1,7 +1,8 @@
 """The REST API client of the CLI: plain httpx, one method per endpoint the CLI uses.
 
-Answers are parsed with the API's own response models (host.api.models), so the CLI reads
-fields by name and a malformed answer is one error line, not a KeyError.
+Answers are parsed with the API's own response models (host.api.models and
+template_models), so the CLI reads fields by name and a malformed answer is one error
+line, not a KeyError. Template builds are not here: the e2b SDK runs them (builder.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import httpx
 from pydantic import TypeAdapter, ValidationError
 
 from host.api import models as m
+from host.api import template_models as tm
 
 from .errors import ApiError, CliError, ConnectionFailed
 
@@ -170,6 +172,15 @@ class ApiClient:
 
     def delete_snapshot(self, snapshot_id: str) -> None:
         self.request("DELETE", f"/templates/{_seg(snapshot_id)}")
+
+    # --- templates (builds go through the e2b SDK: builder.py) ----------------------------
+
+    def templates(self) -> list[tm.Template]:
+        """Every page of GET /v2/templates."""
+        return self._all_pages("/v2/templates", {}, list[tm.Template])
+
+    def delete_template(self, name_or_id: str) -> None:
+        self.request("DELETE", f"/templates/{_seg(name_or_id)}")
 
 
 def _seg(value: str) -> str:

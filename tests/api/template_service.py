@@ -1,12 +1,17 @@
 """A service for the template API tests: the REST API over a real `NodeOrchestrator` whose
 runtime is the fake (tests/orchestrator/fakes.py: no VM), as an ASGI app that starts and
-closes the orchestrator in the serving loop's lifespan (uvicorn with lifespan="on")."""
+closes the orchestrator in the serving loop's lifespan (uvicorn with lifespan="on").
+
+`node_service` serves one over HTTP for a test; tests/api (the e2b SDK) and tests/cli
+(`aenv template ...`) import it as a fixture."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from starlette.types import Receive, Scope, Send
 
 from host.api import ApiKeys, build_api_app
@@ -14,16 +19,18 @@ from host.orchestrator import NodeOrchestrator, Store
 from host.orchestrator.envd import EnvdClient
 from tests.orchestrator.fakes import FakeEnvd, FakeRuntime
 
-from .conftest import API_KEY
+from .conftest import API_KEY, ServerThread
 
 DOMAIN = "sbx.test"
 
 
 class NodeService:
-    """`app` is the API; `runtime`, `envd`, `node` and `state_dir` are there to inspect."""
+    """`app` is the API; `runtime`, `envd`, `node` and `state_dir` are there to inspect;
+    `url` is where `node_service` serves it."""
 
     def __init__(self, state_dir: Path, **api: Any) -> None:
         self.state_dir = state_dir
+        self.url = ""
         self.runtime = FakeRuntime()
         self.envd = self.runtime.envd = FakeEnvd()
         self.store = Store(state_dir / "state.db")
@@ -54,3 +61,14 @@ class NodeService:
             await send({"type": "lifespan.shutdown.complete"})
             return
         await self.app(scope, receive, send)
+
+
+@pytest.fixture
+def node_service(tmp_path: Path) -> Iterator[NodeService]:
+    """A NodeService served by uvicorn on a loopback port (`url`), its orchestrator started
+    in the lifespan; stopped and its store closed after the test. Sets no environment."""
+    s = NodeService(tmp_path / "state")
+    with ServerThread(s, lifespan="on") as srv:
+        s.url = srv.url
+        yield s
+    s.close_store()

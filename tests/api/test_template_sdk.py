@@ -19,23 +19,21 @@ from e2b.connection_config import ConnectionConfig
 from e2b.exceptions import TemplateException
 from e2b.template_sync.build_api import request_build, trigger_build
 
-from .conftest import API_KEY, ServerThread
-from .template_service import DOMAIN, NodeService
+from .conftest import API_KEY
+from .template_service import DOMAIN, NodeService, node_service  # noqa: F401 (fixture)
 
 READY_8000 = '[ -n "$(ss -Htuln sport = :8000)" ]'
 
 
 @pytest.fixture
-def svc(tmp_path, monkeypatch):
-    s = NodeService(tmp_path / "state")
-    with ServerThread(s, lifespan="on") as srv:
-        monkeypatch.setenv("E2B_API_URL", srv.url)
-        monkeypatch.setenv("E2B_API_KEY", API_KEY)
-        monkeypatch.setenv("E2B_DOMAIN", DOMAIN)
-        for var in ("E2B_DEBUG", "E2B_SANDBOX_URL", "E2B_ACCESS_TOKEN"):
-            monkeypatch.delenv(var, raising=False)
-        yield s
-    s.close_store()
+def svc(node_service: NodeService, monkeypatch):  # noqa: F811 - the imported fixture
+    """The service, with the SDK pointed at it through the environment."""
+    monkeypatch.setenv("E2B_API_URL", node_service.url)
+    monkeypatch.setenv("E2B_API_KEY", API_KEY)
+    monkeypatch.setenv("E2B_DOMAIN", DOMAIN)
+    for var in ("E2B_DEBUG", "E2B_SANDBOX_URL", "E2B_ACCESS_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    return node_service
 
 
 @pytest.fixture

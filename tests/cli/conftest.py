@@ -5,6 +5,10 @@ What is real and what is not: the REST API (`build_api_app`), the sandbox proxy
 by uvicorn on loopback ports. The sandbox LIFECYCLE is the in-memory orchestrator test
 double of tests/api/double.py: no VM runs, and its `route()` points every sandbox at the
 one real envd process. Everything started here is stopped.
+
+The template commands run against tests/api/template_service.py instead: the REST API over
+a real `NodeOrchestrator` whose runtime is the fake (tests/orchestrator/fakes.py), served
+over HTTP (`node_service`); the e2b SDK inside `aenv` talks to it as it would to E2B.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from host.cli import cli
 from host.proxy import build_proxy_app
 from tests.api.conftest import API_KEY, ServerThread
 from tests.api.double import FakeOrchestrator
+from tests.api.template_service import NodeService, node_service  # noqa: F401 (fixture)
 
 # the same real envd process and orchestrator double as the proxy tests
 from tests.proxy.conftest import DOMAIN, envd_port, orch  # noqa: F401 (fixtures)
@@ -63,3 +68,25 @@ def stack(orch: FakeOrchestrator) -> Iterator[Stack]:  # noqa: F811 - the import
     proxy_app = build_proxy_app(orch, DOMAIN, api_app=api_app)
     with ServerThread(api_app) as api, ServerThread(proxy_app, lifespan="on") as proxy:
         yield Stack(orch, api.url, proxy.url)
+
+
+@dataclass
+class TemplateStack:
+    """`aenv` against the template service (`svc`: its fake runtime, store and files)."""
+
+    svc: NodeService
+
+    def argv(self, *args: str, key: str | None = API_KEY) -> list[str]:
+        out = ["--api-url", self.svc.url]
+        if key is not None:
+            out += ["--api-key", key]
+        return out + list(args)
+
+    def run(self, *args: str, key: str | None = API_KEY, stdin: str | None = None) -> Result:
+        return CliRunner().invoke(cli, self.argv(*args, key=key), input=stdin,
+                                  catch_exceptions=False)
+
+
+@pytest.fixture
+def tstack(node_service: NodeService) -> TemplateStack:  # noqa: F811 - the imported fixture
+    return TemplateStack(node_service)
