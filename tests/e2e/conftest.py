@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.images.conftest import auth_registry, images, registry  # noqa: F401 - fixtures
 from tests.orchestrator.hostproc import HostService
 
 PREFIX = "ae2e-"

@@ -4,6 +4,7 @@ memory snapshot; a rebuild hits the cache; a failing step leaves nothing behind.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import tarfile
 import time
@@ -150,3 +151,19 @@ async def test_min_free_disk_grows_the_template_disk(runtime: NodeRuntime,
     finally:
         await runtime.kill("bt-dsk")
     await runtime.delete_snapshot("bt-disk")
+
+
+async def test_two_builds_at_once(runtime: NodeRuntime, template: SnapshotRef) -> None:
+    """Builds of different templates run side by side (own VM, stack and network each)."""
+    specs = [BuildSpec(snapshot_id=f"bt-par{i}", machine=MachineSpec(memory_mb=256),
+                       from_snapshot=template.snapshot_id,
+                       steps=(BuildStep("RUN", (f"echo {i} > /home/user/which",)),))
+             for i in (1, 2)]
+    refs = await asyncio.gather(*(runtime.build(s, lambda *a: None) for s in specs))
+    for i, ref in zip((1, 2), refs, strict=True):
+        p = await runtime.start(f"bt-p{i}", ref, NetworkConfig())
+        try:
+            assert (await run(p, "cat /home/user/which")).strip() == str(i)
+        finally:
+            await runtime.kill(f"bt-p{i}")
+        await runtime.delete_snapshot(ref.snapshot_id)
