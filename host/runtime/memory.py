@@ -121,10 +121,11 @@ class MemoryFiles:
                 if d.name not in used:
                     await asyncio.to_thread(shutil.rmtree, d, True)
 
-    async def trim(self, pinned: set[str],
+    async def trim(self, pinned: Callable[[], set[str]],
                    committed: Callable[[str], Awaitable[bool]]) -> None:
-        """Evict least recently used memory dirs (not `pinned`, `committed` in the
-        repository) until `memory/` fits its bound. Asks the repository only when over."""
+        """Evict least recently used memory dirs (not `pinned()`, `committed` in the
+        repository) until `memory/` fits its bound. Runs after every start and snapshot:
+        asks what is pinned and the repository only when over the bound."""
         if isinstance(self.repo, PosixFsRepository) or not self.dir.is_dir():
             return
 
@@ -136,11 +137,14 @@ class MemoryFiles:
         dirs = await asyncio.to_thread(sizes)
         total = sum(size for _, _, size in dirs)
         bound = self.bound_mib << 20
+        if total <= bound:
+            return
+        keep = pinned()
         evicted = []
         for _, d, size in dirs:  # least recently used first
             if total <= bound:
                 break
-            if d.name in pinned or not await committed(d.name):
+            if d.name in keep or not await committed(d.name):
                 continue
             await asyncio.to_thread(shutil.rmtree, d, True)
             total -= size

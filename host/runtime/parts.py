@@ -64,7 +64,7 @@ class NodeParts:
         return True
 
     async def trim_memory(self) -> None:
-        await self.memory.trim(self.pinned_memory(), self.committed)
+        await self.memory.trim(self.pinned_memory, self.committed)
 
     async def gc_memory(self) -> set[str]:
         """Remove local memory dirs nothing uses; returns the snapshot ids still used."""
