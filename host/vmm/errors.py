@@ -13,6 +13,11 @@ and as attributes, so a failing test or API call shows why the guest did not com
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+from .memsnap.errors import MemSnapError
+
 
 class VmmError(Exception):
     """A VMM driver operation failed."""
@@ -48,3 +53,13 @@ class VmmTimeout(VmmError, TimeoutError):
 
 class VmmBootTimeout(VmmTimeout):
     """The guest did not answer envd /health before the boot deadline."""
+
+
+@contextlib.contextmanager
+def memory_snapshot_errors(what: str) -> Iterator[None]:
+    """memsnap's errors and file errors of a memory snapshot as VmmSnapshotError (the
+    drivers' boundary)."""
+    try:
+        yield
+    except (MemSnapError, OSError) as exc:
+        raise VmmSnapshotError(f"{what}: {exc}") from exc

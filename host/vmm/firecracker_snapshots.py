@@ -17,16 +17,15 @@ later `snapshot_memory` calls raise until the VM is frozen or restored again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import firecracker_memory as fcmem
 from .driver import VmState
-from .errors import VmmSnapshotError, VmmStateError
+from .errors import VmmStateError, memory_snapshot_errors
 from .firecracker_config import FirecrackerHost
 from .memsnap import BaseImage, MemSnapError, MemSnapshot
 
@@ -45,14 +44,6 @@ def snapshot_mem_path(state: Path) -> Path:
     return state.with_name(state.name + ".mem")
 
 
-@contextlib.contextmanager
-def _mapped(what: str) -> Iterator[None]:
-    try:
-        yield
-    except MemSnapError as exc:
-        raise VmmSnapshotError(f"{what}: {exc}") from exc
-    except OSError as exc:
-        raise VmmSnapshotError(f"{what}: {exc}") from exc
 
 
 class MemoryMixin(_Base):
@@ -137,7 +128,7 @@ class MemoryMixin(_Base):
         state, mem, rel = await self._create(dest, kind="Full", state=fcmem.BASE_TEMPLATE,
                                              mem=fcmem.FULL_MEM)
         try:
-            with _mapped(f"{self._spec.name}: freezing memory into {dest}"):
+            with memory_snapshot_errors(f"{self._spec.name}: freezing memory into {dest}"):
                 base = await asyncio.to_thread(fcmem.freeze_files, dest, full_mem=mem,
                                                vmstate=state, t0=t0)
         finally:
@@ -163,7 +154,7 @@ class MemoryMixin(_Base):
             raise VmmStateError(f"{name}: no memory lineage: the VM was not started by "
                                 "restore_memory or frozen by freeze_memory, or a snapshot "
                                 "since then was not a memory snapshot")
-        with _mapped(f"{name}: memory snapshot into {dest}"):
+        with memory_snapshot_errors(f"{name}: memory snapshot into {dest}"):
             await asyncio.to_thread(lineage.check, base, parent)
         config = bytes.fromhex(await self._config_digest())
         dest = Path(dest)
@@ -194,7 +185,7 @@ class MemoryMixin(_Base):
                  "create_ms": (t_created - t_stop) * 1e3,
                  "while_stopped_ms": (t_cont - t_created) * 1e3}
         try:
-            with _mapped(f"{name}: memory snapshot into {dest}"):
+            with memory_snapshot_errors(f"{name}: memory snapshot into {dest}"):
                 snap = await asyncio.to_thread(
                     fcmem.write_snapshot, dest, diff_mem=mem, vmstate=state, lineage=lineage,
                     base=base, parent=parent, config_sha256=config, max_chain=max_chain,
@@ -213,7 +204,7 @@ class MemoryMixin(_Base):
     async def _verify_restore(self, base: BaseImage, snapshot: MemSnapshot | None) -> None:
         t0 = time.perf_counter()
         config = bytes.fromhex(await self._config_digest())
-        with _mapped(f"{self._spec.name}: restore from "
+        with memory_snapshot_errors(f"{self._spec.name}: restore from "
                      f"{snapshot.dir if snapshot else base.dir}"):
             await asyncio.to_thread(fcmem.verify_restore, base, snapshot, config)
         self.restore_stats["verify_ms"] = (time.perf_counter() - t0) * 1e3
@@ -228,7 +219,7 @@ class MemoryMixin(_Base):
             state = await self.root.expose(base.template_path, "state/vmstate")
         else:
             target = self.root.place(_MEM_REL)
-            with _mapped(f"{self._spec.name}: restore from {snapshot.dir}"):
+            with memory_snapshot_errors(f"{self._spec.name}: restore from {snapshot.dir}"):
                 pages = await asyncio.to_thread(fcmem.materialise, base, snapshot, target)
             self.restore_stats["pages"] = float(pages)
             mem = _MEM_REL

@@ -7,31 +7,21 @@ here, at the driver boundary.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from .driver import MemoryBacking
-from .errors import VmmError, VmmSnapshotError
+from .errors import VmmError, memory_snapshot_errors
 from .memsnap import (
     BaseImage,
-    MemSnapError,
     MemSnapshot,
     freeze_base,
     restore_base_into,
     restore_into,
     snapshot_incremental,
 )
-
-
-@contextlib.contextmanager
-def _mapped(what: str) -> Iterator[None]:
-    try:
-        yield
-    except MemSnapError as exc:
-        raise VmmSnapshotError(f"{what}: {exc}") from exc
 
 
 def check_restore_spec(name: str, mem: MemoryBacking | None, base: BaseImage) -> None:
@@ -44,7 +34,7 @@ def check_restore_spec(name: str, mem: MemoryBacking | None, base: BaseImage) ->
 async def restore(name: str, config_sha256: str, qmp: Any, pid: int, base: BaseImage,
                   snapshot: MemSnapshot | None, *, resume: bool) -> dict[str, float]:
     """Load `base` (+ `snapshot`'s chain) into a QEMU started with `-incoming defer -S`."""
-    with _mapped(f"{name}: restore from {snapshot.dir if snapshot else base.dir}"):
+    with memory_snapshot_errors(f"{name}: restore from {snapshot.dir if snapshot else base.dir}"):
         if snapshot is None:
             ms = await restore_base_into(qmp, pid, base.mem_path, base, resume=resume)
             return {"restore_ms": ms}
@@ -58,7 +48,7 @@ async def restore(name: str, config_sha256: str, qmp: Any, pid: int, base: BaseI
 async def freeze(name: str, mem: MemoryBacking | None, qmp: Any, dest: Path) -> BaseImage:
     if mem is None or not mem.shared:
         raise VmmError(f"{name}: freezing memory needs RAM in a shared file")
-    with _mapped(f"{name}: freezing memory into {dest}"):
+    with memory_snapshot_errors(f"{name}: freezing memory into {dest}"):
         return await freeze_base(qmp, mem.path, dest)
 
 
@@ -66,7 +56,7 @@ async def capture(name: str, config_sha256: str, qmp: Any, pid: int, dest: Path,
                   base: BaseImage,
                   parent: MemSnapshot | None, resume: bool, max_chain: int,
                   while_stopped: Callable[[], Awaitable[None]] | None) -> MemSnapshot:
-    with _mapped(f"{name}: memory snapshot into {dest}"):
+    with memory_snapshot_errors(f"{name}: memory snapshot into {dest}"):
         return await snapshot_incremental(
             qmp, pid, base.mem_path, base, dest,
             config_sha256=bytes.fromhex(config_sha256), parent=parent,

@@ -101,13 +101,16 @@ async def test_a_field_added_to_a_model_is_validated() -> None:
     ops = [dataclasses.replace(o, body=ProbedNewSandboxV2, handler=handler)
            if o is op else o for o in OPERATIONS]
     app = Starlette(routes=starlette_routes(ops))
-    app.state.orchestrator = FakeOrchestrator()
+    app.state.orchestrator = orch = FakeOrchestrator()
     app.state.domain = None
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://api") as c:
-        bad = await c.post("/v2/sandboxes", json={"templateID": "base", "probeLevel": 10})
-        assert bad.status_code == 400
-        assert bad.json()["message"] == "'probeLevel' must be at most 9, got 10"
-        ok = await c.post("/v2/sandboxes", json={"templateID": "base", "probeLevel": 3})
-        assert ok.status_code == 201, ok.text
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://api") as c:
+            bad = await c.post("/v2/sandboxes", json={"templateID": "base", "probeLevel": 10})
+            assert bad.status_code == 400
+            assert bad.json()["message"] == "'probeLevel' must be at most 9, got 10"
+            ok = await c.post("/v2/sandboxes", json={"templateID": "base", "probeLevel": 3})
+            assert ok.status_code == 201, ok.text
+    finally:
+        orch.close()  # its template node keeps a state dir
     assert [getattr(b, "probe_level", None) for b in seen] == [3]
