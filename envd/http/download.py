@@ -67,7 +67,16 @@ def _open_for_read(path: str) -> tuple[int, int]:
     except BaseException:
         os.close(fd)
         raise
-    return fd, st.st_size if stat.S_ISREG(st.st_mode) else -1
+    return fd, st.st_size if stat.S_ISREG(st.st_mode) and not _size_unknown(path, st) else -1
+
+
+def _size_unknown(path: str, st: os.stat_result) -> bool:
+    """Files whose size says nothing about their content: procfs reports 0 (`boot_id`,
+    `meminfo`), sysfs a page. They are read to EOF and sent without Content-Length."""
+    if st.st_size == 0:
+        return True
+    real = os.path.realpath(path)
+    return real.startswith(("/proc/", "/sys/"))
 
 
 class FileStreamResponse(Response):

@@ -211,6 +211,17 @@ def test_pty(box) -> None:
     assert box.pty.kill(h2.pid) is False
 
 
+def test_proc_files_read_and_missing_paths_remove_like_e2b(box) -> None:
+    """Issue 14 items 1 and 2 in a real guest: procfs/sysfs files whose size reads as 0 (or a
+    page) come back with their content; removing a path that does not exist is done."""
+    boot_id = box.files.read("/proc/sys/kernel/random/boot_id").strip()
+    assert len(boot_id) == 36 and boot_id == box.commands.run(
+        "cat /proc/sys/kernel/random/boot_id").stdout.strip()
+    assert box.files.read("/proc/meminfo").startswith("MemTotal:")
+    box.files.remove("/home/user/does-not-exist")
+    box.files.remove("/home/user/no/such/dir")
+
+
 # ---- user ports through the proxy --------------------------------------------------------
 
 def test_user_http_server_via_proxy(box, env: E2EService) -> None:

@@ -357,3 +357,15 @@ def test_upload_in_progress_is_hidden_from_listings(sbx, envd_url, home_dir):
         assert [e.name for e in sbx.files.list(str(home_dir))] == []
         assert not sbx.files.exists(path)
     assert wait_until(lambda: not leftovers(home_dir))
+
+
+def test_read_proc_and_sys_files_whose_size_says_nothing(sbx):
+    """Issue 14 item 1: procfs files report size 0 and sysfs files a page; the SDK gets
+    their content (E2B reads them to EOF)."""
+    boot_id = sbx.files.read("/proc/sys/kernel/random/boot_id")
+    assert boot_id.strip() == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    assert len(boot_id.strip()) == 36
+    meminfo = sbx.files.read("/proc/meminfo")
+    assert meminfo.startswith("MemTotal:") and "MemFree:" in meminfo
+    dev = sbx.files.read("/sys/class/net/lo/address")
+    assert dev.strip() == "00:00:00:00:00:00"

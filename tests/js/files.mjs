@@ -67,6 +67,14 @@ await check('makeDir/rename/remove', async () => {
   assert.equal(moved.path, `${dir}/newdir/m1.txt`)
   await sbx.files.remove(`${dir}/newdir`)
   assert.equal(await sbx.files.exists(`${dir}/newdir`), false)
+  await sbx.files.remove(`${dir}/newdir`) // already gone: done, no error (as E2B)
+})
+
+await check('read /proc and /sys files (size 0 or a page)', async () => {
+  const bootId = await sbx.files.read('/proc/sys/kernel/random/boot_id')
+  assert.equal(bootId.trim().length, 36)
+  assert.match(await sbx.files.read('/proc/meminfo'), /^MemTotal:/)
+  assert.equal((await sbx.files.read('/sys/class/net/lo/address')).trim(), '00:00:00:00:00:00')
 })
 
 await check('not found', async () => {

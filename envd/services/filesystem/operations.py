@@ -51,7 +51,12 @@ def move(source: str, destination: str) -> EntryInfo:
 
 
 def remove(path: str) -> None:
-    st = os.lstat(path)
+    """Remove a file, link or directory tree. A path that does not exist is already
+    removed: no error, as E2B's envd (its os.RemoveAll) answers."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
     if stat.S_ISDIR(st.st_mode):
         shutil.rmtree(path)
     else:
