@@ -134,8 +134,8 @@ def test_metadata(sbx, home_dir):
     assert sbx.files.get_info(target).metadata == {"owner": "acc", "run": "1"}
     sbx.files.write(target, "y", metadata={"other": "2"})  # replaces the previous set
     assert sbx.files.get_info(target).metadata == {"other": "2"}
-    sbx.files.write(target, "z")  # no metadata headers: an overwrite keeps them
-    assert sbx.files.get_info(target).metadata == {"other": "2"}
+    written = sbx.files.write(target, "z")  # no metadata: the overwrite clears it, as E2B
+    assert not written.metadata and not sbx.files.get_info(target).metadata
     with pytest.raises(InvalidArgumentException):
         sbx.files.write(target, "x", metadata={"bad key": "v"})  # rejected by the SDK already
 

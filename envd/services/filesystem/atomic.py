@@ -77,15 +77,15 @@ class PendingFile:
                     pending[0] = pending[0][n:]
                     n = 0
 
-    def _copy_xattrs(self, metadata: dict[str, str] | None) -> None:
+    def _copy_xattrs(self) -> None:
         try:
             names = os.listxattr(self.destination)
         except OSError:
             return
         for name in names:
-            if not name.startswith("user.") or (
-                metadata is not None and name.startswith(METADATA_XATTR_PREFIX)
-            ):
+            # the metadata set belongs to the content: a write replaces it with the one it
+            # brings, or with none (E2B parity, issue 14 item 4); other user xattrs stay
+            if not name.startswith("user.") or name.startswith(METADATA_XATTR_PREFIX):
                 continue
             try:
                 os.setxattr(self.temp_path, name, os.getxattr(self.destination, name))
@@ -93,14 +93,14 @@ class PendingFile:
                 pass
 
     def commit(self, metadata: dict[str, str] | None) -> None:
-        """Publish the file; `metadata` (when given) replaces the prior user.e2b.* set."""
+        """Publish the file; `metadata` replaces the prior user.e2b.* set (None clears it)."""
         if self._fd is None:
             raise ValueError("upload already finished")
         fd, self._fd = self._fd, None
         try:
             os.close(fd)
             if self._replaced:
-                self._copy_xattrs(metadata)
+                self._copy_xattrs()
             for key, value in (metadata or {}).items():
                 os.setxattr(self.temp_path, METADATA_XATTR_PREFIX + key, value.encode("ascii"))
             os.rename(self.temp_path, self.destination)
