@@ -90,10 +90,11 @@ def http_server(tmp_path_factory) -> Iterator[tuple[int, Path]]:
 
 
 @pytest.fixture
-def orch(envd_port: int) -> FakeOrchestrator:
+def orch(envd_port: int) -> Iterator[FakeOrchestrator]:
     o = FakeOrchestrator(domain=DOMAIN)
     o.upstream = ("127.0.0.1", envd_port)
-    return o
+    yield o
+    o.close()  # its template node keeps a state dir
 
 
 @pytest.fixture
