@@ -19,7 +19,6 @@ Firecracker:
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import time
@@ -35,12 +34,11 @@ from .memsnap import (
     DiffKind,
     MemSnapError,
     MemSnapshot,
-    copy_sparse_hashing,
     verify_base,
     write_delta,
     write_diff,
 )
-from .memsnap.base import BASE_MANIFEST
+from .memsnap.base import install_base
 from .memsnap.devstate import write_atomic
 from .memsnap.snapshot import SNAPSHOT_MANIFEST
 
@@ -218,21 +216,10 @@ def freeze_files(dest: Path, *, full_mem: Path, vmstate: Path, t0: float) -> Bas
     template = dest / BASE_TEMPLATE
     if vmstate.resolve() != template.resolve():
         shutil.move(vmstate, template)
-    tmp = dest / ".base.mem.tmp"
     try:
-        digest, size = copy_sparse_hashing(full_mem, tmp)
-        os.chmod(tmp, 0o444)
-        os.rename(tmp, dest / "base.mem")
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        return install_base(dest, full_mem, template, t0=t0, vmm="firecracker")
     finally:
         full_mem.unlink(missing_ok=True)
-    manifest = {"version": 1, "mem": "base.mem", "template": BASE_TEMPLATE,
-                "sha256": digest.hex(), "size": size, "vmm": "firecracker",
-                "freeze_ms": round((time.perf_counter() - t0) * 1e3, 3)}
-    write_atomic(dest / BASE_MANIFEST, json.dumps(manifest, indent=1).encode())
-    return BaseImage(dest, dest / "base.mem", template, digest, size)
 
 
 def verify_restore(base: BaseImage, snapshot: MemSnapshot | None,

@@ -114,6 +114,14 @@ async def freeze_base(qmp: Any, mem_path: str | os.PathLike[str], dest_dir: str 
     template = d / "base.dev"
     await save_template(qmp, template, timeout_s=timeout_s)
     parse_ram_prefix(template.read_bytes(), name=str(template))  # fail now, not at restore
+    return install_base(d, mem_path, template, t0=t0)
+
+
+def install_base(d: Path, mem_path: str | os.PathLike[str], template: Path, *, t0: float,
+                 **extra: object) -> BaseImage:
+    """Copy a VM's RAM file (sparse, hashing) into a read-only `d/base.mem` and write
+    `base.json` last, naming `template` (in `d`): the frozen base of any driver.
+    `extra` goes into the manifest."""
     tmp = d / ".base.mem.tmp"
     try:
         digest, size = copy_sparse_hashing(mem_path, tmp)
@@ -123,8 +131,8 @@ async def freeze_base(qmp: Any, mem_path: str | os.PathLike[str], dest_dir: str 
         tmp.unlink(missing_ok=True)
         raise
     manifest = {
-        "version": 1, "mem": "base.mem", "template": "base.dev", "sha256": digest.hex(),
-        "size": size, "freeze_ms": round((time.perf_counter() - t0) * 1e3, 3),
+        "version": 1, "mem": "base.mem", "template": template.name, "sha256": digest.hex(),
+        "size": size, **extra, "freeze_ms": round((time.perf_counter() - t0) * 1e3, 3),
     }
     write_atomic(d / BASE_MANIFEST, json.dumps(manifest, indent=1).encode())
     return BaseImage(d, d / "base.mem", template, digest, size)
