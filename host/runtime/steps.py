@@ -44,21 +44,25 @@ def copy_script(archive: str, src: str, dest: str, owner: str, mode: str) -> str
     if mode:
         fix += f'; chmod {q(mode)} "$t"'
     d = q(dest.rstrip("/") or "/")
-    lines = ["set -e", 'u=$(mktemp -d /tmp/.aenv-copy.XXXXXX)', f'tar -xf {q(archive)} -C "$u"',
+    # `put`: hard links when the staging dir and `dest` share a filesystem (the usual
+    # case now that /tmp is on the sandbox disk): a 300 MB tree lands without a second
+    # copy of its data; a copy otherwise
+    lines = ["set -e", 'put() { cp -a -l -f "$@" 2>/dev/null || cp -a "$@"; }',
+             'u=$(mktemp -d /tmp/.aenv-copy.XXXXXX)', f'tar -xf {q(archive)} -C "$u"',
              f"rm -f {q(archive)}"]
     if any(c in _GLOB for c in src):
         pattern = "/".join(p if any(c in _GLOB for c in p) else q(p) for p in src.split("/"))
         lines += [f"mkdir -p {d}",
                   (f'for f in "$u"/{pattern}; do [ -e "$f" ] || [ -L "$f" ] || continue; '
-                  f'cp -a "$f" {d}/; t={d}/"$(basename "$f")"; {fix}; done')]
+                  f'put "$f" {d}/; t={d}/"$(basename "$f")"; {fix}; done')]
     else:
         sp = f'"$u"/{q(src.strip("/") or ".")}'
         into_dir = "true" if dest.endswith("/") else "false"
         lines += [
-            f"if [ -d {sp} ] && [ ! -L {sp} ]; then mkdir -p {d}; cp -a {sp}/. {d}/; t={d}",
-            (f"elif [ -d {d} ] || {into_dir}; then mkdir -p {d}; cp -a {sp} {d}/; "
+            f"if [ -d {sp} ] && [ ! -L {sp} ]; then mkdir -p {d}; put {sp}/. {d}/; t={d}",
+            (f"elif [ -d {d} ] || {into_dir}; then mkdir -p {d}; put {sp} {d}/; "
             f't={d}/"$(basename {sp})"'),
-            f'else mkdir -p "$(dirname {d})"; cp -a {sp} {d}; t={d}; fi',
+            f'else mkdir -p "$(dirname {d})"; put {sp} {d}; t={d}; fi',
             fix,
         ]
     lines.append('rm -rf "$u"')

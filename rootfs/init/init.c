@@ -1,7 +1,8 @@
 /*
  * aenv-init: PID 1 of an aenv guest. Static, no dependencies (gcc -static -Os).
  *
- *  - mounts /proc /sys /dev (devtmpfs) /dev/pts /dev/shm /run /tmp
+ *  - mounts /proc /sys /dev (devtmpfs) /dev/pts /dev/shm /run; /tmp stays on the root disk
+ *    (a tmpfs only with the "ro" flag); envd's TMPDIR is /var/lib/aenv-envd
  *  - hostname from aenv.hostname= (kernel command line; also written to /etc/hostname and
  *    /etc/hosts) or /etc/hostname
  *  - brings lo up and configures the NIC from the kernel command line:
@@ -40,6 +41,7 @@
 
 #define ENVD_DEFAULT "/usr/bin/envd"
 #define SHUTDOWN_FIFO "/run/aenv/shutdown"
+#define ENVD_TMPDIR "/var/lib/aenv-envd"
 
 static char cmdline[4096];
 
@@ -111,7 +113,6 @@ static void setup_mounts(void) {
     do_mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "gid=5,mode=0620,ptmxmode=0666");
     do_mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
     do_mount("tmpfs", "/run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755");
-    do_mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
     symlink("/proc/self/fd", "/dev/fd");
     symlink("/proc/self/fd/0", "/dev/stdin");
     symlink("/proc/self/fd/1", "/dev/stdout");
@@ -121,6 +122,24 @@ static void setup_mounts(void) {
     /* root must be writable (the kernel command line should say rw) */
     if (!has_flag("ro") && mount(NULL, "/", NULL, MS_REMOUNT, NULL) < 0)
         say("remount / rw failed: %s", strerror(errno));
+}
+
+/* after the command line is read (the "ro" flag) */
+static void setup_tmp(void) {
+    /* /tmp is on the sandbox disk, as on E2B (agents unpack archives and pip-install
+       there; a tmpfs costs guest RAM and is capped at half of it); a tmpfs only when
+       the root is read-only */
+    if (has_flag("ro")) {
+        do_mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
+    } else {
+        mkdir("/tmp", 01777);
+        if (chmod("/tmp", 01777) < 0) say("chmod /tmp: %s", strerror(errno));
+    }
+    /* envd (a frozen one-file executable) unpacks itself under its TMPDIR: on the disk
+       (no guest RAM), outside the user's /tmp, root only */
+    mkdir("/var", 0755);
+    mkdir("/var/lib", 0755);  /* not in every imported image */
+    mkdir(ENVD_TMPDIR, 0700);
 }
 
 static void setup_hostname(void) {
@@ -251,7 +270,7 @@ static pid_t start_envd(void) {
         char *envp[] = {
             "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "HOME=/root", "USER=root", "LOGNAME=root", "LANG=C.UTF-8", "TERM=xterm",
-            "ENVD_SET_CLOCK=1", "TMPDIR=/tmp", NULL,
+            "ENVD_SET_CLOCK=1", "TMPDIR=" ENVD_TMPDIR, NULL,
         };
         execve(envd_path, argv, envp);
         dprintf(2, "aenv-init: exec %s: %s\n", envd_path, strerror(errno));
@@ -300,6 +319,7 @@ int main(void) {
         close(fd);
     }
     say("starting");
+    setup_tmp();
     reboot(RB_DISABLE_CAD); /* Ctrl-Alt-Del becomes SIGINT to us */
     setup_hostname();
     setup_network();

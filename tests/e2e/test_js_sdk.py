@@ -31,4 +31,5 @@ def test_js_sdk_flows(service: E2EService) -> None:
     out = json.loads(r.stdout.strip().splitlines()[-1])
     print(f"\njs phases (ms since start): {out['t']}")
     assert out["run"] == "hi\nbar\n" and out["file"] == "hello from js"
+    assert out["tmpFs"] not in ("", "tmpfs"), out
     assert out["resumed"] and out["killed"] and out["notFound"]

@@ -446,3 +446,23 @@ async def test_async_watch_dir_stream_and_run(box) -> None:
         await wh.stop()
     assert any(e.name.endswith("async.txt") for e in events), events
     assert (await s.commands.run("echo async")).stdout == "async\n"
+
+
+# ---- the guest's /tmp ------------------------------------------------------------------
+
+def test_tmp_is_on_the_sandbox_disk(box) -> None:
+    """Issue 14 item 12: /tmp is on the sandbox disk as on E2B (not a RAM-capped tmpfs):
+    same filesystem as /, room for more than the guest's RAM, and envd's own unpacked
+    files are not in it."""
+    r = box.commands.run("stat -f -c %T /tmp; stat -c %d / /tmp; stat -c %a /tmp; "
+                         "df -k --output=avail /tmp | tail -1; "
+                         "ls -d /tmp/_MEI* /tmp/staticx-* 2>/dev/null | wc -l")
+    fstype, dev_root, dev_tmp, mode, avail_kib, envd_files = r.stdout.split()
+    assert fstype != "tmpfs" and dev_root == dev_tmp, r.stdout
+    assert mode == "1777"
+    assert int(avail_kib) > 600 * 1024          # more than half of the 256 MiB guest's RAM
+    assert int(envd_files) == 0, box.commands.run("ls -A /tmp").stdout
+    # a file larger than the guest's RAM-backed tmpfs could hold fits
+    done = box.commands.run("head -c 300M /dev/zero > /tmp/big && stat -c %s /tmp/big && "
+                            "rm /tmp/big", timeout=300)
+    assert done.stdout.strip() == str(300 << 20)

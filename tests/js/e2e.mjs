@@ -34,6 +34,8 @@ try {
   assert.equal(await sbx.files.read('/home/user/js/a.txt'), 'hello from js')
   assert.ok((await sbx.files.list('/home/user/js')).some((e) => e.name === 'a.txt'))
   out.file = await sbx.files.read('/home/user/js/a.txt')
+  // /tmp is on the sandbox disk (issue 14 item 12), not a tmpfs
+  out.tmpFs = (await sbx.commands.run('stat -f -c %T /tmp')).stdout.trim()
   mark('files')
 
   const bg = await sbx.commands.run('sleep 1000', { background: true, timeoutMs: 0 })

@@ -35,8 +35,8 @@ async def test_save_kill_restore(guest_image: GuestImage, tmp_path: Path,
     state = tmp_path / "vm.state"
     try:
         vm = await driver.boot(spec, timeouts=BootTimeouts(envd_ready_s=240))
-        # /tmp is a tmpfs in the guest: the marker lives only in guest RAM
-        _sdk(vm.envd_url, monkeypatch).files.write("/tmp/marker", "before snapshot")
+        # /dev/shm is a tmpfs in the guest: the marker lives only in guest RAM
+        _sdk(vm.envd_url, monkeypatch).files.write("/dev/shm/marker", "before snapshot")
         await vm.save_state(state)
         assert vm.state is VmState.PAUSED
         size = state.stat().st_size
@@ -51,7 +51,7 @@ async def test_save_kill_restore(guest_image: GuestImage, tmp_path: Path,
         print(f"\nstate {size} B; restore -> envd healthy {time.monotonic() - t0:.2f} s "
               f"(health wait {waited:.2f} s)")
         sbx = _sdk(vm2.envd_url, monkeypatch)
-        assert sbx.files.read("/tmp/marker") == "before snapshot"
+        assert sbx.files.read("/dev/shm/marker") == "before snapshot"
         assert sbx.commands.run("echo alive", timeout=60).stdout.strip() == "alive"
         await vm2.kill()
     finally:
