@@ -40,7 +40,7 @@ fi
 echo "setup: pip install -e .[test,build]"
 .venv/bin/pip install -q --disable-pip-version-check -e ".[test,build]"
 
-if [ ! -d tests/js/node_modules/e2b ]; then
+if [ ! -d tests/js/node_modules/e2b ] || [ ! -d tests/js/node_modules/@e2b/code-interpreter ]; then
   echo "setup: npm install (tests/js)"
   (cd tests/js && npm install --no-audit --no-fund --loglevel=error)
 fi

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import logging
+import os
 import time
 from collections.abc import AsyncIterable, Callable, Coroutine, Sequence
 from pathlib import Path
@@ -30,6 +31,7 @@ from host.contract import MachineSpec, NetworkConfig, SandboxRuntime
 
 from . import (
     builds,
+    builtin_templates,
     forks,
     guest,
     lifecycle,
@@ -84,8 +86,12 @@ class NodeOrchestrator:
                  machine: MachineSpec | None = None, envd: EnvdClient | None = None,
                  default_timeout_s: int = 300, max_timeout_s: int = 24 * 3600,
                  clock: Callable[[], float] = time.time,
-                 files_dir: Path | None = None) -> None:
+                 files_dir: Path | None = None, builtin_cache: Path | None = None) -> None:
         self.domain = domain
+        # the host-side inputs of built-in templates (pip trees, archives): like the
+        # kernel and image, reusable across state dirs
+        self.builtin_cache = builtin_cache or Path(os.environ.get("AENV_CACHE",
+                                                                  "/var/cache/aenv"))
         self.state_dir = store.path.parent  # the API keeps its upload-signing key here
         self.store = store
         self.runtime = runtime
@@ -172,6 +178,7 @@ class NodeOrchestrator:
     # ---- create, kill (lifecycle.py) ---------------------------------------------------
 
     async def create(self, req: CreateRequest) -> SandboxInfo:
+        await builtin_templates.ensure(self._ctx, req.template_id, self.builtin_cache)
         return await lifecycle.create(self._ctx, req)
 
     async def kill(self, sandbox_id: str) -> None:
@@ -254,6 +261,8 @@ class NodeOrchestrator:
         return await builds.request_build(self._ctx, req)
 
     async def start_build(self, template_id: str, build_id: str, start: BuildStart) -> None:
+        if start.from_template:
+            await builtin_templates.ensure(self._ctx, start.from_template, self.builtin_cache)
         await builds.start_build(self._ctx, template_id, build_id, start)
 
     async def build_status(self, template_id: str, build_id: str, *, offset: int = 0,

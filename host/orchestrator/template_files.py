@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import secrets
+import shutil
 from collections.abc import AsyncIterable
 from pathlib import Path
 from typing import BinaryIO
@@ -72,6 +73,30 @@ async def put_file(ctx: Context, files_hash: str, chunks: AsyncIterable[bytes], 
     except BaseException:
         await asyncio.to_thread(_discard, f, partial)
         raise
+    await ctx.db(ctx.templates.add_file, files_hash, size, ctx.clock())
+    return size
+
+
+async def adopt(ctx: Context, files_hash: str, source: Path) -> int:
+    """Store the local archive `source` (a built-in template's, made on the host) under
+    `files_hash` without streaming it: a hard link when on the same filesystem, else a
+    copy to a temporary name renamed into place. Returns its size."""
+    final = file_path(ctx, files_hash)
+
+    def place() -> int:
+        ctx.files_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        partial = ctx.files_dir / f"{_PARTIAL}{files_hash}.{secrets.token_hex(4)}"
+        try:
+            try:
+                os.link(source, partial)
+            except OSError:
+                shutil.copyfile(source, partial)
+            os.replace(partial, final)
+        finally:
+            partial.unlink(missing_ok=True)
+        return final.stat().st_size
+
+    size = await asyncio.to_thread(place)
     await ctx.db(ctx.templates.add_file, files_hash, size, ctx.clock())
     return size
 
