@@ -26,7 +26,7 @@ from typing import Any, Protocol
 class NetworkConfig:
     allow_internet_access: bool = True
     allow_public_traffic: bool = True
-    allow_out: tuple[str, ...] = ()       # CIDR / IP (domains accepted, not enforced)
+    allow_out: tuple[str, ...] = ()       # CIDR / IP (the API refuses domains)
     deny_out: tuple[str, ...] = ()
     mask_request_host: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # accepted, kept, not enforced

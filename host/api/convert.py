@@ -113,12 +113,18 @@ def states(public: Iterable[str] | None) -> frozenset[SandboxState] | None:
 
 
 def list_filter(query: m.ListSandboxesQuery) -> ListFilter:
-    return ListFilter(
-        states=states(query.state),
-        metadata=query.metadata,
-        template=query.template,
-        started_after=query.started_after.timestamp() if query.started_after else None,
-    )
+    # startedAfter is applied to the answer by started_since(), not here
+    return ListFilter(states=states(query.state), metadata=query.metadata,
+                      template=query.template)
+
+
+def started_since(items: Iterable[SandboxInfo], after: datetime | None) -> list[SandboxInfo]:
+    """The sandboxes started at or after `after`, compared as `startedAt` is answered (whole
+    microseconds): a client passing back the startedAt it was given finds that sandbox,
+    which comparing with the stored float (finer, either side of it) would not promise."""
+    if after is None:
+        return list(items)
+    return [i for i in items if utc(i.started_at) >= after]
 
 
 # --- answers --------------------------------------------------------------------------

@@ -9,10 +9,12 @@ parses the API's answers with them. Python names are snake_case; `alias` is the 
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from datetime import datetime
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .types import (
     Between,
@@ -23,10 +25,14 @@ from .types import (
     Nullable,
     Rfc3339,
     Seconds,
+    wire_error,
 )
 
 MAX_FORKS = 16          # one node restores at most 16 children (DESIGN.md "Fork")
 MAX_LIST_LIMIT = 100
+MAX_DNS_SERVERS = 10    # as E2B
+MASK_PORT = "${PORT}"   # in maskRequestHost: the sandbox port (the proxy fills it in)
+_HOST_MASK = re.compile(r"^[A-Za-z0-9._-]+(?::([0-9]{1,5}))?$")
 
 PublicState = Literal["running", "paused"]
 LogLevel = Literal["debug", "info", "warn", "error"]
@@ -67,23 +73,87 @@ class SandboxVolumeMount(RequestModel):
 
 class _EgressConfig(RequestModel):
     # Members not listed are accepted and kept (echoed in SandboxDetail), not enforced.
+    # Listed ones this server cannot honour are refused (400 naming them), never ignored.
     model_config = ConfigDict(extra="allow")
 
-    allow_out: Nullable[list[str]] = Field(default_factory=list, alias="allowOut",
-                                           description="CIDR / IP (domains kept, not enforced)")
-    deny_out: Nullable[list[str]] = Field(default_factory=list, alias="denyOut")
-    dns_servers: list[str] | None = Field(default=None, alias="dnsServers",
-                                          description="kept, not enforced")
+    allow_out: Nullable[list[str]] = Field(
+        default_factory=list, alias="allowOut",
+        description="IPs / CIDR blocks; domain names are refused (not enforced here)")
+    deny_out: Nullable[list[str]] = Field(default_factory=list, alias="denyOut",
+                                          description="IPs / CIDR blocks")
+    dns_servers: list[str] | None = Field(
+        default=None, alias="dnsServers",
+        description=f"up to {MAX_DNS_SERVERS} IPv4 addresses; they only open DNS for domain "
+                    "allowOut entries, which are refused here: no effect (as in E2B)")
     egress_proxy: dict[str, Any] | None = Field(default=None, alias="egressProxy",
-                                                description="kept, not enforced")
-    rules: dict[str, Any] | None = Field(default=None, description="kept, not enforced")
+                                                description="not supported: absent or null")
+    rules: dict[str, list[Any]] | None = Field(
+        default=None, description="not supported: no domain may have a rule")
+
+    @field_validator("allow_out", "deny_out")
+    @classmethod
+    def _addresses(cls, entries: list[str]) -> list[str]:
+        for entry in entries:
+            try:
+                ipaddress.ip_network(entry.strip(), strict=False)
+            except ValueError:
+                raise wire_error("takes IP addresses and CIDR blocks only (domain names are "
+                                 "not supported by this server), got {entry}",
+                                 entry=repr(entry)) from None
+        return entries
+
+    @field_validator("dns_servers")
+    @classmethod
+    def _dns_servers(cls, servers: list[str]) -> list[str]:
+        if len(servers) > MAX_DNS_SERVERS:
+            raise wire_error("must hold at most {most} entries, got {n}",
+                             most=MAX_DNS_SERVERS, n=len(servers))
+        for server in servers:
+            try:
+                ipaddress.IPv4Address(server)
+            except ValueError:
+                raise wire_error("must hold IPv4 addresses, got {server}",
+                                 server=repr(server)) from None
+        return servers
+
+    @field_validator("egress_proxy")
+    @classmethod
+    def _egress_proxy(cls, proxy: dict[str, Any]) -> dict[str, Any]:
+        raise wire_error("is not supported by this server (no SOCKS5 egress tunnel)")
+
+    @field_validator("rules")
+    @classmethod
+    def _rules(cls, rules: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        if any(rules.values()):
+            raise wire_error("is not supported by this server (it does not transform "
+                             "egress requests)")
+        return rules
 
 
 class SandboxNetworkConfig(_EgressConfig):
     allow_public_traffic: Nullable[bool] = Field(default=True, alias="allowPublicTraffic")
-    mask_request_host: str | None = Field(default=None, alias="maskRequestHost")
+    mask_request_host: str | None = Field(
+        default=None, alias="maskRequestHost",
+        description="the Host user ports see (`${PORT}`: the port); the client's goes in "
+                    "X-Forwarded-Host")
     https_ports: list[int] | None = Field(default=None, alias="httpsPorts",
                                           description="kept, not enforced")
+
+    @field_validator("mask_request_host")
+    @classmethod
+    def _host_mask(cls, mask: str) -> str:
+        if not mask:
+            return mask   # as E2B: an empty mask is no mask
+        if not mask.isascii():
+            raise wire_error("must be ASCII, got {got}", got=repr(mask))
+        found = _HOST_MASK.match(mask.replace(MASK_PORT, "1"))
+        if found is None:
+            raise wire_error("must be a host name with an optional :port ({placeholder} "
+                             "stands for the port), got {got}", placeholder=MASK_PORT,
+                             got=repr(mask))
+        if found.group(1) and not 0 < int(found.group(1)) < 65536:
+            raise wire_error("has an invalid port, got {got}", got=repr(mask))
+        return mask
 
 
 class SandboxNetworkUpdateConfig(_EgressConfig):

@@ -75,7 +75,8 @@ def _sorted_page(items: Sequence[SandboxInfo], *, desc: bool, limit: int,
 
 
 async def list_v2(request: Request, *, query: m.ListSandboxesQuery) -> Response:
-    items = await orch(request).list(convert.list_filter(query))
+    items = convert.started_since(await orch(request).list(convert.list_filter(query)),
+                                  query.started_after)
     page, nxt = _sorted_page(items, desc=query.order == "desc", limit=query.limit,
                              cursor=query.next_token)
     headers = {"X-Next-Token": nxt} if nxt else None

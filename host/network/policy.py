@@ -7,9 +7,10 @@ reserved space, the sandbox address pool and the host's own addresses are denied
 default. An `allowOut` entry opens that "special" space only when it lies entirely inside
 it (`10.1.2.3` or `10.0.0.0/8` open that part; `0.0.0.0/0` opens only public space).
 
-Domain names in `allowOut` (`example.com`, `*.example.com`) are accepted and kept but not
-enforced (IP-level filtering cannot see them): `EgressRules.unenforced` lists them. IPv6
-entries are accepted and kept as well; sandboxes have no IPv6 egress at all.
+Domain names in `allowOut` (`example.com`, `*.example.com`) cannot be enforced by IP-level
+filtering: the REST API refuses them; one in an older record is kept, not enforced
+(`EgressRules.unenforced` lists them). IPv6 entries are accepted and kept as well;
+sandboxes have no IPv6 egress at all.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from . import pausing
 from .context import Context
 from .errors import OperationFailed, StateConflict
 from .model import LogLine, Metric, Route, RunEnded
-from .records import LIVE, network_to_json, placement_of
+from .records import LIVE, network_from_json, network_to_json, placement_of
 from .states import SandboxState as S
 
 
@@ -77,4 +77,5 @@ async def route(ctx: Context, sandbox_id: str, port: int, *, resume: bool) -> Ro
     run = ctx.runs.get(sandbox_id)
     if run is None:
         run = ctx.runs[sandbox_id] = RunEnded()
-    return Route(host=host, port=target, traffic_token=rec.traffic_token, gone=run)
+    return Route(host=host, port=target, traffic_token=rec.traffic_token,
+                 mask_request_host=network_from_json(rec.network).mask_request_host, gone=run)

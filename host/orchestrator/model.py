@@ -141,6 +141,8 @@ class Route:
     host: str
     port: int
     traffic_token: str | None          # required on non-envd ports when set
+    # network.maskRequestHost: the Host user ports see (`${PORT}` = the port), None: as sent
+    mask_request_host: str | None = None
     # Ends when the running incarnation this route points into ends (the proxy then ends
     # its exchanges with it). None: the proxy does not watch.
     gone: RunEnded | None = field(default=None, compare=False)

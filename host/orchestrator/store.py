@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -23,6 +24,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+from host.private import open_private, private_dir, tighten
 
 from .errors import SandboxNotFound, SnapshotNotFound, StateConflict
 from .states import SandboxState, can_move
@@ -158,7 +161,12 @@ class Store:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Root's only (it holds tokens): the dir, and the file made 0600 before SQLite
+        # opens it, which gives its -wal and -shm the database file's mode.
+        private_dir(self.path.parent)
+        os.close(open_private(self.path, os.O_RDWR))
+        for extra in ("-wal", "-shm"):
+            tighten(f"{self.path}{extra}")
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")

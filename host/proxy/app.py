@@ -32,11 +32,12 @@ from websockets.asyncio.client import connect as ws_connect
 
 from host.connect_envelope import END_STREAM, envelope
 from host.orchestrator.errors import OrchestratorError, SandboxNotFound, StateConflict
-from host.orchestrator.model import Route
+from host.orchestrator.model import ListFilter, Route
 from host.orchestrator.service import Orchestrator
 
 from . import responses
-from .routing import ENVD_PORT, BadTarget, Target, host_name, parse_target
+from .routing import ENVD_PORT, BadTarget, Target, host_name, parse_target, routes_by_headers
+from .signed import SignedFileRequest
 from .upstream import Pool, UpstreamError, UpstreamUnreachable
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 BLOCKED_ENVD_PATHS = frozenset({"/init", "/freeze", "/unfreeze", "/fsfreeze", "/fsthaw",
                                 "/collapse", "/upgrade"})
 TRAFFIC_TOKEN_HEADER = b"e2b-traffic-access-token"
+MASK_PORT_PLACEHOLDER = "${PORT}"  # in network.maskRequestHost: the sandbox port
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) plus those the server side already handled.
 _HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate",
@@ -137,6 +139,14 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
+def _masked_host(route: Route, target: Target) -> str | None:
+    """The Host a user port sees when the sandbox has network.maskRequestHost (as E2B:
+    `${PORT}` is the sandbox port; envd's port is never masked); None: the client's."""
+    if route.mask_request_host is None or target.port == ENVD_PORT:
+        return None
+    return route.mask_request_host.replace(MASK_PORT_PLACEHOLDER, str(target.port))
+
+
 class ProxyApp:
     """ASGI app; build with `build_proxy_app`. Call `aclose()` (or run the ASGI lifespan)."""
 
@@ -175,12 +185,15 @@ class ProxyApp:
         if self.api_app is not None and self.domain and host == f"api.{self.domain}":
             await self.api_app(scope, receive, send)
             return
+        target: Target | None
         try:
             target = parse_target(host, _header(scope, b"e2b-sandbox-id"),
                                   _header(scope, b"e2b-sandbox-port"), self.domain)
         except BadTarget as exc:
-            await self._deny(scope, receive, send, 400, str(exc))
-            return
+            target = await self._signed_target(scope, host)
+            if target is None:
+                await self._deny(scope, receive, send, 400, str(exc))
+                return
         route = await self._route(scope, receive, send, target)
         if route is None:
             return
@@ -188,6 +201,17 @@ class ProxyApp:
             await self._websocket(scope, receive, send, target, route)
         else:
             await self._http_exchange(scope, receive, send, target, route)
+
+    async def _signed_target(self, scope: Scope, host: str) -> Target | None:
+        """envd of the sandbox that signed a file URL sent without E2b-Sandbox-* headers
+        to a host that routes by them (E2B_SANDBOX_URL mode; signed.py)."""
+        if not routes_by_headers(host, self.domain) or _header(scope, b"e2b-sandbox-id"):
+            return None
+        signed = SignedFileRequest.of(scope)
+        if signed is None:
+            return None
+        sid = signed.signer(await self.orchestrator.list(ListFilter()))
+        return Target(sid, ENVD_PORT) if sid is not None else None
 
     async def _deny(self, scope: Scope, receive: Receive, send: Send, status: int, message: str,
                     *, sandbox_id: str | None = None, port: int | None = None) -> None:
@@ -232,6 +256,14 @@ class ProxyApp:
                              target: Target, route: Route) -> None:
         body_done = asyncio.Event()
         headers = [(k, v) for k, v in scope["headers"] if k not in _HOP]
+        masked = _masked_host(route, target)
+        if masked is not None:
+            # the client's Host goes on as X-Forwarded-Host (what E2B's proxy does)
+            original = _header(scope, b"host")
+            headers = [(k, v) for k, v in headers if k not in (b"host", b"x-forwarded-host")]
+            headers.append((b"host", masked.encode()))
+            if original:
+                headers.append((b"x-forwarded-host", original.encode("latin-1")))
         names = {k for k, _ in headers}
         if b"host" not in names:
             headers.append((b"host", f"{route.host}:{route.port}".encode()))
@@ -400,16 +432,33 @@ class ProxyApp:
                          route: Route) -> None:
         query = scope.get("query_string", b"")
         raw_path = scope.get("raw_path") or scope["path"].encode()
-        uri = f"ws://{route.host}:{route.port}{raw_path.decode('latin-1')}"
-        if query:
-            uri += "?" + query.decode("latin-1")
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
                    if k not in _WS_HANDSHAKE and k not in _HOP]
+        masked = _masked_host(route, target)
+        address: dict[str, Any] = {}
+        if masked is None:
+            uri = f"ws://{route.host}:{route.port}{raw_path.decode('latin-1')}"
+        else:
+            # websockets takes the Host from the URI: the mask goes there, the address to
+            # connect to separately; the client's Host goes on as X-Forwarded-Host
+            uri = f"ws://{masked}{raw_path.decode('latin-1')}"
+            address = {"host": route.host, "port": route.port}
+            headers = [(k, v) for k, v in headers if k != "x-forwarded-host"]
+            original = _header(scope, b"host")
+            if original:
+                headers.append(("x-forwarded-host", original))
+        if query:
+            uri += "?" + query.decode("latin-1")
         try:
             upstream = await ws_connect(
                 uri, additional_headers=headers, subprotocols=scope.get("subprotocols") or None,
                 open_timeout=self.connect_timeout_s, max_size=None, compression=None,
-                user_agent_header=None, ping_interval=None)
+                user_agent_header=None, ping_interval=None, **address)
+        except websockets.InvalidURI:
+            await self._deny_websocket(scope, receive, send, 502,
+                                       f"invalid network.maskRequestHost {masked!r}",
+                                       target.sandbox_id, target.port)
+            return
         except (TimeoutError, OSError):
             await self._deny_websocket(scope, receive, send, 502, responses.PORT_CLOSED,
                                        target.sandbox_id, target.port)

@@ -23,6 +23,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from host.private import open_private, private_dir
+
 _RENEW_BEFORE = dt.timedelta(days=30)
 
 
@@ -35,7 +37,7 @@ class CertPaths:
 
 def _write_private(path: Path, data: bytes) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = open_private(tmp, os.O_WRONLY | os.O_TRUNC)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
@@ -91,8 +93,7 @@ def ensure_certificates(directory: Path | str, domain: str,
 
     A leaf is reissued when its names differ or it expires within 30 days.
     """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    directory = private_dir(directory)
     ca_cert, ca_key = _load_ca(directory)
     paths = CertPaths(directory / "ca.pem", directory / f"{domain}.pem",
                       directory / f"{domain}-key.pem")

@@ -32,6 +32,7 @@ from host.contract import (
     SnapshotRef,
 )
 from host.network import NetworkError
+from host.private import private_dir
 from host.storage.errors import StorageError
 from host.vmm.accel import host_tsc_khz
 from host.vmm.errors import VmmError
@@ -48,6 +49,14 @@ from .parts import NodeParts
 from .sandbox import policy_of
 
 log = logging.getLogger(__name__)
+
+
+def make_dirs(cfg: RuntimeConfig) -> None:
+    """The node's dirs, root's only (0700): they hold guest disks and memory, VM work
+    dirs and the block server's sockets."""
+    for d in (cfg.state_dir, cfg.memory_dir, cfg.chunk_cache_dir, cfg.run_dir, cfg.vms_dir,
+              cfg.storage_run_dir):
+        private_dir(d)
 
 
 class NodeRuntime:
@@ -68,9 +77,7 @@ class NodeRuntime:
     async def open(self) -> Self:
         if self._open:
             return self
-        cfg = self.config
-        for d in (cfg.state_dir, cfg.memory_dir, cfg.vms_dir, cfg.storage_run_dir):
-            d.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(make_dirs, self.config)
         await self.block.ensure()
         await self.parts.machines.open()
         await asyncio.to_thread(host_tsc_khz)  # cached; QEMU under TCG needs it

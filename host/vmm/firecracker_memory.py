@@ -38,7 +38,7 @@ from .memsnap import (
     write_delta,
     write_diff,
 )
-from .memsnap.base import install_base
+from .memsnap.base import PRIVATE_MODE, install_base
 from .memsnap.devstate import write_atomic
 from .memsnap.snapshot import SNAPSHOT_MANIFEST
 
@@ -252,8 +252,9 @@ def materialise(base: BaseImage, snapshot: MemSnapshot, dest: Path) -> int:
     VM's private memory file). Returns the number of pages written."""
     sfd = os.open(base.mem_path, os.O_RDONLY)
     try:
-        dfd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        dfd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_MODE)
         try:
+            os.fchmod(dfd, PRIVATE_MODE)  # guest RAM: root's only, whatever the umask
             os.ftruncate(dfd, base.size)
             for start, end in data_extents(sfd, base.size):
                 off = start

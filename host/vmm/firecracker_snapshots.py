@@ -122,7 +122,7 @@ class MemoryMixin(_Base):
         not be in a shared file: Firecracker writes it out."""
         self._require(VmState.RUNNING, VmState.PAUSED)
         dest = Path(dest)
-        dest.mkdir(parents=True, exist_ok=True)
+        dest.mkdir(parents=True, exist_ok=True, mode=0o700)
         await self.pause()
         t0 = time.perf_counter()
         state, mem, rel = await self._create(dest, kind="Full", state=fcmem.BASE_TEMPLATE,
@@ -158,7 +158,7 @@ class MemoryMixin(_Base):
             await asyncio.to_thread(lineage.check, base, parent)
         config = bytes.fromhex(await self._config_digest())
         dest = Path(dest)
-        dest.mkdir(parents=True, exist_ok=True)
+        dest.mkdir(parents=True, exist_ok=True, mode=0o700)
         t_call = time.perf_counter()
         was_running = self._state is VmState.RUNNING
         await self.pause()
@@ -221,6 +221,7 @@ class MemoryMixin(_Base):
             target = self.root.place(_MEM_REL)
             with memory_snapshot_errors(f"{self._spec.name}: restore from {snapshot.dir}"):
                 pages = await asyncio.to_thread(fcmem.materialise, base, snapshot, target)
+            self.root.let_read(target)
             self.restore_stats["pages"] = float(pages)
             mem = _MEM_REL
             state = await self.root.expose(snapshot.devstate, "state/vmstate")

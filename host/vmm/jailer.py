@@ -120,6 +120,10 @@ class HostRoot:
         """Host path of a file the driver creates for Firecracker to read at `rel`."""
         return self._dest(rel)
 
+    def let_read(self, path: Path) -> None:
+        """Make a file the driver created (at a `place`d path) readable by Firecracker:
+        nothing to do, it runs as us."""
+
     async def output(self, dest: Path) -> tuple[str, Path]:
         """(path to give Firecracker, host dir) for files it writes, to end up in `dest`."""
         self._outputs += 1
@@ -212,10 +216,12 @@ class JailRoot(HostRoot):
         if stat.S_ISREG(st.st_mode):
             try:
                 os.link(src, dst)
-                return rel
             except OSError as exc:
                 why = str(exc)
-            dst.touch()
+            else:
+                self.let_read(dst)
+                return rel
+            dst.touch(mode=0o600)  # a copy (below) keeps this mode
         else:
             why = "a directory"
             dst.mkdir()
@@ -223,15 +229,29 @@ class JailRoot(HostRoot):
         if rc == 0:
             self.mounts.append(dst)
             await asyncio.to_thread(self._record)
+            if stat.S_ISREG(st.st_mode):
+                self.let_read(dst)
             return rel
         if stat.S_ISREG(st.st_mode) and st.st_size <= _COPY_MAX:
             await asyncio.to_thread(shutil.copyfile, src, dst)
+            self.let_read(dst)
             return rel
         raise VmmError(f"cannot make {src} visible in the jail {self.root}: hard link "
                        f"failed ({why}) and bind mount failed ({out.strip()})")
 
     def place(self, rel: str) -> Path:
         return self._dest(rel)
+
+    def let_read(self, path: Path) -> None:
+        """A file only root may read (guest memory is 0400/0600) gets group read for the
+        jailer's gid: never the jailer's uid as owner, which could then change it (a
+        linked frozen base is shared by every VM of its template)."""
+        if self.config.uid == 0:
+            return
+        st = path.stat()
+        if not st.st_mode & stat.S_IROTH:
+            os.chown(path, -1, self.config.gid)
+            os.chmod(path, stat.S_IMODE(st.st_mode) | stat.S_IRGRP)
 
     async def output(self, dest: Path) -> tuple[str, Path]:
         self._outputs += 1

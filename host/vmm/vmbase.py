@@ -209,14 +209,15 @@ class VmBase:
 
     def _make_work_dir(self) -> None:
         spec = self._spec
+        # root's only (0700, as mkdtemp makes it): it may hold guest RAM, serial logs
         if spec.work_dir is None:
-            self._driver.run_dir.mkdir(parents=True, exist_ok=True)
+            self._driver.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             safe = re.sub(r"[^A-Za-z0-9_.-]", "_", spec.name)[:40]
             self._work_dir = Path(tempfile.mkdtemp(prefix=f"{safe}-", dir=self._driver.run_dir))
             self._owns_work_dir = True
         else:
             self._owns_work_dir = not spec.work_dir.exists()
-            spec.work_dir.mkdir(parents=True, exist_ok=True)
+            spec.work_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             self._work_dir = spec.work_dir
         if len(str(self._control_socket)) > 107:
             raise VmmStartError(f"work dir path too long for a unix socket: {self._work_dir}")

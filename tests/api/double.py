@@ -76,7 +76,8 @@ class FakeOrchestrator:
 
     def add(self, *, state: SandboxState = SandboxState.RUNNING, metadata: dict[str, str] | None = None,
             template: str = "base", traffic_token: str | None = None,
-            token: str | None = "envd-token", started_at: float | None = None) -> SandboxInfo:
+            token: str | None = "envd-token", started_at: float | None = None,
+            network: NetworkConfig | None = None) -> SandboxInfo:
         self._clock += 1
         sid = new_id()
         start = self._clock if started_at is None else started_at
@@ -85,7 +86,7 @@ class FakeOrchestrator:
             memory_mb=512, disk_mb=2048, started_at=start, end_at=start + 300,
             envd_version="0.6.13", envd_access_token=token, traffic_access_token=traffic_token,
             metadata=dict(metadata or {}), auto_pause=True, auto_resume=False,
-            network=NetworkConfig(allow_public_traffic=traffic_token is None))
+            network=network or NetworkConfig(allow_public_traffic=traffic_token is None))
         self.sandboxes[sid] = info
         return info
 
@@ -228,7 +229,7 @@ class FakeOrchestrator:
         if entry is None:
             entry = self.runs[sandbox_id] = (RunEnded(), asyncio.get_running_loop())
         return Route(host=host, port=target, traffic_token=info.traffic_access_token,
-                     gone=entry[0])
+                     mask_request_host=info.network.mask_request_host, gone=entry[0])
 
     # ---- templates: a real NodeOrchestrator over the fake runtime ------------------------
 

@@ -107,13 +107,70 @@ async def test_network_members_kept_and_put_keeps_ingress(client: httpx.AsyncCli
                    "maskRequestHost": "h.${PORT}", "httpsPorts": [443],
                    "rules": {"a.com": []}, "future": {"x": 1}}
     resp = await client.put(f"/sandboxes/{sid}/network", json={
-        "allowOut": ["1.1.1.1"], "allow_internet_access": False, "egressProxy": {"address": "p"},
+        "allowOut": ["1.1.1.1"], "allow_internet_access": False, "dnsServers": ["8.8.4.4"],
         "allowPublicTraffic": False, "httpsPorts": [8443]})
     assert resp.status_code == 204
     net = (await client.get(f"/sandboxes/{sid}")).json()["network"]
     assert net == {"allowPublicTraffic": True, "allowOut": ["1.1.1.1"],
                    "denyOut": ["0.0.0.0/0"], "maskRequestHost": "h.${PORT}",
-                   "httpsPorts": [443], "egressProxy": {"address": "p"}}
+                   "httpsPorts": [443], "dnsServers": ["8.8.4.4"]}
+
+
+# Network options this server cannot honour are refused, each naming its member (E2B error
+# JSON), on create and on PUT network: never accepted and ignored.
+_REFUSED_EGRESS = [
+    ({"allowOut": ["example.com"], "denyOut": ["0.0.0.0/0"]}, "'network.allowOut'",
+     "domain"),
+    ({"allowOut": ["1.1.1.1", "*.example.com"], "denyOut": ["0.0.0.0/0"]},
+     "'network.allowOut'", "'*.example.com'"),
+    ({"denyOut": ["example.com"]}, "'network.denyOut'", "'example.com'"),
+    ({"egressProxy": {"address": "proxy.example.com:1080"}}, "'network.egressProxy'",
+     "not supported"),
+    ({"rules": {"api.example.com": [{"transform": {"headers": {"X-Key": "v"}}}]}},
+     "'network.rules'", "not supported"),
+    ({"dnsServers": ["dns.google"]}, "'network.dnsServers'", "IPv4"),
+    ({"dnsServers": [f"10.0.0.{i}" for i in range(11)]}, "'network.dnsServers'", "10"),
+]
+
+
+@pytest.mark.parametrize(("network", "field", "why"), [
+    *_REFUSED_EGRESS,
+    ({"maskRequestHost": "two words"}, "'network.maskRequestHost'", "host"),
+    ({"maskRequestHost": "hôte.example.com"}, "'network.maskRequestHost'", "ASCII"),
+    ({"maskRequestHost": "example.com:99999"}, "'network.maskRequestHost'", "port"),
+])
+async def test_network_options_not_honoured_are_refused_on_create(
+        client: httpx.AsyncClient, orch: FakeOrchestrator, network: dict[str, object],
+        field: str, why: str) -> None:
+    resp = await client.post("/v2/sandboxes", json={"templateID": "base", "network": network})
+    text = message(resp)
+    assert text.startswith(field) and why in text, text
+    assert not [c for c in orch.calls if c[0] == "create"]
+
+
+@pytest.mark.parametrize(("network", "field", "why"), _REFUSED_EGRESS)
+async def test_network_options_not_honoured_are_refused_on_update(
+        client: httpx.AsyncClient, orch: FakeOrchestrator, network: dict[str, object],
+        field: str, why: str) -> None:
+    sid = orch.add().sandbox_id
+    resp = await client.put(f"/sandboxes/{sid}/network", json=network)
+    text = message(resp)
+    assert text.startswith(field.replace("network.", "")) and why in text, text
+    assert not [c for c in orch.calls if c[0] == "update_network"]
+
+
+async def test_network_options_honoured_as_in_e2b(client: httpx.AsyncClient,
+                                                  orch: FakeOrchestrator) -> None:
+    # dnsServers only opens DNS for domain allowOut entries (refused above): as in E2B
+    # without them, it changes nothing; no rules and no proxy are no rules and no proxy.
+    resp = await client.post("/v2/sandboxes", json={"templateID": "base", "network": {
+        "allowOut": ["1.1.1.1", "10.0.0.0/8"], "denyOut": ["0.0.0.0/0"],
+        "dnsServers": ["1.1.1.1"], "rules": {}, "egressProxy": None,
+        "maskRequestHost": "${PORT}-app.example.com:8080"}})
+    assert resp.status_code == 201, resp.text
+    net = orch.calls[-1][1][0].network
+    assert net.allow_out == ("1.1.1.1", "10.0.0.0/8") and net.deny_out == ("0.0.0.0/0",)
+    assert net.mask_request_host == "${PORT}-app.example.com:8080"
 
 
 def test_answers_parse_back_into_their_models(orch: FakeOrchestrator) -> None:

@@ -5,10 +5,12 @@ purpose); once the VM-backed orchestrator lands the same calls become end-to-end
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
-from e2b import Sandbox, SandboxQuery
+from e2b import ALL_TRAFFIC, AsyncSandbox, Sandbox, SandboxQuery
 from e2b import SandboxState as SdkState
-from e2b.exceptions import AuthenticationException, NotFoundException
+from e2b.exceptions import AuthenticationException, NotFoundException, SandboxException
 
 from host.orchestrator.states import SandboxState
 
@@ -47,6 +49,50 @@ def test_list_with_metadata_and_state(sdk_env, orch: FakeOrchestrator) -> None:
     assert [s.sandbox_id for s in pager.next_items()] == [a.sandbox_id]
     pager = Sandbox.list(query=SandboxQuery(metadata={"team name": "x/y&z"}))
     assert {s.sandbox_id for s in pager.next_items()} == {a.sandbox_id, paused.sandbox_id}
+
+
+# Stored start times with sub-microsecond digits (as time.time() gives): the startedAt the
+# API returns is rounded to the microsecond, up for the first two, down for the third; the
+# last is exact.
+NOISY_STARTS = [1_800_000_000.1234567, 1_800_000_000.9999996, 1_700_000_000.0000004,
+                1_800_000_000.25]
+
+
+@pytest.mark.parametrize("started_at", NOISY_STARTS)
+def test_list_started_after_is_inclusive(sdk_env, orch: FakeOrchestrator,
+                                         started_at: float) -> None:
+    sid = orch.add(started_at=started_at).sandbox_id
+    [listed] = Sandbox.list().next_items()
+    t = listed.started_at
+    got = Sandbox.list(query=SandboxQuery(started_after=t)).next_items()
+    assert [s.sandbox_id for s in got] == [sid]
+    later = SandboxQuery(started_after=t + timedelta(seconds=1))
+    assert Sandbox.list(query=later).next_items() == []
+
+
+@pytest.mark.parametrize("started_at", NOISY_STARTS)
+async def test_async_list_started_after_is_inclusive(sdk_env, orch: FakeOrchestrator,
+                                                     started_at: float) -> None:
+    sid = orch.add(started_at=started_at).sandbox_id
+    [listed] = await AsyncSandbox.list().next_items()
+    t = listed.started_at
+    got = await AsyncSandbox.list(query=SandboxQuery(started_after=t)).next_items()
+    assert [s.sandbox_id for s in got] == [sid]
+    later = SandboxQuery(started_after=t + timedelta(seconds=1))
+    assert await AsyncSandbox.list(query=later).next_items() == []
+
+
+@pytest.mark.parametrize(("network", "member"), [
+    ({"allow_out": ["example.com"], "deny_out": [ALL_TRAFFIC]}, "network.allowOut"),
+    ({"egress_proxy": {"address": "proxy.example.com:1080"}}, "network.egressProxy"),
+    ({"rules": {"api.example.com": [{"transform": {"headers": {"X-Key": "v"}}}]}},
+     "network.rules"),
+])
+def test_network_options_not_honoured_are_refused(sdk_env, orch: FakeOrchestrator,
+                                                  network: dict, member: str) -> None:
+    with pytest.raises(SandboxException, match=member):
+        Sandbox.create(network=network)
+    assert orch.sandboxes == {}
 
 
 def test_list_paginates(sdk_env, orch: FakeOrchestrator) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import threading
 
 import httpx
@@ -16,8 +17,10 @@ import websockets
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket
 
+from host.contract import NetworkConfig
 from host.orchestrator.states import SandboxState
 from tests.api.conftest import ServerThread
 
@@ -142,6 +145,42 @@ async def test_websocket_echo_through_proxy(proxy_url, orch) -> None:
                     "E2b-Sandbox-Id": "inope", "E2b-Sandbox-Port": str(port)}):
                 pass
         assert info.value.response.status_code == 502
+
+
+async def test_mask_request_host_is_the_host_user_servers_see(proxy_url, orch) -> None:
+    """network.maskRequestHost (E2B semantics): for user ports the upstream Host is the
+    mask with ${PORT} filled in, X-Forwarded-Host the Host the client sent; envd's port and
+    sandboxes without a mask see the client's Host unchanged."""
+    async def http_echo(request: Request) -> JSONResponse:
+        return JSONResponse({"host": request.headers.get("host"),
+                             "forwarded": request.headers.get("x-forwarded-host")})
+
+    async def ws_echo(ws: WebSocket) -> None:
+        await ws.accept()
+        await ws.send_json({"host": ws.headers.get("host"),
+                            "forwarded": ws.headers.get("x-forwarded-host")})
+        await ws.close()
+
+    app = Starlette(routes=[Route("/h", http_echo), WebSocketRoute("/ws", ws_echo)])
+    with ServerThread(app) as srv:
+        port = srv.port
+        masked = orch.add(network=NetworkConfig(mask_request_host="${PORT}-app.example.com"))
+        plain = orch.add()
+        async with httpx.AsyncClient(base_url=proxy_url) as c:
+            resp = await c.get("/h", headers=host(port, masked.sandbox_id))
+            assert resp.json() == {"host": f"{port}-app.example.com",
+                                   "forwarded": f"{port}-{masked.sandbox_id}.{DOMAIN}"}
+            resp = await c.get("/h", headers=host(port, plain.sandbox_id))
+            assert resp.json() == {"host": f"{port}-{plain.sandbox_id}.{DOMAIN}",
+                                   "forwarded": None}
+            resp = await c.get("/health", headers=by_headers(ENVD, masked.sandbox_id))
+            assert resp.status_code == 204     # envd: not masked (it would not care anyway)
+        uri = proxy_url.replace("http://", "ws://") + "/ws"
+        routing = {"E2b-Sandbox-Id": masked.sandbox_id, "E2b-Sandbox-Port": str(port)}
+        async with websockets.connect(uri, additional_headers=routing) as ws:
+            got = json.loads(await ws.recv())
+        assert got == {"host": f"{port}-app.example.com",
+                       "forwarded": uri.split("/")[2]}
 
 
 # --- streaming: an upstream that proves nothing is buffered ---------------------------

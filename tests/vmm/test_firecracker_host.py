@@ -24,7 +24,7 @@ import pytest
 
 from host.vmm import FileDisk, MemoryBacking, NbdDisk, TapNet, VmSpec, VmState
 from host.vmm.firecracker import FirecrackerDriver
-from host.vmm.jailer import JailerConfig, find_jailer, mounts_under
+from host.vmm.jailer import JailerConfig, JailRoot, find_jailer, mounts_under
 
 from .fakefc import FAKE_JAILER, FakeFc, boot_calls, script
 from .test_blockdev import FakeNbd
@@ -164,6 +164,40 @@ async def test_memory_snapshots_through_the_jail(
         assert vm3.state is VmState.RUNNING and vm3.restore_stats["pages"] == 1
     fake_fc.assert_all_accepted()
     fake_fc.assert_nothing_left()
+
+
+@needs_root
+async def test_a_non_root_jailer_can_read_private_memory_but_not_own_it(tmp_path: Path) -> None:
+    """Guest memory is root's only (0400 frozen, 0600 materialised): a jailer uid other
+    than 0 reads it through its gid, and never owns it (an owner could chmod and write
+    a frozen base every VM of a template shares)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    frozen, kernel = tmp_path / "base.mem", tmp_path / "vmlinux"
+    frozen.write_bytes(b"ram")
+    frozen.chmod(0o400)
+    kernel.write_bytes(b"\x7fELF")
+    kernel.chmod(0o644)
+    jail = JailRoot(work, JailerConfig(binary="jailer", uid=123, gid=456), "firecracker")
+    await jail.expose(frozen, "mem/guest.mem")
+    await jail.expose(kernel, "boot/vmlinux")
+    placed = jail.place("mem/private.mem")
+    placed.write_bytes(b"ram")
+    placed.chmod(0o600)
+    jail.let_read(placed)
+
+    def owner(p: Path) -> tuple[int, int, int]:
+        st = p.stat()
+        return st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)
+
+    assert owner(jail.root / "mem/guest.mem") == owner(frozen) == (0, 456, 0o440)
+    assert owner(placed) == (0, 456, 0o640)
+    assert owner(kernel) == (0, 0, 0o644)                   # readable already: untouched
+    as_root = JailRoot(work, JailerConfig(binary="jailer"), "firecracker")
+    frozen.chmod(0o400)
+    os.chown(frozen, 0, 0)
+    await as_root.expose(frozen, "mem/guest.mem")
+    assert owner(frozen) == (0, 0, 0o400)
 
 
 def test_find_jailer_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -91,7 +92,7 @@ async def test_freeze_memory_writes_a_memsnap_base(fake_fc: FakeFc, mspec: VmSpe
     assert BaseImage.load(base.dir) == base
     manifest = json.loads((base.dir / "base.json").read_text())
     assert manifest["template"] == "base.vmstate" and manifest["vmm"] == "firecracker"
-    assert base.size == 16 << 20 and base.mem_path.stat().st_mode & 0o777 == 0o444
+    assert base.size == 16 << 20 and base.mem_path.stat().st_mode & 0o777 == 0o400
     assert pages_of(base.mem_path) == {**BOOT, 5: fill(0xAA), 9: fill(0xBB)}
     assert base.mem_path.stat().st_blocks * 512 < base.size  # zeros left as holes
     assert sorted(p.name for p in base.dir.iterdir()) == ["base.json", "base.mem",
@@ -161,6 +162,30 @@ async def test_snapshot_chain_then_restore_materialises_base_plus_chain(
         expected = {**BOOT, 5: fill(0xAA), 9: fill(0xCC), 20: fill(0xEE), 30: fill(0x11)}
         assert pages_of(private) == expected
         assert await memory_of(vm2, tmp_path / "check") == expected
+    fake_fc.assert_nothing_left()
+
+
+async def test_guest_memory_and_work_dirs_are_root_only(fake_fc: FakeFc, mspec: VmSpec,
+                                                        tmp_path: Path) -> None:
+    """Whatever the umask (the usual 0022 here): frozen base 0400, snapshot and VM work
+    dirs 0700, a VM's materialised private memory 0600."""
+    old = os.umask(0o022)
+    try:
+        driver = fake_fc.driver()
+        base = await frozen_base(fake_fc, driver, mspec, tmp_path / "base")
+        assert stat.S_IMODE(base.mem_path.stat().st_mode) == 0o400
+        async with await driver.restore_memory(child_spec(mspec, base), base=base) as vm:
+            assert stat.S_IMODE(vm.work_dir.stat().st_mode) == 0o700
+            fake_fc.guest_writes({9: 0xCC})
+            snap = await vm.snapshot_memory(tmp_path / "s1", base=base, parent=None)
+        assert stat.S_IMODE(snap.dir.stat().st_mode) == 0o700
+        async with await driver.restore_memory(child_spec(mspec, base, "tap3"), base=base,
+                                               snapshot=snap) as vm2:
+            private = vm2.work_dir / "mem/guest.mem"
+            assert stat.S_IMODE(private.stat().st_mode) == 0o600
+            assert stat.S_IMODE(vm2.work_dir.stat().st_mode) == 0o700
+    finally:
+        os.umask(old)
     fake_fc.assert_nothing_left()
 
 

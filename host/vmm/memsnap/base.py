@@ -23,6 +23,10 @@ from typing import Any, Self
 from .devstate import parse_ram_prefix, qmp_execute, save_template, write_atomic
 from .errors import CorruptSnapshotError, MemSnapError, SnapshotMismatchError
 
+# Guest RAM is root's only: copies 0600, frozen bases read-only 0400.
+PRIVATE_MODE = 0o600
+FROZEN_MODE = 0o400
+
 BASE_MANIFEST = "base.json"
 _CHUNK = 1 << 20
 _ZEROS = bytes(_CHUNK)
@@ -60,8 +64,9 @@ def copy_sparse_hashing(src: str | os.PathLike[str], dst: str | os.PathLike[str]
     sfd = os.open(src, os.O_RDONLY)
     try:
         size = os.fstat(sfd).st_size
-        dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_MODE)
         try:
+            os.fchmod(dfd, PRIVATE_MODE)  # also when `dst` existed, whatever the umask
             os.ftruncate(dfd, size)
             pos = 0
             while pos < size:
@@ -105,10 +110,10 @@ async def freeze_base(qmp: Any, mem_path: str | os.PathLike[str], dest_dir: str 
     """Stop the share=on template VM, save its template stream and freeze its memory file.
 
     Leaves the template VM stopped (the caller quits it). Creates ``dest_dir`` with
-    ``base.mem`` (mode 0444), ``base.dev`` and ``base.json`` (written last).
+    ``base.mem`` (mode 0400), ``base.dev`` and ``base.json`` (written last).
     """
     d = Path(dest_dir)
-    d.mkdir(parents=True, exist_ok=True)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
     t0 = time.perf_counter()
     await qmp_execute(qmp, "stop")
     template = d / "base.dev"
@@ -125,7 +130,7 @@ def install_base(d: Path, mem_path: str | os.PathLike[str], template: Path, *, t
     tmp = d / ".base.mem.tmp"
     try:
         digest, size = copy_sparse_hashing(mem_path, tmp)
-        os.chmod(tmp, 0o444)
+        os.chmod(tmp, FROZEN_MODE)
         os.rename(tmp, d / "base.mem")
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
-from .base import BASE_MANIFEST, BaseImage, copy_sparse_hashing, hash_file, verify_base
+from .base import (
+    BASE_MANIFEST,
+    FROZEN_MODE,
+    BaseImage,
+    copy_sparse_hashing,
+    hash_file,
+    verify_base,
+)
 from .capture import Capture, CaptureBuffer, alloc_buffer, capture_private
 from .chain import DiffChain, write_delta
 from .devstate import load_device_state, qmp_execute, save_device_state, splice, write_atomic
@@ -124,7 +131,7 @@ async def snapshot_incremental(
     instant as memory (e.g. sealing the disk); the diff is written after the guest resumed.
     """
     d = Path(dest_dir)
-    d.mkdir(parents=True, exist_ok=True)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
     if parent is not None and (parent.base_sha256, parent.config_sha256) != (base.sha256, config_sha256):
         raise SnapshotMismatchError(f"parent snapshot {parent.dir} belongs to another base or configuration")
     t_call = time.perf_counter()
@@ -331,7 +338,7 @@ def flatten_base(snapshot: MemSnapshot, base: BaseImage, dest_dir: str | os.Path
         raise SnapshotMismatchError(f"snapshot {snapshot.dir} does not belong to base {base.id[:16]}")
     verify_base(base)
     d = Path(dest_dir)
-    d.mkdir(parents=True, exist_ok=True)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = d / ".base.mem.tmp"
     t0 = time.perf_counter()
     try:
@@ -352,7 +359,7 @@ def flatten_base(snapshot: MemSnapshot, base: BaseImage, dest_dir: str | os.Path
             finally:
                 os.close(fd)
         digest = hash_file(tmp)
-        os.chmod(tmp, 0o444)
+        os.chmod(tmp, FROZEN_MODE)
         os.rename(tmp, d / "base.mem")
     except BaseException:
         tmp.unlink(missing_ok=True)

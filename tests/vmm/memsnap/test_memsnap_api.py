@@ -136,7 +136,7 @@ async def test_flatten_into_a_new_base(base: BaseImage, tmp_path: Path, children
                                       config_sha256=CFG)
     new = flatten_base(snap, base, tmp_path / "base2")
     assert new.sha256 != base.sha256 and BaseImage.load(tmp_path / "base2") == new
-    assert new.mem_path.stat().st_mode & 0o777 == 0o444
+    assert new.mem_path.stat().st_mode & 0o777 == 0o400
     assert new.template_path.read_bytes() == snap.devstate.read_bytes()
     kid = Child(new.mem_path)
     children.append(kid)
