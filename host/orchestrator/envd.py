@@ -1,7 +1,8 @@
 """The host's calls into a sandbox's envd: `POST /init`, `GET /metrics`, and `sync` (a
 root `/bin/sync` through envd's process API before a filesystem-only pause).
 
-One pooled httpx client per orchestrator; tests inject an `httpx.MockTransport`.
+One httpx client per orchestrator (no kept-alive connections); tests inject an
+`httpx.MockTransport`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ class EnvdClient:
     def __init__(self, *, transport: httpx.AsyncBaseTransport | None = None,
                  timeout_s: float = 10.0, init_timeout_s: float = 30.0,
                  init_attempts: int = 4) -> None:
-        self._http = httpx.AsyncClient(transport=transport, timeout=timeout_s, trust_env=False)
+        # No keep-alive: these calls are few per sandbox run (init, health, sync,
+        # metrics), and a kept connection outlives the run it went to (issue 14 item 21:
+        # two sockets per ended sandbox, for ever)
+        self._http = httpx.AsyncClient(transport=transport, timeout=timeout_s, trust_env=False,
+                                       limits=httpx.Limits(max_keepalive_connections=0))
         self._init_timeout_s = init_timeout_s
         self._init_attempts = init_attempts
 

@@ -11,9 +11,11 @@ buffered beyond one socket read. WebSockets are relayed message by message throu
 
 When the orchestrator says the sandbox's running incarnation ended (`Route.gone` set: it
 is being paused or killed), open exchanges end at once instead of hanging on a VM that
-is gone: a Connect stream at a message boundary gets a final end-of-stream message with
-error `unavailable` (SDKs raise a clean error), a response not started yet becomes a 502,
-anything else is cut, and a WebSocket is closed with 1001 (going away).
+is gone, the way they end on E2B, where the VM's connections die with it: a response not
+started yet becomes a 502, a started one is cut (the client's connection is closed, so
+the SDKs probe the sandbox and report it killed or ended), and a WebSocket is closed
+with 1001 (going away). The pool's idle connections into that incarnation are closed
+then too: a node that served thousands of sandboxes keeps no sockets to dead ones.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,9 +33,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 
-from host.connect_envelope import END_STREAM, envelope
 from host.orchestrator.errors import OrchestratorError, SandboxNotFound, StateConflict
-from host.orchestrator.model import ListFilter, Route
+from host.orchestrator.model import ListFilter, Route, RunEnded
 from host.orchestrator.service import Orchestrator
 
 from . import responses
@@ -62,7 +64,6 @@ _Forward = tuple[bytes, bytes, list[tuple[bytes, bytes]], AsyncIterator[bytes] |
 
 
 # Connect streaming content types: the body is a sequence of envelopes (RPC spec).
-_CONNECT_STREAM = (b"application/connect+json", b"application/connect+proto")
 _END_GRACE_S = 5.0  # for the last messages to a client when the sandbox went away
 
 
@@ -84,52 +85,15 @@ class _Cut:
             task.cancel()
 
 
-class _Envelopes:
-    """Tracks Connect envelope boundaries (flags:1, big-endian length:4, payload) in the
-    bytes sent to the client, so that an end-of-stream message can be appended safely."""
-
-    __slots__ = ("head", "left")
-
-    def __init__(self) -> None:
-        self.head = b""  # bytes of an envelope header seen so far (< 5)
-        self.left = 0    # payload bytes of the current envelope still to come
-
-    def feed(self, data: bytes) -> None:
-        pos, n = 0, len(data)
-        while pos < n:
-            if self.left:
-                step = min(self.left, n - pos)
-                self.left -= step
-                pos += step
-                continue
-            take = min(5 - len(self.head), n - pos)
-            self.head += data[pos:pos + take]
-            pos += take
-            if len(self.head) == 5:
-                self.left = int.from_bytes(self.head[1:5], "big")
-                self.head = b""
-
-    @property
-    def at_boundary(self) -> bool:
-        return not self.left and not self.head
-
-
 class _Progress:
     """How far the response to the client has got (updated only after a send returned:
     uvicorn awaits flow control before writing, so a send cancelled wrote nothing)."""
 
-    __slots__ = ("finishing", "frames", "started")
+    __slots__ = ("finishing", "started")
 
     def __init__(self) -> None:
         self.started = False      # http.response.start was sent
         self.finishing = False    # the body is complete, the final message is being sent
-        self.frames: _Envelopes | None = None  # a Connect stream whose end we can append
-
-
-def _end_stream(sandbox_id: str, reason: str) -> bytes:
-    """A Connect end-of-stream envelope carrying error `unavailable`."""
-    return envelope({"error": {"code": "unavailable",
-                               "message": f"sandbox {sandbox_id} was {reason}"}}, END_STREAM)
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -159,6 +123,8 @@ class ProxyApp:
         self.auto_resume = auto_resume
         self.connect_timeout_s = connect_timeout_s
         self._pool = Pool(connect_timeout_s=connect_timeout_s)
+        # runs whose end drops the pool's idle connections into them (one callback each)
+        self._watched: weakref.WeakSet[RunEnded] = weakref.WeakSet()
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -248,7 +214,17 @@ class ProxyApp:
                        else "invalid e2b-traffic-access-token")
                 await self._deny(scope, receive, send, 403, msg, sandbox_id=sid)
                 return None
+        self._watch_run(route)
         return route
+
+    def _watch_run(self, route: Route) -> None:
+        """When this incarnation ends, close the idle connections into it."""
+        gone = route.gone
+        if gone is None or gone in self._watched:
+            return
+        self._watched.add(gone)
+        host = route.host
+        gone.subscribe(lambda: self._pool.drop(host))
 
     # --- HTTP -------------------------------------------------------------------------
 
@@ -349,12 +325,12 @@ class ProxyApp:
                 elif progress.finishing:
                     await send({"type": "http.response.body", "body": b"",
                                 "more_body": False})
-                elif progress.frames is not None and progress.frames.at_boundary:
-                    await send({"type": "http.response.body",
-                                "body": _end_stream(sid, reason), "more_body": False})
                 else:
                     # Returning with the response incomplete makes uvicorn close the
-                    # connection: the client sees a truncated body, not a hang.
+                    # connection: the client sees the connection terminated (as on E2B,
+                    # whose SDKs then probe the sandbox), not a hang. A Connect stream is
+                    # cut too, not ended with an error message of ours: the SDKs turn
+                    # only a terminated connection into "the sandbox was killed".
                     log.info("sandbox %s was %s: cutting a response from port %s", sid,
                              reason, target.port)
         except Exception as exc:  # noqa: BLE001 - the client is gone or stuck: nothing to do
@@ -376,18 +352,13 @@ class ProxyApp:
             return
         body = upstream.aiter_body()
         try:
-            if route.gone is not None:
-                progress.frames = self._connect_frames(upstream.headers)
             await send({"type": "http.response.start", "status": upstream.status,
                         "headers": [(k, v) for k, v in upstream.headers
                                     if k.lower() not in _HOP]})
             progress.started = True
-            frames = progress.frames
             try:
                 async for chunk in body:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    if frames is not None:
-                        frames.feed(chunk)
             except UpstreamError as exc:
                 # The response has started: all we can do is cut the client off too.
                 log.info("upstream %s:%s broke mid-response: %s", target.sandbox_id,
@@ -398,19 +369,6 @@ class ProxyApp:
         finally:
             await body.aclose()  # returns the connection to the pool, or closes it
             upstream.abandon()  # closes it if the body was cut off before its first read
-
-    @staticmethod
-    def _connect_frames(headers: list[tuple[bytes, bytes]]) -> _Envelopes | None:
-        """An envelope tracker if this is a Connect stream we could end with a message of
-        our own (not when a content-length fixes the body's size)."""
-        connect = False
-        for k, v in headers:
-            name = k.lower()
-            if name == b"content-length":
-                return None
-            if name == b"content-type":
-                connect = v.split(b";", 1)[0].strip().lower() in _CONNECT_STREAM
-        return _Envelopes() if connect else None
 
     # --- WebSocket --------------------------------------------------------------------
 

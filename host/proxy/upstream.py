@@ -19,9 +19,15 @@ from dataclasses import dataclass
 import h11
 
 _READ_SIZE = 256 * 1024
-# A request that failed on a reused connection before any response byte is sent again on a
-# fresh one; body chunks already read from the client are kept (up to this much) for that.
+# An idempotent request that failed on a reused connection before any response byte is
+# sent again on a fresh one; body chunks already read from the client are kept (up to
+# this much) for that.
 _REPLAY_LIMIT = 64 * 1024
+# Methods whose second execution does what the first did (RFC 9110 §9.2.2). Any other
+# request (a Connect RPC such as process.Start, POST /files) may have run upstream once
+# its head was written: it is never sent twice.
+IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"PUT", b"DELETE", b"TRACE"})
+_SWEEP_S = 10.0  # at most this often, idle connections past their expiry are closed
 
 
 class UpstreamError(Exception):
@@ -60,6 +66,7 @@ class Connection:
         self.h11 = h11.Connection(h11.CLIENT)
         self.idle_since = time.monotonic()
         self.reused = False
+        self.wrote = False     # the current request's head was handed to the socket
         self.received = False  # a byte of the current response has arrived
         self.responding = False  # a response was handed out and not yet finished
 
@@ -96,9 +103,10 @@ class Connection:
 
     async def request(self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]],
                       body: AsyncIterator[bytes] | None) -> UpstreamResponse:
-        self.received = False
+        self.received = self.wrote = False
         try:
             await self._send(h11.Request(method=method, target=target, headers=headers))
+            self.wrote = True
             if body is not None:
                 async for chunk in body:
                     await self._send(h11.Data(data=chunk))
@@ -178,6 +186,7 @@ class Pool:
         self.idle_expiry_s = idle_expiry_s
         self._idle: dict[tuple[str, int], list[Connection]] = {}
         self._closed = False
+        self._swept = time.monotonic()
 
     async def _open(self, key: tuple[str, int]) -> Connection:
         try:
@@ -203,9 +212,12 @@ class Pool:
         """Send one request. On a reused connection that fails before any response byte
         (the peer closed it while idle, or it is a dead connection to an address that now
         belongs to someone else, who answers with a reset) the request is sent once more on
-        a fresh connection, provided the body read so far can be replayed in full (empty,
-        not started, or at most _REPLAY_LIMIT bytes kept); otherwise the error stands."""
+        a fresh connection only when that cannot run it twice: its head never reached the
+        socket, or its method is idempotent; and the body read so far can be replayed in
+        full (empty, not started, or at most _REPLAY_LIMIT bytes kept). Otherwise the
+        error stands (the client gets a 502 and decides)."""
         key = (host, port)
+        self._sweep()
         conn = self._pop_idle(key)
         if conn is None:
             conn = await self._open(key)
@@ -215,7 +227,8 @@ class Pool:
             return await conn.request(method, target, headers,
                                       replay.first() if replay is not None else None)
         except UpstreamError:
-            if conn.received or (replay is not None and not replay.replayable):
+            if (conn.received or (conn.wrote and method not in IDEMPOTENT)
+                    or (replay is not None and not replay.replayable)):
                 raise
         fresh = await self._open(key)
         return await fresh.request(method, target, headers,
@@ -228,6 +241,38 @@ class Pool:
             return
         conn.idle_since = time.monotonic()
         idle.append(conn)
+
+    def drop(self, host: str) -> int:
+        """Close the idle connections to `host` (any port): a sandbox's run ended, its
+        address is dead or will belong to another sandbox. Returns how many."""
+        closed = 0
+        for key in [k for k in self._idle if k[0] == host]:
+            for conn in self._idle.pop(key):
+                conn.close()
+                closed += 1
+        return closed
+
+    def _sweep(self) -> None:
+        """Close idle connections past their expiry (at most every _SWEEP_S): without
+        it they would stay open until their target is asked for again."""
+        now = time.monotonic()
+        if now - self._swept < _SWEEP_S:
+            return
+        self._swept = now
+        for key in list(self._idle):
+            keep = []
+            for conn in self._idle[key]:
+                if now - conn.idle_since > self.idle_expiry_s:
+                    conn.close()
+                else:
+                    keep.append(conn)
+            if keep:
+                self._idle[key] = keep
+            else:
+                del self._idle[key]
+
+    def idle_count(self) -> int:
+        return sum(len(v) for v in self._idle.values())
 
     async def aclose(self) -> None:
         self._closed = True

@@ -126,3 +126,36 @@ def test_unhonoured_network_options_are_refused(env: E2EService, network: dict,
         r = c.post("/v2/sandboxes", json={"templateID": "base", "network":
                                           {"egressProxy": {"url": "http://p:3128"}}})
         assert r.status_code == 400 and "egressProxy" in r.json()["message"]
+
+
+def test_background_command_of_a_killed_sandbox(env: E2EService) -> None:
+    """Item 9: the stream ends as on E2B (connection terminated), and the SDK reports
+    "killed or reached its end of life" as a TimeoutException (JS: TimeoutError)."""
+    from e2b import Sandbox, TimeoutException
+
+    sbx = Sandbox.create(timeout=300)
+    handle = sbx.commands.run("sleep 1000", background=True, timeout=0)
+    assert Sandbox.kill(sbx.sandbox_id)
+    with pytest.raises(TimeoutException, match="killed or reached its end of life"):
+        handle.wait()
+
+
+@pytest.mark.js
+def test_background_command_of_a_killed_sandbox_js(env: E2EService) -> None:
+    import json
+    import os
+    import shutil
+    import subprocess
+
+    from tests.orchestrator.hostproc import REPO
+
+    js = REPO / "tests" / "js"
+    if shutil.which("node") is None or not (js / "node_modules" / "e2b").exists():
+        pytest.skip("node or tests/js/node_modules/e2b missing (npm ci in tests/js)")
+    penv = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
+    penv.update(env.sdk_env())
+    penv["E2B_DOMAIN"] = "sbx.localhost"
+    r = subprocess.run(["node", str(js / "killed.mjs")], env=penv, cwd=js, capture_output=True,
+                       text=True, timeout=600, check=False)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    assert json.loads(r.stdout.strip().splitlines()[-1])["error"] == "TimeoutError"

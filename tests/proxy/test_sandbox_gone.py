@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import pytest
@@ -18,7 +17,6 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from host.orchestrator.model import RunEnded
-from host.proxy.app import _Envelopes
 from tests.api.conftest import ServerThread
 
 from .conftest import DOMAIN
@@ -62,8 +60,10 @@ async def _kill_process(envd_port: int, pid: int) -> None:
 
 
 @pytest.mark.parametrize("action", ["pause", "kill"])
-async def test_connect_stream_gets_end_of_stream_unavailable(proxy_url, orch, envd_port,
-                                                             action) -> None:
+async def test_connect_stream_is_cut_when_the_sandbox_goes(proxy_url, orch, envd_port,
+                                                           action) -> None:
+    """As on E2B (the VM's connections die with it): the client's connection is closed
+    mid-stream, with no end-of-stream message of ours (issue 14 item 9)."""
     sid = orch.add(token=None).sandbox_id
     frames = Frames()
     got: list[tuple[int, dict]] = []
@@ -79,28 +79,24 @@ async def test_connect_stream_gets_end_of_stream_unavailable(proxy_url, orch, en
                     for flags, msg in frames.feed(await anext(chunks)):
                         got.append((flags, msg))
                         pid = msg.get("event", {}).get("start", {}).get("pid", pid)
-                t0 = time.monotonic()
                 await getattr(orch, action)(sid)
-                async with asyncio.timeout(2):
-                    async for chunk in chunks:
-                        got += frames.feed(chunk)
-                elapsed = time.monotonic() - t0
+                with pytest.raises(httpx.RemoteProtocolError):
+                    async with asyncio.timeout(60):   # a guard against a hang only
+                        async for chunk in chunks:
+                            got += frames.feed(chunk)
             finally:
                 if pid is not None:
                     await _kill_process(envd_port, pid)
-    assert frames.buf == b""
-    flags, last = got[-1]
-    assert flags == 0x02, got
-    verb = "paused" if action == "pause" else "killed"
-    assert last == {"error": {"code": "unavailable", "message": f"sandbox {sid} was {verb}"}}
-    assert elapsed < 2
-    assert all(f == 0 for f, _ in got[:-1])
+    assert got and all(f == 0 for f, _ in got), got   # no end-of-stream message was added
 
 
-def test_sdk_background_command_wait_raises_when_paused(servers, orch, envd_port,
-                                                        monkeypatch) -> None:
-    """The e2b SDK's handle of a background command (a Start stream) raises promptly."""
-    from e2b import Sandbox
+@pytest.mark.parametrize("action", ["kill", "pause"])
+def test_sdk_background_command_of_a_gone_sandbox_raises_killed(servers, orch, envd_port,
+                                                                monkeypatch, action) -> None:
+    """The e2b SDK's handle of a background command (a Start stream) sees the connection
+    terminated, probes the sandbox, finds it gone and raises its "killed or reached its
+    end of life" TimeoutException, as against E2B (issue 14 item 9)."""
+    from e2b import Sandbox, TimeoutException
 
     api, proxy = servers
     monkeypatch.setenv("E2B_API_URL", api.url)
@@ -112,11 +108,9 @@ def test_sdk_background_command_wait_raises_when_paused(servers, orch, envd_port
     sbx = Sandbox.connect(sid)
     handle = sbx.commands.run("sleep 1000", background=True, timeout=0)
     try:
-        t0 = time.monotonic()
-        asyncio.run(orch.pause(sid))
-        with pytest.raises(Exception, match=f"sandbox {sid} was paused"):
+        asyncio.run(getattr(orch, action)(sid))
+        with pytest.raises(TimeoutException, match="killed or reached its end of life"):
             handle.wait()
-        assert time.monotonic() - t0 < 3
     finally:
         asyncio.run(_kill_process(envd_port, handle.pid))
 
@@ -155,13 +149,11 @@ async def test_other_responses_are_cut(proxy_url, orch, endless_upstream, path) 
         if path == "/connect-partial":  # the proxy must be mid-envelope, not at a boundary
             while got < len(envelope({"a": 1})) + 6:
                 got += len(await anext(chunks))
-        t0 = time.monotonic()
         assert orch.end_run(sid, "killed")
         with pytest.raises(httpx.RemoteProtocolError):
-            async with asyncio.timeout(2):
+            async with asyncio.timeout(60):   # a guard against a hang only
                 async for _ in chunks:
                     pass
-        assert time.monotonic() - t0 < 2
 
 
 async def test_request_not_answered_yet_is_502(proxy_url, orch) -> None:
@@ -181,7 +173,7 @@ async def test_request_not_answered_yet_is_502(proxy_url, orch) -> None:
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.2)
             await orch.pause(sid)
-            resp = await asyncio.wait_for(pending, 2)
+            resp = await asyncio.wait_for(pending, 60)
         assert resp.status_code == 502
         assert resp.json()["message"] == "The sandbox was not found: it was paused"
         assert resp.json()["sandboxId"] == sid
@@ -200,12 +192,10 @@ async def test_websocket_closed_going_away(proxy_url, orch) -> None:
         async with websockets.connect(uri, additional_headers=routing) as ws:
             await ws.send("hello")
             assert await ws.recv() == "hello"
-            t0 = time.monotonic()
             await orch.kill(sid)
             with pytest.raises(websockets.ConnectionClosed) as info:
-                async with asyncio.timeout(2):
+                async with asyncio.timeout(60):   # a guard against a hang only
                     await ws.recv()
-            assert time.monotonic() - t0 < 2
         assert info.value.rcvd is not None
         assert info.value.rcvd.code == 1001
         assert info.value.rcvd.reason == f"sandbox {sid} was killed"
@@ -220,24 +210,6 @@ async def test_unwatched_and_unrelated_exchanges_are_untouched(proxy_url, orch) 
         assert (await c.get("/health", headers=host(ENVD, b))).status_code == 204
         await orch.kill(a)
         assert (await c.get("/health", headers=host(ENVD, b))).status_code == 204
-
-
-def test_envelope_tracker_across_chunks() -> None:
-    frames = _Envelopes()
-    data = envelope({"x": "y" * 300}) + envelope({}) + b"\x02\x00\x00\x00\x02{}"
-    for split in range(len(data) + 1):
-        frames = _Envelopes()
-        frames.feed(data[:split])
-        frames.feed(data[split:])
-        assert frames.at_boundary
-    frames = _Envelopes()
-    for i in range(len(data)):
-        frames.feed(data[i:i + 1])
-        boundary = i + 1 in {0, len(envelope({"x": "y" * 300})),
-                             len(envelope({"x": "y" * 300})) + len(envelope({})), len(data)}
-        assert frames.at_boundary == boundary, i
-    frames.feed(b"\x00\x00")
-    assert not frames.at_boundary
 
 
 async def test_run_ended_keeps_the_first_reason_and_calls_subscribers_once() -> None:
@@ -256,3 +228,24 @@ async def test_run_ended_keeps_the_first_reason_and_calls_subscribers_once() -> 
     run.subscribe(lambda: calls.append("late"))   # already ended: called at once
     assert calls[-1] == "late"
     await asyncio.wait_for(run.wait(), 1)
+
+
+async def test_run_end_closes_the_pools_connections_into_it(proxy_url, orch,
+                                                            envd_port) -> None:
+    """The proxy keeps upstream connections alive between requests; when the sandbox's
+    run ends they are closed, not left ESTABLISHED to a dead address (issue 14 item 21)."""
+    import psutil
+
+    def upstream() -> list:
+        return [c for c in psutil.Process().net_connections("tcp")
+                if c.raddr and c.raddr.port == envd_port and c.status == psutil.CONN_ESTABLISHED]
+
+    sid = orch.add(token=None).sandbox_id
+    async with httpx.AsyncClient(base_url=proxy_url, timeout=10) as c:
+        for _ in range(3):
+            assert (await c.get("/health", headers=host(ENVD, sid))).status_code == 204
+    assert upstream(), "the pool kept no connection alive: nothing to test"
+    await orch.kill(sid)
+    async with asyncio.timeout(30):   # a guard against a hang only
+        while upstream():
+            await asyncio.sleep(0.05)
