@@ -17,7 +17,9 @@
     AENV_FIRECRACKER --firecracker  firecracker       the Firecracker binary (name on PATH or path)
     AENV_JAILER      --jailer       auto              auto (jailer on PATH, as root) | off | path
     AENV_JAILER_UID / AENV_JAILER_GID  (0 / 0)        uid:gid a jailed Firecracker runs as
-    AENV_NETWORK     --network      auto              auto | netns | user
+    AENV_NETWORK     --network      auto              auto | netns | user (user-mode networking,
+                                                      where netns is unavailable: guests get no
+                                                      outbound network, only their envd port)
     AENV_NETWORK_PREFIX / AENV_NETWORK_POOL   namespace/veth name prefix (aenv-) and the
                      guest address pool (10.200.0.0/16): distinct per service on one host
     AENV_ENVD_TIMEOUT_S --envd-timeout 180            restore -> envd /health (generous: TCG under load)

@@ -84,7 +84,9 @@ class Machines:
             except NetworkUnavailableError as exc:
                 if cfg.network == "netns":
                     raise NodeRuntimeError(f"network namespaces unavailable: {exc}") from exc
-                log.warning("network namespaces unavailable (%s): user-mode networking", exc)
+                log.warning("network namespaces unavailable (%s): user-mode networking, "
+                            "in which sandboxes have no outbound network (slirp cannot keep "
+                            "them off this host's loopback services)", exc)
         if self.mode != "netns" and self.driver.name == "firecracker":
             raise NodeRuntimeError("Firecracker needs network namespaces (it has no "
                                    "user-mode networking): run as root with nftables")

@@ -66,9 +66,15 @@ class UserNet:
 
     `host_port=None` lets the driver pick a free port (retrying if another process takes
     it between the pick and QEMU's bind). Guest side: 10.0.2.15/24, gateway 10.0.2.2.
+
+    `restrict` (the default) gives the guest no outbound network at all, only the
+    forwarded port: slirp maps the gateway 10.0.2.2 to the host's loopback, so an
+    unrestricted guest reaches every service listening there (the API, the proxy, other
+    sandboxes' forwarded ports), and slirp has no per-destination filter to stop that.
     """
 
     host_port: int | None = None
+    restrict: bool = True
     host_addr: str = "127.0.0.1"
     guest_port: int = ENVD_PORT
     mac: str = "52:54:00:12:34:56"

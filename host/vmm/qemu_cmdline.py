@@ -125,7 +125,8 @@ def build_argv(
         if host_port is None:
             raise ValueError("UserNet needs a concrete host_port")
         fwd = f"tcp:{net.host_addr}:{host_port}-:{net.guest_port}"
-        argv += ["-netdev", f"user,id=net0,hostfwd={fwd}",
+        restrict = ",restrict=on" if net.restrict else ""
+        argv += ["-netdev", f"user,id=net0{restrict},hostfwd={fwd}",
                  "-device", f"virtio-net-device,netdev=net0,mac={net.mac}"]
     elif isinstance(net, TapNet):
         argv += ["-netdev", f"tap,id=net0,ifname={qopt(net.tap)},script=no,downscript=no",

@@ -32,7 +32,7 @@ def test_basic_tcg_argv() -> None:
     assert _opt(argv, "-chardev") == ["file,id=ser0,path=/w/serial.log"]
     assert _opt(argv, "-serial") == ["chardev:ser0"]
     assert _opt(argv, "-qmp") == ["unix:/w/qmp.sock,server=on,wait=off"]
-    assert _opt(argv, "-netdev") == ["user,id=net0,hostfwd=tcp:127.0.0.1:4321-:49983"]
+    assert _opt(argv, "-netdev") == ["user,id=net0,restrict=on,hostfwd=tcp:127.0.0.1:4321-:49983"]
     assert _opt(argv, "-device") == ["virtio-net-device,netdev=net0,mac=52:54:00:12:34:56"]
     assert "-incoming" not in argv and "-object" not in argv
 
