@@ -72,6 +72,12 @@ BASE_HASH="$( { echo "recipe=$BASE_RECIPE_VERSION suite=$SUITE size=$ROOTFS_SIZE
 # BEGIN BASE RECIPE
 customize_base() {  # $1 = root dir
   local R="$1"
+  # npm (and its node-* libraries) through apt in the chroot: debootstrap cannot resolve
+  # npm's virtual dependencies
+  chroot "$R" /usr/bin/apt-get -q update >/dev/null
+  DEBIAN_FRONTEND=noninteractive chroot "$R" /usr/bin/apt-get -q install -y \
+    --no-install-recommends npm >/dev/null
+  chroot "$R" /usr/bin/apt-get clean
   chroot "$R" /usr/sbin/useradd --create-home --shell /bin/bash --uid 1000 --user-group user
   chroot "$R" /usr/sbin/usermod -aG sudo user
   echo 'user ALL=(ALL:ALL) NOPASSWD: ALL' >"$R/etc/sudoers.d/user"

@@ -32,4 +32,5 @@ def test_js_sdk_flows(service: E2EService) -> None:
     print(f"\njs phases (ms since start): {out['t']}")
     assert out["run"] == "hi\nbar\n" and out["file"] == "hello from js"
     assert out["tmpFs"] not in ("", "tmpfs"), out
+    assert out["tools"].startswith("Python 3") and out["tools"].endswith("tools-ok\n"), out
     assert out["resumed"] and out["killed"] and out["notFound"]

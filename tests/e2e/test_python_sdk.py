@@ -466,3 +466,12 @@ def test_tmp_is_on_the_sandbox_disk(box) -> None:
     done = box.commands.run("head -c 300M /dev/zero > /tmp/big && stat -c %s /tmp/big && "
                             "rm /tmp/big", timeout=300)
     assert done.stdout.strip() == str(300 << 20)
+
+
+def test_base_template_has_e2b_base_tools(box) -> None:
+    """Issue 14 item 22: what E2B's base template offers and agent code assumes."""
+    for cmd, word in (("python --version", "Python 3"), ("pip --version", "pip "),
+                      ("python -m venv --help", "usage"), ("node --version", "v"),
+                      ("npm --version", "."), ("git --version", "git version")):
+        r = box.commands.run(cmd)
+        assert r.exit_code == 0 and word in r.stdout, (cmd, r.stdout, r.stderr)

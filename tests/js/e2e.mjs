@@ -36,6 +36,8 @@ try {
   out.file = await sbx.files.read('/home/user/js/a.txt')
   // /tmp is on the sandbox disk (issue 14 item 12), not a tmpfs
   out.tmpFs = (await sbx.commands.run('stat -f -c %T /tmp')).stdout.trim()
+  // E2B's base tools (issue 14 item 22)
+  out.tools = (await sbx.commands.run('python --version && pip --version >/dev/null && node --version >/dev/null && npm --version >/dev/null && git --version >/dev/null && echo tools-ok')).stdout
   mark('files')
 
   const bg = await sbx.commands.run('sleep 1000', { background: true, timeoutMs: 0 })
