@@ -1,8 +1,10 @@
 """POST /files: multipart/form-data or octet-stream uploads, gzip-encoded or not.
 
 Each file goes to a hidden temp file next to its destination as the body arrives;
-the files of one request are published together or not at all
-(services/filesystem/atomic.py).
+the files of one request are published together or not at all, and a failed request
+leaves neither files nor the directories it made (services/filesystem/atomic.py).
+As E2B's envd, uploads run with envd's rights: missing parents are made and, with the
+file, given to the requesting user (issue 14 item 8).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import os
 import re
 import zlib
@@ -20,7 +23,14 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from ..services.filesystem import PendingFile, resolve, run_as, submit_blocking
+from ..services.filesystem import (
+    PendingFile,
+    PublishError,
+    publish_all,
+    resolve,
+    run_blocking,
+    submit_blocking,
+)
 from ..state import Defaults
 from ..users import User
 from .errors import Endpoint, HTTPError, json_errors
@@ -120,8 +130,11 @@ class _Upload:
         destination = resolve(raw_path, self.user)
         if any(requested == destination for requested, _ in self.files):
             raise HTTPError(400, f"destination '{destination}' appears more than once")
+        # envd's own rights (root in a sandbox), the file and new parents the user's.
+        owner = (self.user.uid, self.user.gid) if os.geteuid() == 0 else None
         try:
-            pending = await run_as(self.user, PendingFile.open, destination)
+            pending = await run_blocking(functools.partial(
+                PendingFile.open, destination, owner=owner, metadata=self.metadata))
         except OSError as exc:
             raise os_http_error(exc, raw_path) from None
         self.files.append((destination, pending))
@@ -157,12 +170,13 @@ class _Upload:
     async def commit(self) -> list[dict[str, Any]]:
         await self.flush()
         await self.settle()
+        try:
+            await run_blocking(publish_all, [pending for _, pending in self.files],
+                               self.metadata)
+        except PublishError as exc:
+            raise os_http_error(exc.cause, self.files[exc.index][0]) from None
         results = []
-        for requested, pending in self.files:
-            try:
-                await run_as(self.user, pending.commit, self.metadata)
-            except OSError as exc:
-                raise os_http_error(exc, requested) from None
+        for requested, _ in self.files:
             # Report the path as requested (a symlink stays the reported path).
             info: dict[str, Any] = {"path": requested, "name": os.path.basename(requested),
                                     "type": "file"}
@@ -178,7 +192,8 @@ class _Upload:
         if self._inflight is not None:
             concurrent.futures.wait([self._inflight[1]])
             self._inflight = None
-        for _, pending in self.files:
+        # Last first: a later file's new directories may sit in an earlier file's.
+        for _, pending in reversed(self.files):
             with contextlib.suppress(OSError):
                 pending.abort()
 

@@ -1,8 +1,9 @@
-"""filesystem.Filesystem: stat, list, make, move, remove and watch paths, as the requesting user."""
+"""filesystem.Filesystem: stat, list, make, move, remove and watch paths, as the requesting user;
+the all-or-nothing upload files behind POST /files."""
 
 from __future__ import annotations
 
-from .atomic import PendingFile, is_upload_temp
+from .atomic import PendingFile, PublishError, is_upload_temp, publish_all
 from .credentials import run_as, run_blocking, submit_blocking
 from .entry import METADATA_XATTR_PREFIX, build_entry, read_metadata
 from .errors import os_error_code
@@ -11,6 +12,7 @@ from .service import FilesystemService
 
 __all__ = [
     "METADATA_XATTR_PREFIX", "FilesystemService", "InvalidPathError", "PendingFile",
-    "build_entry", "is_upload_temp", "os_error_code", "read_metadata",
+    "PublishError", "build_entry", "is_upload_temp", "os_error_code", "publish_all",
+    "read_metadata",
     "resolve", "run_as", "run_blocking", "submit_blocking",
 ]

@@ -1,10 +1,16 @@
 """Build `EntryInfo` messages from the filesystem (blocking; call via `run_as`).
 
-- Symlinks are reported as `FILE_TYPE_SYMLINK` with `isSymlink` and the absolute,
-  fully resolved `symlinkTarget` (JS looks only at `type`, Py at `isSymlink`).
-  Size, mode and mtime of a symlink are the link's own (`lstat`).
+As E2B's envd builds them (infra `shared/pkg/filesystem/entry.go`, `GetEntryInfo`):
+- A symlink reports its target's `type` (file or directory) and permission bits in
+  `mode`, and `symlinkTarget` = the absolute, fully resolved target. A link that
+  cannot be resolved (dangling, a loop) has `symlinkTarget` = its own path, type
+  UNSPECIFIED (the SDKs' `list` drop such entries) and mode 0. `isSymlink` is never
+  set (E2B's proto has no such field; the Py SDK would report SYMLINK when it is).
+  Size and mtime are the link's own (`lstat`); `metadata` is the target's.
 - `metadata` holds the file's `user.e2b.*` extended attributes, prefix stripped.
-- `permissions` is the `ls -l` style string (`-rw-r--r--`); `mode` the permission bits.
+- `permissions` is Go's `FileMode.String()` of the `lstat` mode (`-rw-r--r--`,
+  `drwxr-xr-x`, `Lrwxrwxrwx` for a link, `dtrwxrwxrwx` for a sticky directory);
+  `mode` holds the nine permission bits only (Go's `Perm()`).
 """
 
 from __future__ import annotations
@@ -39,8 +45,6 @@ def _group(gid: int) -> str:
 
 
 def _file_type(mode: int) -> FileType:
-    if stat.S_ISLNK(mode):
-        return FileType.SYMLINK
     if stat.S_ISDIR(mode):
         return FileType.DIRECTORY
     # Regular files and everything else that holds data (fifos, devices) read as files.
@@ -78,6 +82,33 @@ def write_metadata(path: str, metadata: dict[str, str]) -> None:
         os.setxattr(path, METADATA_XATTR_PREFIX + key, value.encode("ascii"))
 
 
+# Go's os.FileMode type letters (FileMode.String), by Linux file type.
+_GO_TYPE_LETTERS = {stat.S_IFDIR: "d", stat.S_IFLNK: "L", stat.S_IFBLK: "D", stat.S_IFCHR: "Dc",
+                    stat.S_IFIFO: "p", stat.S_IFSOCK: "S"}
+
+
+def go_mode_string(mode: int) -> str:
+    """`mode` (from stat) as Go's `os.FileMode.String()` renders it: type and special-bit
+    letters in Go's order (d L D p S u g c t), or "-" when there are none, then rwxrwxrwx."""
+    letters = _GO_TYPE_LETTERS.get(stat.S_IFMT(mode), "")
+    # Go's letter order is "dalTLDpSugct?": u/g come after the type letters, c after g.
+    kind, char_dev = letters.rstrip("c"), letters.endswith("c")
+    special = ("u" if mode & stat.S_ISUID else "") + ("g" if mode & stat.S_ISGID else "")
+    special += ("c" if char_dev else "") + ("t" if mode & stat.S_ISVTX else "")
+    rwx = "".join(ch if mode & (1 << (8 - i)) else "-" for i, ch in enumerate("rwxrwxrwx"))
+    return (kind + special or "-") + rwx
+
+
+def _resolve_link(path: str) -> tuple[str, os.stat_result | None]:
+    """(resolved target, its stat) of symlink `path`; (path, None) when it cannot be
+    resolved, as Go's filepath.EvalSymlinks failing falls back to the link's own path."""
+    try:
+        target = os.path.realpath(path, strict=True)
+        return target, os.stat(target)
+    except (OSError, ValueError):
+        return path, None
+
+
 def entry_from_stat(path: str, st: os.stat_result) -> EntryInfo:
     """EntryInfo for `path` given its `lstat` result."""
     entry = EntryInfo(
@@ -85,19 +116,22 @@ def entry_from_stat(path: str, st: os.stat_result) -> EntryInfo:
         type=_file_type(st.st_mode),
         path=path,
         size=st.st_size,
-        mode=stat.S_IMODE(st.st_mode),
-        permissions=stat.filemode(st.st_mode),
+        mode=st.st_mode & 0o777,
+        permissions=go_mode_string(st.st_mode),
         owner=_owner(st.st_uid),
         group=_group(st.st_gid),
         modified_time=Timestamp.from_nanos(st.st_mtime_ns),
     )
     if stat.S_ISLNK(st.st_mode):
-        entry.is_symlink = True
-        entry.symlink_target = os.path.realpath(path)
-    else:
-        metadata = read_metadata(path)
-        if metadata:
-            entry.metadata = metadata
+        target, target_st = _resolve_link(path)
+        entry.symlink_target = target
+        if target_st is None:
+            entry.type, entry.mode = FileType.UNSPECIFIED, 0
+        else:
+            entry.type, entry.mode = _file_type(target_st.st_mode), target_st.st_mode & 0o777
+    metadata = read_metadata(path)  # follows a link, as E2B's xattr.List does
+    if metadata:
+        entry.metadata = metadata
     return entry
 
 

@@ -7,13 +7,27 @@ calls (host, 10k queued events, median of 7): the same 0.33 ms per watch opened,
 4.3 vs 3.2 µs per event, and 15-50 ms once, at the first watch of the process, where
 `inotify_simple` finds libc with `ctypes.util.find_library` (it runs `ldconfig -p`).
 Why not polling: events must arrive within milliseconds and a polling snapshot of a
-big tree costs CPU all the time. The event mapping follows fsnotify (what upstream
-envd uses): CREATE for create/moved-in, WRITE for modify, REMOVE for delete, RENAME
-for moved-out, CHMOD for attribute changes.
+big tree costs CPU all the time.
+
+Events are E2B's exactly (issue 14 item 5): its envd (`services/filesystem/watch.go`)
+sends, for every event of its fsnotify fork (github.com/e2b-dev/fsnotify v0.0.1,
+`backend_inotify.go`), one message per op in the order CREATE (IN_CREATE,
+IN_MOVED_TO), RENAME (IN_MOVED_FROM, IN_MOVE_SELF), CHMOD (IN_ATTRIB), WRITE
+(IN_MODIFY), REMOVE (IN_DELETE, IN_DELETE_SELF), with no dedup or filtering; the
+name is the path relative to the watched directory ("." for the directory itself).
+What the fork adds, mirrored here: a directory's own IN_ATTRIB is reported (so in a
+recursive watch a subdirectory's chmod comes twice: from it and from its parent);
+its IN_DELETE_SELF only when its parent is not watched (the root: REMOVE "."); its
+IN_MOVE_SELF only for the root (RENAME ".", then the watch ends). A recursive watch
+watches each new directory and reports a CREATE for everything already inside it
+(`mkdir -p a/b/c` gives a, a/b, a/b/c); a directory moved within the tree keeps its
+watches (its new names), one moved in from outside is walked like a new one.
 
 Uploads (atomic.py) write a hidden temp file and rename it into place; watchers hide
-the temp file and report the rename as CREATE + WRITE of the destination, which is
-what a client expects after writing a file.
+the temp file and report the rename as the events E2B's in-place write produces:
+CREATE, CHMOD (its chown), WRITE (content), CHMOD (metadata xattrs) for a new file;
+CHMOD, WRITE, CHMOD for a replaced one (no WRITE for a new empty file, no last CHMOD
+without metadata).
 """
 
 from __future__ import annotations
@@ -23,6 +37,7 @@ import contextlib
 import errno
 import os
 import stat
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,12 +46,16 @@ from inotify_simple import flags as IN
 
 from ...spec.filesystem.filesystem_pb import EventType, FilesystemEvent
 from ...users import User
-from .atomic import is_upload_temp
+from .atomic import UploadTraits, is_upload_temp
 from .credentials import run_as
 from .entry import build_entry
 
-_WATCH_MASK = (IN.MODIFY | IN.ATTRIB | IN.MOVED_FROM | IN.MOVED_TO | IN.CREATE | IN.DELETE
-               | IN.DELETE_SELF | IN.MOVE_SELF | IN.ONLYDIR)
+# fsnotify's mask for Create|Write|Remove|Rename|Chmod.
+_WATCH_MASK = (IN.CREATE | IN.MODIFY | IN.DELETE | IN.DELETE_SELF | IN.MOVED_TO | IN.MOVED_FROM
+               | IN.MOVE_SELF | IN.ATTRIB)
+# fsnotify remembers this many IN_MOVED_FROM cookies to pair moves within the watch.
+_MOVE_COOKIES = 10
+_UPLOAD_COOKIES = 64
 # Raw events buffered per watch before the oldest are dropped (a slow consumer
 # must not grow envd's memory without bound).
 MAX_PENDING_EVENTS = 10_000
@@ -83,6 +102,40 @@ def is_network_mount(path: str) -> bool:
     return fstype is not None and (fstype in _NETWORK_FS or fstype.startswith("nfs"))
 
 
+def _ops(mask: int) -> list[EventType]:
+    """The ops of one inotify event, in the order E2B's envd sends them."""
+    ops = []
+    if mask & (IN.CREATE | IN.MOVED_TO):
+        ops.append(EventType.CREATE)
+    if mask & (IN.MOVED_FROM | IN.MOVE_SELF):
+        ops.append(EventType.RENAME)
+    if mask & IN.ATTRIB:
+        ops.append(EventType.CHMOD)
+    if mask & IN.MODIFY:
+        ops.append(EventType.WRITE)
+    if mask & (IN.DELETE | IN.DELETE_SELF):
+        ops.append(EventType.REMOVE)
+    return ops
+
+
+def _upload_ops(traits: UploadTraits) -> list[EventType]:
+    """What E2B's in-place upload (create/chown/write/xattrs) makes inotify report."""
+    ops = [] if traits.replaced else [EventType.CREATE]
+    ops.append(EventType.CHMOD)
+    if not traits.empty:
+        ops.append(EventType.WRITE)
+    if traits.metadata:
+        ops.append(EventType.CHMOD)
+    return ops
+
+
+@dataclass
+class _Watch:
+    path: str       # absolute directory path (updated when it moves within the tree)
+    recurse: bool   # part of a recursive watch
+    by_user: bool   # the watched root itself
+
+
 class DirWatch:
     """An inotify watch on one directory (optionally its whole subtree).
 
@@ -97,9 +150,11 @@ class DirWatch:
         self.include_entry = include_entry
         self.user = user
         self._inotify: INotify | None = inotify
-        self._dirs: dict[int, str] = {}  # wd -> directory path relative to root ("" = root)
+        self._watches: dict[int, _Watch] = {}
+        self._wd_by_path: dict[str, int] = {}
         self._queue: asyncio.Queue[RawEvent] = asyncio.Queue()
-        self._upload_cookies: set[int] = set()
+        self._moved_from: deque[tuple[int, str]] = deque(maxlen=_MOVE_COOKIES)
+        self._uploads: OrderedDict[int, UploadTraits] = OrderedDict()
         self.dropped = 0
 
     @classmethod
@@ -126,39 +181,91 @@ class DirWatch:
                     inotify=inotify)
         try:
             # Watches are added as the user: inotify_add_watch needs read access.
-            await run_as(user, watch._add_tree, root, "", True)
+            await run_as(user, watch._add_root)
             loop.add_reader(inotify.fileno(), watch._on_readable)
         except BaseException:
             watch.close()
             raise
         return watch
 
-    def _add_one(self, path: str, rel: str) -> None:
+    # -- watch bookkeeping ------------------------------------------------------------
+    def _register(self, path: str, *, by_user: bool = False) -> None:
         if self._inotify is None:
             return
         try:
             wd = self._inotify.add_watch(path, _WATCH_MASK)
         except OSError as exc:
             raise OSError(exc.errno, exc.strerror, path) from None
-        self._dirs[wd] = rel
+        if wd in self._watches:  # the same directory again (moved within the tree)
+            return
+        self._watches[wd] = _Watch(path, self.recursive, by_user)
+        self._wd_by_path[path] = wd
 
-    def _add_tree(self, path: str, rel: str, strict: bool) -> None:
+    def _forget(self, wd: int) -> None:
+        watch = self._watches.pop(wd, None)
+        if watch is not None and self._wd_by_path.get(watch.path) == wd:
+            del self._wd_by_path[watch.path]
+
+    def _add_root(self) -> None:
+        self._register(self.root, by_user=True)
+        if self.recursive:
+            self._add_subdirs(self.root)
+
+    def _add_subdirs(self, path: str) -> None:
+        """Watch the directories below `path`; those that vanished or that we may not read
+        are skipped, like fsnotify's recursive Add does."""
         try:
-            self._add_one(path, rel)
+            with os.scandir(path) as it:
+                subdirs = sorted(d.path for d in it if d.is_dir(follow_symlinks=False))
         except OSError:
-            if strict:
-                raise
-            return  # a subdirectory that vanished or that the user may not read
-        if not self.recursive:
+            return
+        for subdir in subdirs:
+            try:
+                self._register(subdir)
+            except OSError:
+                continue
+            self._add_subdirs(subdir)
+
+    def _walk_new_dir(self, path: str) -> None:
+        """A directory appeared in a recursive watch: watch it and everything below, and
+        report a CREATE for each entry already inside (lexical, depth first, as Go's
+        WalkDir in fsnotify): they may have been made before the watch existed."""
+        try:
+            self._register(path)
+        except OSError:
             return
         try:
             with os.scandir(path) as it:
-                subdirs = [d for d in it if d.is_dir(follow_symlinks=False)]
+                entries = sorted(it, key=lambda d: d.name)
         except OSError:
             return
-        for d in subdirs:
-            self._add_tree(d.path, os.path.join(rel, d.name) if rel else d.name, False)
+        for entry in entries:
+            if is_upload_temp(entry.name):
+                continue
+            self._emit(entry.path, EventType.CREATE)
+            if entry.is_dir(follow_symlinks=False):
+                self._walk_new_dir(entry.path)
 
+    def _moved_within(self, old: str, new: str) -> None:
+        """A watched directory moved from `old` to `new` inside the tree: rename its watches."""
+        prefix = old + "/"
+        for wd, watch in self._watches.items():
+            if watch.path == old or watch.path.startswith(prefix):
+                if self._wd_by_path.get(watch.path) == wd:
+                    del self._wd_by_path[watch.path]
+                watch.path = new + watch.path[len(old):]
+                self._wd_by_path[watch.path] = wd
+
+    def _stop_all(self) -> None:
+        """The root moved away: the watch ends (fsnotify removes the whole tree)."""
+        if self._inotify is not None:
+            for wd in list(self._watches):
+                with contextlib.suppress(OSError):
+                    self._inotify.rm_watch(wd)
+        self._watches.clear()
+        self._wd_by_path.clear()
+
+    # -- events -----------------------------------------------------------------------
     def _on_readable(self) -> None:
         if self._inotify is None:
             return
@@ -170,47 +277,59 @@ class DirWatch:
             self._handle(event.wd, event.mask, event.cookie, event.name)
 
     def _handle(self, wd: int, mask: int, cookie: int, name: str) -> None:
+        # The order of the checks follows fsnotify's inotify backend (handleEvent).
         if mask & IN.Q_OVERFLOW:
             self.dropped += 1
             return
-        if mask & IN.IGNORED:
-            self._dirs.pop(wd, None)
+        watch = self._watches.get(wd)
+        if watch is None:
             return
-        rel_dir = self._dirs.get(wd)
-        if rel_dir is None or not name:
-            # *_SELF events: the parent's watch already reported the removal/rename.
+        path = os.path.join(watch.path, name) if name else watch.path
+        if mask & (IN.IGNORED | IN.UNMOUNT):
+            self._forget(wd)
             return
-        rel = os.path.join(rel_dir, name) if rel_dir else name
-        path = os.path.join(self.root, rel)
-        if is_upload_temp(name):
+        if mask & IN.DELETE_SELF:
+            self._forget(wd)
+        if mask & IN.MOVE_SELF:
+            if watch.recurse and not watch.by_user:
+                return  # its parent reports the move
+            self._stop_all()
+            if watch.recurse:
+                self._emit(path, EventType.RENAME)
+                return
+        if mask & IN.DELETE_SELF and os.path.dirname(watch.path) in self._wd_by_path:
+            return  # its parent reports the removal
+        if name and is_upload_temp(name):
             if mask & IN.MOVED_FROM:
-                self._upload_cookies.add(cookie)
+                self._uploads[cookie] = UploadTraits.parse(name)
+                while len(self._uploads) > _UPLOAD_COOKIES:
+                    self._uploads.popitem(last=False)
             return
-        if mask & IN.MOVED_TO and cookie in self._upload_cookies:
-            self._upload_cookies.discard(cookie)
-            self._emit(RawEvent(rel, EventType.CREATE, path))
-            self._emit(RawEvent(rel, EventType.WRITE, path))
+        if mask & IN.MOVED_TO and cookie in self._uploads:
+            for op in _upload_ops(self._uploads.pop(cookie)):
+                self._emit(path, op)
             return
-        if mask & (IN.CREATE | IN.MOVED_TO):
-            if mask & IN.ISDIR and self.recursive:
-                # Runs on the loop thread with envd's credentials: a quick syscall per new
-                # directory under a tree the user was already allowed to watch.
-                self._add_tree(path, rel, False)
-            self._emit(RawEvent(rel, EventType.CREATE, path))
-        elif mask & IN.MODIFY:
-            self._emit(RawEvent(rel, EventType.WRITE, path))
-        elif mask & IN.DELETE:
-            self._emit(RawEvent(rel, EventType.REMOVE, path))
-        elif mask & IN.MOVED_FROM:
-            self._emit(RawEvent(rel, EventType.RENAME, path))
-        elif mask & IN.ATTRIB:
-            self._emit(RawEvent(rel, EventType.CHMOD, path))
+        renamed_from = None
+        if cookie and mask & IN.MOVED_FROM:
+            self._moved_from.append((cookie, path))
+        elif cookie and mask & IN.MOVED_TO:
+            renamed_from = next((p for c, p in self._moved_from if c == cookie), None)
+        ops = _ops(mask)
+        for op in ops:
+            self._emit(path, op)
+        if watch.recurse and mask & IN.ISDIR and EventType.CREATE in ops:
+            # Runs on the loop thread with envd's credentials: a syscall per directory,
+            # as fsnotify does in its reader.
+            if renamed_from is not None and renamed_from in self._wd_by_path:
+                self._moved_within(renamed_from, path)
+            else:
+                self._walk_new_dir(path)
 
-    def _emit(self, event: RawEvent) -> None:
+    def _emit(self, path: str, type_: EventType) -> None:
         if self._queue.qsize() >= MAX_PENDING_EVENTS:
             self._queue.get_nowait()
             self.dropped += 1
-        self._queue.put_nowait(event)
+        self._queue.put_nowait(RawEvent(os.path.relpath(path, self.root), type_, path))
 
     async def next_event(self) -> FilesystemEvent:
         """The next event (waits); with include_entry, the entry when it can be stat-ed."""
