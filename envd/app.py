@@ -57,6 +57,7 @@ def build_app(config: EnvdConfig | None = None) -> Starlette:
             Middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"],
                        allow_headers=["*"], expose_headers=_EXPOSED_HEADERS),
             Middleware(rpc.DisconnectMiddleware),
+            Middleware(rpc.RefuseGrpcMiddleware),
         ],
     )
     app.state.defaults = defaults

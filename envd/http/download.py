@@ -82,9 +82,11 @@ def _size_unknown(path: str, st: os.stat_result) -> bool:
 class FileStreamResponse(Response):
     """Streams an open fd (closing it in every case) and stops when the client leaves."""
 
-    def __init__(self, fd: int, size: int, *, gzip: bool) -> None:
+    def __init__(self, fd: int, size: int, *, gzip: bool, head: bytes = b"") -> None:
+        """`head`: the file's first bytes, already read (so that a file that cannot be
+        read at all is an error status, not a response cut after its headers)."""
         super().__init__(media_type="application/octet-stream")
-        self.fd, self.size, self.gzip = fd, size, gzip
+        self.fd, self.size, self.gzip, self.head = fd, size, gzip, head
         if gzip:
             self.headers["content-encoding"] = "gzip"
             self.headers["vary"] = "Accept-Encoding"
@@ -105,11 +107,15 @@ class FileStreamResponse(Response):
         watcher = asyncio.create_task(watch_disconnect())
         compressor = zlib.compressobj(6, zlib.DEFLATED, 31) if self.gzip else None
         remaining = self.size  # never send more than Content-Length if the file grows
+        head: bytes | None = self.head
 
         def next_chunk() -> tuple[bytes, bool]:
-            nonlocal remaining
+            nonlocal remaining, head
             want = READ_CHUNK if remaining < 0 else min(READ_CHUNK, remaining)
-            data = os.read(self.fd, want) if want else b""
+            if head is not None:
+                data, head = head, None
+            else:
+                data = os.read(self.fd, want) if want else b""
             if remaining >= 0:
                 remaining -= len(data)
             finished = not data or remaining == 0
@@ -150,7 +156,16 @@ def download_endpoint(defaults: Defaults) -> Endpoint:
             raise HTTPError(400, f"path '{raw_path}' is a directory") from None
         except OSError as exc:
             raise os_http_error(exc, raw_path) from None
-        return FileStreamResponse(fd, size, gzip=encoding == "gzip")
+        want = READ_CHUNK if size < 0 else min(READ_CHUNK, size)
+        try:
+            head = await run_blocking(os.read, fd, want) if want else b""
+        except OSError as exc:
+            os.close(fd)
+            if size < 0:  # a special file that refuses reads (/proc/self/mem): the request
+                raise HTTPError(400, f"cannot read '{raw_path}': "  # is wrong, not envd
+                                     f"{exc.strerror or exc}") from None
+            raise os_http_error(exc, raw_path) from None
+        return FileStreamResponse(fd, size, gzip=encoding == "gzip", head=head)
 
     return download
 

@@ -3,6 +3,7 @@
 - `interceptors(defaults)`: auth (X-Access-Token), exception → ConnectError mapping,
   Connect-Timeout-Ms enforcement for unary, server- and client-stream RPCs;
 - `codecs()`: JSON/proto codecs that answer undecodable bodies with invalid_argument;
+- `RefuseGrpcMiddleware`: gRPC content types get a 415 (the body read first);
 - `DisconnectMiddleware` + `next_or_disconnect` / `wait_or_disconnect`: let a blocked
   stream handler notice that its client went away;
 - `with_keepalive` / `keepalive_interval_s`: keepalive messages on idle streams;
@@ -23,6 +24,7 @@ from .disconnect import (
     wait_or_disconnect,
 )
 from .errors import map_errors, to_connect_error
+from .grpc import RefuseGrpcMiddleware
 from .interceptors import AuthInterceptor, DeadlineInterceptor, ErrorInterceptor, interceptors
 from .keepalive import DEFAULT_KEEPALIVE_S, keepalive_interval_s, with_keepalive
 
@@ -33,6 +35,7 @@ __all__ = [
     "DeadlineInterceptor",
     "DisconnectMiddleware",
     "ErrorInterceptor",
+    "RefuseGrpcMiddleware",
     "StrictCodec",
     "client_disconnected",
     "codecs",

@@ -370,3 +370,13 @@ def test_read_proc_and_sys_files_whose_size_says_nothing(sbx):
     assert meminfo.startswith("MemTotal:") and "MemFree:" in meminfo
     dev = sbx.files.read("/sys/class/net/lo/address")
     assert dev.strip() == "00:00:00:00:00:00"
+
+
+def test_a_file_that_refuses_reads_is_an_error_status_not_a_cut_response(envd_url):
+    """/proc/self/mem opens but every read fails (EIO): envd reads the first block before
+    it answers, so the client gets a 400 naming the path instead of a 200 whose body is
+    cut off (found by the fuzz run, tests/e2e/test_fuzz.py)."""
+    r = httpx.get(f"{envd_url}/files", params={"path": "/proc/self/mem", "username": "root"},
+                  timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["message"].startswith("cannot read '/proc/self/mem'")

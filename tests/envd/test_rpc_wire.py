@@ -270,3 +270,20 @@ def test_close_stdin_releases_a_blocked_writer(envd_url):
         assert result[0].json()["code"] == "failed_precondition"
     finally:
         kill(envd_url, pid)
+
+
+def test_grpc_is_refused_and_the_connection_stays_usable(envd_url):
+    """A gRPC content type gets a 415 with a Connect error body, not connectrpc's 500
+    about trailers; the request body is read first, so the next request on the same
+    keep-alive connection works (it was reset before; found by tests/e2e/test_fuzz.py)."""
+    import httpx
+
+    with httpx.Client(base_url=envd_url, timeout=30) as http:
+        for _ in range(3):
+            r = http.post("/filesystem.Filesystem/Stat", content=b"\x00\x00\x00\x00\x02{}" * 50,
+                          headers={"content-type": "application/grpc+proto"})
+            assert r.status_code == 415 and r.json()["code"] == "unimplemented"
+            ok = http.post("/filesystem.Filesystem/Stat", json={"path": "/"},
+                           headers={"connect-protocol-version": "1",
+                                    "Authorization": "Basic dXNlcjo="})
+            assert ok.status_code == 200, ok.text
