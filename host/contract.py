@@ -143,6 +143,12 @@ class BuildFailed(Exception):
         self.step = step
 
 
+class SnapshotIncompatible(Exception):
+    """A snapshot's memory cannot be restored on this node: it was saved by another VMM
+    version, accelerator or CPU model (the message names both). Its disk can still be
+    booted: a start with `reboot=True` (E2B: `connect(on_resume="reboot")`)."""
+
+
 class SandboxRuntime(Protocol):
     async def build_template(self, template_id: str, machine: MachineSpec) -> SnapshotRef:
         """Cold-boot `machine.image`, wait for envd, snapshot it as a template."""
@@ -162,7 +168,9 @@ class SandboxRuntime(Protocol):
         """Restore `snapshot` as sandbox `sandbox_id` with a fresh writable disk layer and
         its own network; returns once envd answers /health. Raises on failure and leaves
         nothing behind. `reboot` (or a filesystem-only snapshot) cold-boots the snapshot's
-        disk instead of restoring its memory: a fresh envd, no processes kept."""
+        disk instead of restoring its memory: a fresh envd, no processes kept. Raises
+        `SnapshotIncompatible` (before touching anything) when the memory was saved by a
+        VMM this node cannot restore it with."""
         ...
 
     async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool,

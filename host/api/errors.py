@@ -19,6 +19,7 @@ from host.orchestrator.errors import (
     BuildNotFound,
     GuestUnresponsive,
     IdempotencyMismatch,
+    IncompatibleSnapshot,
     InvalidRequest,
     OperationFailed,
     OrchestratorError,
@@ -65,6 +66,7 @@ _STATUS: dict[type[Exception], int] = {
     AliasConflict: 409,         # the alias is another template's id
     AliasTaken: 403,            # the alias is owned by someone else (the built-in template)
     UploadTooLarge: 413,
+    IncompatibleSnapshot: 409,  # memory saved by another VMM / CPU: resume with a reboot
 }
 
 # Statuses a client may retry unchanged; every other 5xx carries `Should-Retry: false`

@@ -11,10 +11,13 @@
     ├── AliasTaken               403  (an alias owned by someone else: the built-in template)
     ├── UploadTooLarge           413  (a COPY archive over the upload limit)
     ├── InvalidRequest           400
+    ├── IncompatibleSnapshot     409  (its memory was saved by another VMM / CPU: reboot it)
     └── OperationFailed          500  (the VMM or storage failed; state was rolled back)
 """
 
 from __future__ import annotations
+
+from host.contract import SnapshotIncompatible
 
 from .states import SandboxState
 
@@ -57,6 +60,21 @@ class InvalidRequest(OrchestratorError, ValueError):
 
 class OperationFailed(OrchestratorError):
     status = 500
+
+
+class IncompatibleSnapshot(OrchestratorError):
+    """The runtime refused to restore a snapshot's memory (another VMM version, accelerator
+    or CPU model saved it); nothing changed and a reboot resume would work."""
+
+    status = 409
+
+
+def start_failed(message: str, exc: Exception) -> OrchestratorError:
+    """The error for a `runtime.start` that raised `exc`: a 409 naming why when the
+    snapshot's memory is incompatible with this node, else OperationFailed (500)."""
+    if isinstance(exc, SnapshotIncompatible):
+        return IncompatibleSnapshot(message)
+    return OperationFailed(message)
 
 
 class GuestUnresponsive(OrchestratorError):

@@ -20,7 +20,13 @@ from host.contract import NetworkConfig
 
 from . import ids, snapshots, templates
 from .context import Context
-from .errors import IdempotencyMismatch, OperationFailed, OrchestratorError, SnapshotNotFound
+from .errors import (
+    IdempotencyMismatch,
+    OperationFailed,
+    OrchestratorError,
+    SnapshotNotFound,
+    start_failed,
+)
 from .model import CreateRequest, SandboxInfo
 from .records import (
     GONE,
@@ -162,7 +168,7 @@ async def new_sandbox(ctx: Context, source: SnapshotRecord, *, template_id: str,
         except Exception as exc:
             await ctx.db(ctx.store.transition, sandbox_id, {S.CREATING}, S.KILLED,
                          event={"op": "create_failed", "error": str(exc)})
-            raise OperationFailed(f"starting sandbox {sandbox_id} failed: {exc}") from exc
+            raise start_failed(f"starting sandbox {sandbox_id} failed: {exc}", exc) from exc
         try:
             await ctx.envd.init(placement, token=token, current_token=held_token,
                                 env_vars=rec.env_vars, guest=guest_of(rec))

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from . import ids
 from .context import Context
-from .errors import GuestUnresponsive, OperationFailed, OrchestratorError, StateConflict
+from .errors import (
+    GuestUnresponsive,
+    OperationFailed,
+    OrchestratorError,
+    StateConflict,
+    start_failed,
+)
 from .model import SandboxInfo
 from .records import (
     guest_of,
@@ -134,7 +140,7 @@ async def _resume_locked(ctx: Context, rec: SandboxRecord, timeout_s: int | None
     except Exception as exc:
         await ctx.db(ctx.store.transition, sid, {S.RESUMING}, S.PAUSED,
                      event={"op": "resume_failed", "error": str(exc)})
-        raise OperationFailed(f"resuming sandbox {sid} failed: {exc}") from exc
+        raise start_failed(f"resuming sandbox {sid} failed: {exc}", exc) from exc
     try:
         # Same token as before the pause: SDK handles of this sandbox keep working.
         await ctx.envd.init(placement, token=rec.envd_token,

@@ -325,9 +325,11 @@ class _Build:
         m.update({
             "created_at": time.time(), "parent_id": spec.from_snapshot,
             "config_sha256": mx.digest(vspec),
+            "vmm": (await mx.identity()).to_json(),  # restores must run under the same
             "memory": {"base_dir": p.memory.rel(base.dir), "base_id": base.id,
                        "devstate": p.memory.rel(base.template_path), "snapshot_dir": None,
-                       "files": files},
+                       "files": list(files),
+                       "sha256": {n: h for n, h in files.items() if h}},
             "disk": {"layers": list(info.layers), "virtual_size": info.virtual_size},
             "depends_on": [spec.snapshot_id],
             "guest": dataclasses.asdict(guest),

@@ -3,11 +3,15 @@
     NodeRuntimeError
     ├── SandboxNotFoundError        no live sandbox with that id on this node
     ├── SnapshotNotFoundError       no committed snapshot manifest with that id
-    ├── SnapshotCorruptError        a snapshot's files fail verification (restore refused)
     └── SandboxStartError           start/restore failed (everything was rolled back)
+        ├── SnapshotCorruptError    a snapshot's files fail verification (restore refused)
+        └── SnapshotIncompatibleError  (also contract.SnapshotIncompatible) its memory was
+                                    saved by another VMM version / accelerator / CPU model
 """
 
 from __future__ import annotations
+
+from host.contract import SnapshotIncompatible
 
 
 class NodeRuntimeError(Exception):
@@ -30,3 +34,7 @@ class SandboxStartError(NodeRuntimeError):
 
 class SnapshotCorruptError(SandboxStartError):
     pass
+
+
+class SnapshotIncompatibleError(SandboxStartError, SnapshotIncompatible):
+    """Refused before anything was started: boot the snapshot's disk instead (reboot)."""

@@ -10,6 +10,7 @@ runtime starts a VMM.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import shutil
@@ -39,6 +40,7 @@ from host.vmm.driver import (
     VmSpec,
 )
 from host.vmm.errors import VmmError, VmmSnapshotError
+from host.vmm.identity import VmmIdentity
 from host.vmm.memsnap import BaseImage, MemSnapshot
 from host.vmm.proc import free_port
 
@@ -120,6 +122,13 @@ class Machines:
 
     def digest(self, spec: VmSpec) -> str:
         return self.vmm.config_digest(spec)
+
+    async def identity(self) -> VmmIdentity:
+        """What memory snapshots taken here record and restores here must match."""
+        try:
+            return await asyncio.to_thread(self.vmm.identity)  # runs `--version` once
+        except VmmError as exc:
+            raise SandboxStartError(str(exc)) from exc
 
     # -- per-VM network and disk ----------------------------------------------------------
 

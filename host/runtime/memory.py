@@ -4,9 +4,12 @@ Layout: `memory/<snapshot id>/base/` (frozen bases) and `memory/<snapshot id>/me
 (diffs + device state). Manifests name files relative to `memory/`; in the repository
 they live as `memory/<relpath>`. A snapshot's files are uploaded before its manifest is
 committed; `fetch` brings a manifest's missing files back (one download per file however
-many starts wait for it). With a remote repository `memory/` is bounded (`trim`: least
-recently used first, only committed snapshots nothing pins); a posix_fs repository shares
-the bytes by hard link, so there is nothing to trim.
+many starts wait for it), each checked against the sha256 the manifest records for it
+(`memory.sha256`, computed during the upload; manifests without one are not checked).
+With a remote repository `memory/` is bounded (`trim`: least recently used first, only
+committed snapshots nothing pins); a posix_fs repository shares the bytes by hard link,
+so there is nothing to trim. A start `pin`s the files it restores from, from before their
+fetch until its VM maps them, so another start's trim cannot evict them in between.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Iterable
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from host.storage.errors import LayerNotFoundError, RepositoryError
+from host.storage.errors import IntegrityError, LayerNotFoundError, RepositoryError
 from host.storage.repository import OssRepository, PosixFsRepository
 
 from .errors import SandboxStartError, SnapshotCorruptError
@@ -38,6 +43,7 @@ class MemoryFiles:
         self.bound_mib = bound_mib
         self.fetching: dict[str, asyncio.Lock] = {}  # relpath -> its download
         self.writing: set[str] = set()  # snapshot ids whose memory is being written
+        self.pins: Counter[str] = Counter()  # snapshot id -> starts restoring from it
 
     # -- names ----------------------------------------------------------------------------
 
@@ -59,18 +65,31 @@ class MemoryFiles:
     def owners(self, names: Iterable[str]) -> set[str]:
         return {o for o in (self.owner(self.path(n)) for n in names) if o}
 
+    def needed(self, m: dict[str, Any]) -> set[str]:
+        """The snapshot ids whose memory dirs a restore of manifest `m` reads."""
+        mem = m.get("memory") or {}
+        names = [*mem.get("files", ()),
+                 *(mem[k] for k in ("base_dir", "snapshot_dir") if mem.get(k))]
+        return self.owners(names)
+
     # -- transfer -------------------------------------------------------------------------
 
-    async def upload(self, own_dir: Path) -> list[str]:
+    async def upload(self, own_dir: Path) -> dict[str, str | None]:
         """Put the files of a new snapshot's own memory dir into the repository (before its
-        manifest); returns their relative names."""
+        manifest); returns {relative name: sha256 of its content, or None when the
+        repository shares the bytes instead of copying them (posix_fs)}."""
         files = sorted(p for p in own_dir.rglob("*") if p.is_file())
+        out: dict[str, str | None] = {}
         for f in files:
-            await asyncio.to_thread(self.repo.put_file, MEMORY_KEY + self.rel(f), f)
-        return [self.rel(f) for f in files]
+            name = self.rel(f)
+            out[name] = await asyncio.to_thread(self.repo.put_file, MEMORY_KEY + name, f)
+        return out
 
     async def fetch(self, m: dict[str, Any]) -> None:
-        """Make every memory file manifest `m` lists present locally."""
+        """Make every memory file manifest `m` lists present locally, each checked against
+        its recorded sha256 (a mismatch is fetched again once, then SnapshotCorruptError;
+        the bad copy is never left in memory/)."""
+        sums: dict[str, str] = m["memory"].get("sha256") or {}
         for name in m["memory"].get("files", ()):
             path = self.path(name)
             if path.exists():
@@ -83,11 +102,16 @@ class MemoryFiles:
                     continue
                 t0 = time.perf_counter()
                 try:
-                    await asyncio.to_thread(self.repo.fetch_file, MEMORY_KEY + name, path)
+                    await asyncio.to_thread(self.repo.fetch_file, MEMORY_KEY + name, path,
+                                            sha256=sums.get(name))
                 except LayerNotFoundError as exc:
                     raise SnapshotCorruptError(
                         f"snapshot {m['snapshot_id']}: memory file {name} is missing from "
                         f"the repository") from exc
+                except IntegrityError as exc:
+                    raise SnapshotCorruptError(
+                        f"snapshot {m['snapshot_id']}: memory file {name} in the repository "
+                        f"is damaged (fetched twice): {exc}") from exc
                 except (RepositoryError, OSError) as exc:
                     raise SandboxStartError(
                         f"snapshot {m['snapshot_id']}: fetching memory file {name} from "
@@ -106,19 +130,36 @@ class MemoryFiles:
 
     # -- space ----------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def pin(self, owners: Iterable[str]) -> Iterator[None]:
+        """Keep the memory dirs of `owners` (snapshot ids) out of `trim` and `gc` while
+        the block runs; released on every way out (error, cancellation). Pins count: a
+        dir stays pinned while any start holds it."""
+        held = set(owners)
+        self.pins.update(held)
+        try:
+            yield
+        finally:
+            self.pins.subtract(held)
+            for owner in held:
+                if self.pins[owner] <= 0:
+                    del self.pins[owner]
+
     def pinned(self, live_dirs: Iterable[Path]) -> set[str]:
         """Snapshot ids whose memory must stay local: what live VMs map (`live_dirs`),
-        snapshots being written and files being fetched."""
-        pinned: set[str] = set(self.writing)
+        what starts restore from (`pin`), snapshots being written and files being
+        fetched."""
+        pinned: set[str] = set(self.writing) | set(self.pins)
         pinned |= {name.split("/", 1)[0] for name in self.fetching}
         pinned |= {o for o in (self.owner(p) for p in live_dirs) if o}
         return pinned
 
     async def gc(self, used: set[str]) -> None:
-        """Remove local memory dirs not in `used`."""
+        """Remove local memory dirs not in `used` (nor pinned or being written now)."""
         if self.dir.is_dir():
             for d in self.dir.iterdir():
-                if d.name not in used:
+                if d.name not in used and d.name not in self.pins and \
+                        d.name not in self.writing:
                     await asyncio.to_thread(shutil.rmtree, d, True)
 
     async def trim(self, pinned: Callable[[], set[str]],
@@ -132,7 +173,7 @@ class MemoryFiles:
         def sizes() -> list[tuple[float, Path, int]]:
             return sorted((d.stat().st_mtime, d,
                            sum(f.stat().st_blocks * 512 for f in d.rglob("*") if f.is_file()))
-                          for d in self.dir.iterdir())
+                          for d in self.dir.iterdir() if not d.name.startswith("."))
 
         dirs = await asyncio.to_thread(sizes)
         total = sum(size for _, _, size in dirs)
@@ -146,7 +187,17 @@ class MemoryFiles:
                 break
             if d.name in keep or not await committed(d.name):
                 continue
-            await asyncio.to_thread(shutil.rmtree, d, True)
+            # Asked again after that await, then moved aside with no await in between: a
+            # start that pins `d` from now on finds its files gone and fetches them again.
+            if d.name in pinned():
+                continue
+            trash = d.with_name(f".evicted-{d.name}-{uuid.uuid4().hex[:8]}")
+            try:
+                os.rename(d, trash)
+            except OSError as exc:
+                log.warning("evicting memory of %s: %s", d.name, exc)
+                continue
+            await asyncio.to_thread(shutil.rmtree, trash, True)
             total -= size
             evicted.append(d.name)
         if evicted:

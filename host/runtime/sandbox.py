@@ -56,6 +56,8 @@ class RunningSandbox:
     host_port: int | None = None
     scratch: Path | None = None    # cold-booted: its RAM file (share=on); snapshots freeze it
     boot: dict[str, Any] = field(default_factory=dict)  # image, kernel, cmdline it runs
+    vmm: dict[str, Any] | None = None  # VmmIdentity it runs under (None: not known)
+    memory_sha256: dict[str, str] = field(default_factory=dict)  # of the files it maps
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -67,6 +69,7 @@ class RunningSandbox:
             "memsnap_dir": str(self.memsnap_dir) if self.memsnap_dir else None,
             "scratch": str(self.scratch) if self.scratch else None, "boot": self.boot,
             "config_sha256": self.config_sha256, "machine": dataclasses.asdict(self.machine),
+            "vmm": self.vmm, "memory_sha256": self.memory_sha256,
             "envd_host": self.envd_host, "envd_port": self.envd_port,
             "policy": policy_to_dict(self.policy),
             "timings": {k: round(v, 3) for k, v in self.timings.items()},
@@ -89,6 +92,8 @@ class RunningSandbox:
             boot=dict(facts.get("boot") or {}),
             memsnap_dir=Path(facts["memsnap_dir"]) if facts.get("memsnap_dir") else None,
             config_sha256=str(facts["config_sha256"]),
+            vmm=dict(facts["vmm"]) if facts.get("vmm") else None,
+            memory_sha256=dict(facts.get("memory_sha256") or {}),
             machine=MachineSpec(**facts["machine"]), envd_host=str(facts["envd_host"]),
             envd_port=int(facts["envd_port"]),
             policy=policy_from_dict(facts.get("policy") or {}),

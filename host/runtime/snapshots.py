@@ -91,6 +91,10 @@ async def _snapshot(p: NodeParts, sb: RunningSandbox, snapshot_id: str, *, stop:
             own = await p.memory.upload(root)
             timings["upload_memory_s"] = time.perf_counter() - t_up
             mem["files"] = sorted({*mem["files"], *own})
+            # what a fetch checks: this snapshot's files as uploaded, the older ones
+            # (base, parent diffs) as recorded when they were
+            known = {**sb.memory_sha256, **{n: h for n, h in own.items() if h}}
+            mem["sha256"] = {n: known[n] for n in mem["files"] if n in known}
         depends = p.memory.owners((mem or {}).get("files", ())) | {snapshot_id}
         boot = sb.boot or boot_of(await p.manifests.get(sb.snapshot_id))  # old facts
         m: dict[str, Any] = {
@@ -99,6 +103,8 @@ async def _snapshot(p: NodeParts, sb: RunningSandbox, snapshot_id: str, *, stop:
             "parent_id": sb.snapshot_id, "sandbox_id": sb.sandbox_id,
             "machine": dataclasses.asdict(sb.machine), "network_mode": sb.mode, **boot,
             "config_sha256": sb.config_sha256, "memory": mem,
+            # what restores of this memory must run under (starts.check_vmm)
+            **({"vmm": sb.vmm} if mem is not None and sb.vmm else {}),
             "disk": {"layers": list(info.layers), "virtual_size": info.virtual_size},
             "depends_on": sorted(depends),
         }
@@ -115,6 +121,8 @@ async def _snapshot(p: NodeParts, sb: RunningSandbox, snapshot_id: str, *, stop:
     else:
         sb.base_dir, sb.memsnap_dir = new_base, new_memsnap
         sb.snapshot_id = snapshot_id
+        if mem is not None:
+            sb.memory_sha256 = dict(mem["sha256"])
     return SnapshotRef(snapshot_id, sb.machine, m["created_at"], m["parent_id"], m)
 
 

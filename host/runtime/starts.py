@@ -1,10 +1,12 @@
 """Starting sandboxes: restore a snapshot's memory and disk, or cold-boot its disk.
 
-restore: fetch the memory files the manifest lists (a fresh node, an evicted cache) ->
-network + stack `sbx-<sid>` over the snapshot's layers -> the driver restores the base
-(+ diff chain) copy-on-write -> envd /health. cold boot (`reboot`, or a filesystem-only
-snapshot): the same disk, RAM in a share=on file in the VM's work dir, so later snapshots
-can freeze a new base. Any failure rolls everything back.
+restore: refuse memory saved by another VMM (version, accelerator, CPU model: the
+snapshot's `vmm`) -> fetch the memory files the manifest lists (a fresh node, an evicted
+cache), pinned until the VM maps them -> network + stack `sbx-<sid>` over the snapshot's
+layers -> the driver restores the base (+ diff chain) copy-on-write -> envd /health. cold
+boot (`reboot`, or a filesystem-only snapshot): the same disk, RAM in a share=on file in
+the VM's work dir, so later snapshots can freeze a new base. Any failure rolls everything
+back.
 """
 
 from __future__ import annotations
@@ -15,9 +17,15 @@ from typing import Any
 
 from host.contract import MachineSpec, NetworkConfig, Placement, SnapshotRef
 from host.vmm.driver import MemoryBacking, Vm
+from host.vmm.identity import VmmIdentity, describe
 from host.vmm.memsnap import BaseImage, MemSnapError, MemSnapshot
 
-from .errors import NodeRuntimeError, SandboxStartError, SnapshotCorruptError
+from .errors import (
+    NodeRuntimeError,
+    SandboxStartError,
+    SnapshotCorruptError,
+    SnapshotIncompatibleError,
+)
 from .parts import NodeParts
 from .sandbox import RunningSandbox, boot_of, policy_of
 
@@ -33,11 +41,15 @@ async def start(p: NodeParts, sandbox_id: str, snapshot: SnapshotRef, network: N
             raise SandboxStartError(
                 f"snapshot {snapshot.snapshot_id} was taken with {m.get('network_mode')} "
                 f"networking; this node runs {p.machines.mode}")
-        if reboot or m.get("memory") is None:
-            sb = await _boot(p, sandbox_id, snapshot.snapshot_id, m, network)
-        else:
-            sb = await _restore(p, sandbox_id, snapshot.snapshot_id, m, network)
-        p.sandboxes[sandbox_id] = sb
+        restore = not reboot and m.get("memory") is not None
+        # A restore's memory dirs are pinned from before their fetch until the sandbox is
+        # live (its VM's dirs pin them then): another start's trim must not evict them.
+        with p.memory.pin(p.memory.needed(m) if restore else ()):
+            if restore:
+                sb = await _restore(p, sandbox_id, snapshot.snapshot_id, m, network)
+            else:
+                sb = await _boot(p, sandbox_id, snapshot.snapshot_id, m, network)
+            p.sandboxes[sandbox_id] = sb
         p.last_timings = sb.timings
     finally:
         p.busy.discard(sandbox_id)
@@ -58,10 +70,31 @@ async def _load_memory(p: NodeParts, snapshot_id: str, m: dict[str, Any]
     return base, snap
 
 
+REBOOT_HINT = ('resume it with a reboot instead (E2B SDK: connect(on_resume="reboot"); '
+               'REST: connect with memory=false; `aenv resume --reboot`): its disk is kept, '
+               'its running processes are not')
+
+
+def check_vmm(snapshot_id: str, m: dict[str, Any], current: VmmIdentity) -> None:
+    """Refuse memory saved under another VMM identity than this node's (the manifest's
+    `vmm`; a snapshot without one, or without some field, predates them: accepted)."""
+    recorded = m.get("vmm") or {}
+    diff = current.differences(recorded)
+    if not diff:
+        return
+    what = "; ".join(f"{name} {old!r} here is {new!r}" for name, old, new in diff)
+    hint = "rebuild the template" if m.get("kind") == "template" else REBOOT_HINT
+    raise SnapshotIncompatibleError(
+        f"snapshot {snapshot_id} holds memory saved by {describe(recorded)}, but this node "
+        f"runs {current.describe()} ({what}): that memory cannot be restored here; {hint}")
+
+
 async def _restore(p: NodeParts, sid: str, snapshot_id: str, m: dict[str, Any],
                    network: NetworkConfig) -> RunningSandbox:
     t0 = time.perf_counter()
     mx = p.machines
+    current = await mx.identity()
+    check_vmm(snapshot_id, m, current)  # before anything is fetched or made
     await p.memory.fetch(m)
     timings: dict[str, float] = {"fetch_memory_s": time.perf_counter() - t0}
     base, snap = await _load_memory(p, snapshot_id, m)
@@ -73,10 +106,10 @@ async def _restore(p: NodeParts, sid: str, snapshot_id: str, m: dict[str, Any],
         spec = mx.spec(m, name=sid, memory=MemoryBacking(path=base.mem_path, shared=False),
                        stack=stack, network=vnet)
         if mx.digest(spec) != m["config_sha256"]:
-            raise SandboxStartError(
+            raise SnapshotIncompatibleError(
                 f"snapshot {snapshot_id} was taken with another VMM configuration (kernel, "
-                f"cmdline, machine or VMM flags differ on this node): resume it with a "
-                f"reboot (filesystem only) instead")
+                f"cmdline, machine, VMM binary or flags differ on this node): "
+                f"{REBOOT_HINT}")
         timings["prepare_s"] = time.perf_counter() - t0
         vm, stages = await mx.restore(spec, base, snap, timeout_s=p.config.envd_timeout_s,
                                       what=snapshot_id)
@@ -88,7 +121,8 @@ async def _restore(p: NodeParts, sid: str, snapshot_id: str, m: dict[str, Any],
             memsnap_dir=snap.dir if snap is not None else None,
             config_sha256=m["config_sha256"], machine=MachineSpec(**m["machine"]),
             envd_host=host, envd_port=port, policy=policy, host_port=host_port,
-            timings=timings)
+            timings=timings, vmm=current.to_json(),
+            memory_sha256=dict(m["memory"].get("sha256") or {}))
     except BaseException:
         await mx.unprovision(sid, vm)
         raise
@@ -101,6 +135,7 @@ async def _boot(p: NodeParts, sid: str, snapshot_id: str, m: dict[str, Any],
     policy = policy_of(network)
     stack = f"sbx-{sid}"
     vm: Vm | None = None
+    current = await mx.identity()
     vnet, host, port, host_port = await mx.provision(sid, m["disk"]["layers"], policy)
     try:
         scratch = p.config.vms_dir / sid / "ram.mem"
@@ -115,7 +150,7 @@ async def _boot(p: NodeParts, sid: str, snapshot_id: str, m: dict[str, Any],
             snapshot_id=snapshot_id, base_dir=None, memsnap_dir=None,
             config_sha256=mx.digest(spec), machine=MachineSpec(**m["machine"]),
             envd_host=host, envd_port=port, policy=policy, host_port=host_port,
-            timings=timings, scratch=scratch)
+            timings=timings, scratch=scratch, vmm=current.to_json())
     except BaseException:
         await mx.unprovision(sid, vm)
         raise

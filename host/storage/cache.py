@@ -5,18 +5,28 @@ and renamed, so a chunk file is always whole. An LRU of chunks is trimmed from t
 the low watermark whenever the cache grows past the high one. Readers hold an open fd on
 each chunk they use, so evicting (unlinking) a chunk under a reader is harmless; the next
 read of that chunk fetches it again.
+
+A fetched chunk is checked against the layer's chunk sums (integrity.py) before it is
+written: a mismatch is fetched once more, then the read fails (IntegrityError, EIO to the
+guest) and nothing enters the cache. Layers uploaded before sums were recorded have none:
+their chunks are read unchecked (logged once per layer).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import IntegrityError, RepositoryError
+from .integrity import ChunkSums, retry_once
 from .repository import Repository, _hex
+
+log = logging.getLogger(__name__)
 
 CHUNK = 1 << 20
 
@@ -27,6 +37,7 @@ class CacheStats:
     misses: int = 0
     evictions: int = 0
     fetched_bytes: int = 0
+    corrupt: int = 0  # fetched chunks that did not match their sums (not kept)
 
 
 class ChunkCache:
@@ -68,14 +79,25 @@ class ChunkCache:
         return self.root / key[0] / str(key[1])
 
     def blob(self, repo: Repository, digest: str, size: int | None = None) -> CachedBlob:
-        return CachedBlob(self, repo, digest, repo.layer_size(digest) if size is None else size)
+        size = repo.layer_size(digest) if size is None else size
+        sums = repo.layer_sums(digest)
+        if sums is None:
+            log.warning("layer %s has no chunk sums in the repository (uploaded before they "
+                        "were recorded): its chunks are not checked", digest)
+        elif sums.size != size or self.chunk_size % sums.block:
+            raise RepositoryError(f"layer {digest}: its chunk sums ({sums.size} bytes in "
+                                  f"{sums.block}-byte blocks) do not fit the layer ({size} "
+                                  f"bytes) or the cache's {self.chunk_size}-byte chunks")
+        return CachedBlob(self, repo, digest, size, sums)
 
     def has(self, key: tuple[str, int]) -> bool:
         with self._lock:
             return key in self._lru
 
-    def open_chunk(self, repo: Repository, digest: str, idx: int, length: int) -> int:
-        """An O_RDONLY fd on chunk `idx` of the layer, fetched first if absent."""
+    def open_chunk(self, repo: Repository, digest: str, idx: int, length: int,
+                   sums: ChunkSums | None = None) -> int:
+        """An O_RDONLY fd on chunk `idx` of the layer, fetched first if absent (and checked
+        against `sums`)."""
         key = (_hex(digest), idx)
         while True:
             with self._lock:
@@ -89,20 +111,35 @@ class ChunkCache:
                         self.stats.hits += 1
                         return fd
                 fetch_lock = self._fetching.setdefault(key, threading.Lock())
-            with fetch_lock:  # one fetch per chunk; the others wait and then hit
+            try:
+                with fetch_lock:  # one fetch per chunk; the others wait and then hit
+                    with self._lock:
+                        present = key in self._lru
+                    if not present:
+                        self._fetch(repo, digest, key, length, sums)
+            finally:  # also when the fetch failed: the next reader tries again
                 with self._lock:
-                    present = key in self._lru
-                if not present:
-                    self._fetch(repo, digest, key, length)
-            with self._lock:
-                self._fetching.pop(key, None)
+                    self._fetching.pop(key, None)
 
-    def _fetch(self, repo: Repository, digest: str, key: tuple[str, int], length: int) -> None:
-        data = repo.read_layer(digest, key[1] * self.chunk_size, length)
-        if len(data) != length:
-            from .errors import RepositoryError
+    def _fetch(self, repo: Repository, digest: str, key: tuple[str, int], length: int,
+               sums: ChunkSums | None) -> None:
+        offset = key[1] * self.chunk_size
 
-            raise RepositoryError(f"layer {digest}: short chunk {key[1]} ({len(data)}/{length})")
+        def attempt() -> bytes:
+            data = repo.read_layer(digest, offset, length)
+            if len(data) != length:
+                raise RepositoryError(f"layer {digest}: short chunk {key[1]} "
+                                      f"({len(data)}/{length})")
+            if sums is not None:
+                try:
+                    sums.check(offset, data)
+                except IntegrityError:
+                    with self._lock:
+                        self.stats.corrupt += 1
+                    raise
+            return data
+
+        data = retry_once(f"layer {digest} chunk {key[1]}", attempt)
         path = self._path(key)
         path.parent.mkdir(exist_ok=True)
         tmp = path.with_name(f".tmp-{key[1]}-{threading.get_ident()}")
@@ -130,11 +167,13 @@ class ChunkCache:
 class CachedBlob:
     """A repository layer read through the chunk cache (Blob protocol)."""
 
-    def __init__(self, cache: ChunkCache, repo: Repository, digest: str, size: int) -> None:
+    def __init__(self, cache: ChunkCache, repo: Repository, digest: str, size: int,
+                 sums: ChunkSums | None = None) -> None:
         self.cache = cache
         self.repo = repo
         self.digest = digest
         self.size = size
+        self.sums = sums
         self.path = f"{digest} (cached)"
         self._hex = _hex(digest)
 
@@ -153,7 +192,7 @@ class CachedBlob:
     def pread(self, offset: int, length: int) -> bytes:
         parts = []
         for idx, clen, off, n in self._chunks(offset, length):
-            fd = self.cache.open_chunk(self.repo, self.digest, idx, clen)
+            fd = self.cache.open_chunk(self.repo, self.digest, idx, clen, self.sums)
             try:
                 parts.append(os.pread(fd, n, off))
             finally:
@@ -164,7 +203,8 @@ class CachedBlob:
         out: list[tuple[int, int, int, bool]] = []
         try:
             for idx, clen, off, n in self._chunks(offset, length):
-                out.append((self.cache.open_chunk(self.repo, self.digest, idx, clen), off, n, True))
+                out.append((self.cache.open_chunk(self.repo, self.digest, idx, clen,
+                                                  self.sums), off, n, True))
         except BaseException:
             for fd, *_ in out:
                 os.close(fd)

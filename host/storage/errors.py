@@ -8,7 +8,8 @@
     │   ├── StackExistsError
     │   └── OutOfRangeError     (also ValueError) request past the end of the device
     ├── RepositoryError         a repository backend failed
-    │   └── RepositoryConfigError   (also ValueError) bad or missing backend settings
+    │   ├── RepositoryConfigError   (also ValueError) bad or missing backend settings
+    │   └── IntegrityError      fetched data does not match its recorded digest (after a refetch)
     └── ControlError            the block server's control API failed or answered an error
 """
 
@@ -49,6 +50,11 @@ class RepositoryError(StorageError):
 
 class RepositoryConfigError(RepositoryError, ValueError):
     """Repository settings are missing or invalid (for example an oss repo without region)."""
+
+
+class IntegrityError(RepositoryError):
+    """Data fetched from the repository (a layer chunk, a file) does not match the digest
+    recorded for it, also when fetched a second time; nothing of it was kept or served."""
 
 
 class ControlError(StorageError):

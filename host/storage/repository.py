@@ -5,11 +5,16 @@ immutable files (memory snapshots) under `files/<key>`. All are made visible ato
 posix_fs writes a temp file (or hard-links one), fsyncs and renames; oss uploads with a
 multipart upload (an object appears only when the upload completes) and a manifest with one
 PUT, after everything it names. So a crash never leaves half a snapshot visible.
+
+What comes back from `oss` is checked (integrity.py): a layer is uploaded after its chunk
+sums (`layers/<hex>.sums.json`), which the chunk cache checks every fetched chunk against;
+`put_file` returns the sha256 of the file's content, which `fetch_file(sha256=)` checks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -19,7 +24,8 @@ from pathlib import Path
 from typing import IO, Any, Protocol, cast
 from urllib.parse import parse_qs, urlparse
 
-from .errors import LayerNotFoundError, RepositoryConfigError, RepositoryError
+from .errors import IntegrityError, LayerNotFoundError, RepositoryConfigError, RepositoryError
+from .integrity import ChunkSums, HashingReader, retry_once, sums_of_file
 
 
 def _hex(digest: str) -> str:
@@ -51,11 +57,21 @@ class Repository(Protocol):
     def read_layer(self, digest: str, offset: int, length: int) -> bytes: ...
     def put_layer(self, digest: str, path: str | os.PathLike[str]) -> None: ...
     def local_path(self, digest: str) -> Path | None: ...
+    def layer_sums(self, digest: str) -> ChunkSums | None:
+        """What chunks read with `read_layer` are checked against (None: not recorded)."""
+        ...
     def put_manifest(self, name: str, manifest: dict[str, Any]) -> None: ...
     def get_manifest(self, name: str) -> dict[str, Any]: ...
     def list_manifests(self) -> list[str]: ...
-    def put_file(self, key: str, path: str | os.PathLike[str]) -> None: ...
-    def fetch_file(self, key: str, dest: str | os.PathLike[str]) -> None: ...
+    def put_file(self, key: str, path: str | os.PathLike[str]) -> str | None:
+        """Store an immutable file; returns the sha256 (hex) of its content when the
+        backend computed it while copying (None: the bytes are shared, not copied)."""
+        ...
+    def fetch_file(self, key: str, dest: str | os.PathLike[str], *,
+                   sha256: str | None = None) -> None:
+        """Copy a file to `dest` (atomically); with `sha256`, its content must match
+        (refetched once, then IntegrityError, and `dest` is not created)."""
+        ...
     def has_file(self, key: str) -> bool: ...
     def delete_files(self, prefix: str) -> None: ...
 
@@ -97,6 +113,9 @@ class PosixFsRepository:
             return
         _link_or_copy(Path(path), dst)  # sealed layers are immutable: share the bytes
 
+    def layer_sums(self, digest: str) -> ChunkSums | None:
+        return None  # read in place (local_path), never through the chunk cache
+
     def put_manifest(self, name: str, manifest: dict[str, Any]) -> None:
         dst = self.root / "manifests" / f"{_check_name(name)}.json"
         with _atomic(dst) as tmp, open(tmp, "w") as out:
@@ -121,17 +140,33 @@ class PosixFsRepository:
     def _file(self, key: str) -> Path:
         return self.root / "files" / _check_key(key)
 
-    def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
+    def put_file(self, key: str, path: str | os.PathLike[str]) -> str | None:
         dst = self._file(key)
         dst.parent.mkdir(parents=True, exist_ok=True)
         _link_or_copy(Path(path), dst)
+        return None  # usually a hard link: hashing would read what was never copied
 
-    def fetch_file(self, key: str, dest: str | os.PathLike[str]) -> None:
+    def fetch_file(self, key: str, dest: str | os.PathLike[str], *,
+                   sha256: str | None = None) -> None:
         src = self._file(key)
         if not src.exists():
             raise LayerNotFoundError(f"file {key} not in {self.root}")
-        Path(dest).parent.mkdir(parents=True, exist_ok=True)
-        _link_or_copy(src, Path(dest))
+        dst = Path(dest)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if sha256 is None:
+            _link_or_copy(src, dst)
+            return
+
+        def attempt() -> None:
+            with _atomic(dst) as tmp:
+                tmp.unlink()
+                try:
+                    os.link(src, tmp)
+                except OSError:
+                    _copy_sparse(src, tmp)
+                _check_sha256(key, _hash_file(tmp), sha256)
+
+        retry_once(f"file {key}", attempt)
 
     def has_file(self, key: str) -> bool:
         return self._file(key).is_file()
@@ -164,6 +199,20 @@ def _atomic(dst: Path) -> Iterator[Path]:
         raise
 
 
+def _hash_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while buf := f.read(1 << 20):
+            h.update(buf)
+    return h.hexdigest()
+
+
+def _check_sha256(what: str, got: str, want: str) -> None:
+    if got != want:
+        raise IntegrityError(f"file {what}: content sha256 {got} does not match the "
+                             f"recorded {want}")
+
+
 def _link_or_copy(src: Path, dst: Path) -> None:
     """Make `dst` an atomic, durable copy of `src`: a hard link when both are on one
     filesystem, else a copy that keeps holes (memory files are mostly zeros)."""
@@ -177,14 +226,16 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 class _SparseWriter:
     """A write-only stream onto a file that leaves all-zero chunks as holes (fetched memory
-    files stay as sparse as the originals)."""
+    files stay as sparse as the originals), hashing what it is given."""
 
     def __init__(self, f: Any) -> None:
         self.f = f
         self.pos = 0
+        self.hash = hashlib.sha256()
 
     def write(self, data: bytes | memoryview) -> int:
         n = len(data)
+        self.hash.update(data)
         if n and bytes(data).count(0) != n:
             self.f.seek(self.pos)
             self.f.write(data)
@@ -270,6 +321,9 @@ class OssRepository:
     def _key(self, digest: str) -> str:
         return f"{self.prefix}layers/{_hex(digest)}.lsmt"
 
+    def _sums_key(self, digest: str) -> str:
+        return f"{self.prefix}layers/{_hex(digest)}.sums.json"
+
     def has_layer(self, digest: str) -> bool:
         try:
             self.layer_size(digest)
@@ -292,11 +346,30 @@ class OssRepository:
 
     def put_layer(self, digest: str, path: str | os.PathLike[str]) -> None:
         if self.has_layer(digest):
+            if self.layer_sums(digest) is None:  # uploaded before sums were recorded
+                self._put_sums(sums_of_file(path, digest))
             return
+        # the sums first: a visible layer always has them (and a file that does not
+        # match its digest is refused here, never uploaded)
+        self._put_sums(sums_of_file(path, digest))
         # upload_file uses a multipart upload above the threshold: the object becomes
         # visible only when CompleteMultipartUpload succeeds, never half-written
         with _map_boto_errors(f"upload {digest}"):
             self.s3.upload_file(str(path), self.bucket, self._key(digest), Config=self._transfer)
+
+    def _put_sums(self, sums: ChunkSums) -> None:
+        with _map_boto_errors(f"upload chunk sums of {sums.digest}"):
+            self.s3.put_object(Bucket=self.bucket, Key=self._sums_key(sums.digest),
+                               Body=sums.to_json())
+
+    def layer_sums(self, digest: str) -> ChunkSums | None:
+        try:
+            with _map_boto_errors(f"chunk sums of {digest}"):
+                raw = self.s3.get_object(Bucket=self.bucket,
+                                         Key=self._sums_key(digest))["Body"].read()
+        except LayerNotFoundError:
+            return None
+        return ChunkSums.from_json(raw, digest)
 
     def put_manifest(self, name: str, manifest: dict[str, Any]) -> None:
         body = json.dumps(manifest, sort_keys=True).encode()
@@ -320,29 +393,41 @@ class OssRepository:
     # Files (memory snapshots: guest RAM, much of it zero pages) are stored zstd-compressed:
     # the transfer is the slow part of resuming on a node that does not have them.
 
-    def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
+    def put_file(self, key: str, path: str | os.PathLike[str]) -> str:
         import zstandard
 
         # always uploaded (a retried snapshot may reuse a key); a multipart upload of the
         # compressed stream, so the object appears whole or not at all
         cctx = zstandard.ZstdCompressor(level=3, threads=-1)
-        with (open(path, "rb") as src, cctx.stream_reader(src) as packed,
-              _map_boto_errors(f"upload {key}")):
-            self.s3.upload_fileobj(packed, self.bucket, self._file_key(key),
-                                   Config=self._transfer)
+        with (open(path, "rb") as f, _map_boto_errors(f"upload {key}")):
+            src = HashingReader(f)
+            # a read()-only stream is all it needs
+            with cctx.stream_reader(cast("IO[bytes]", src)) as packed:
+                self.s3.upload_fileobj(packed, self.bucket, self._file_key(key),
+                                       Config=self._transfer)
+        return src.hexdigest()
 
-    def fetch_file(self, key: str, dest: str | os.PathLike[str]) -> None:
-        import zstandard
-
+    def fetch_file(self, key: str, dest: str | os.PathLike[str], *,
+                   sha256: str | None = None) -> None:
         dst = Path(dest)
         dst.parent.mkdir(parents=True, exist_ok=True)
+        retry_once(f"file {key}", lambda: self._fetch_file(key, dst, sha256))
+
+    def _fetch_file(self, key: str, dst: Path, sha256: str | None) -> None:
+        import zstandard
+
         with (_atomic(dst) as tmp, _map_boto_errors(f"file {key}"),
               open(tmp, "wb") as out):
             sparse = _SparseWriter(out)
             sink = cast("IO[bytes]", sparse)  # a write()-only stream is all it needs
-            with zstandard.ZstdDecompressor().stream_writer(sink, closefd=False) as unpack:
-                self.s3.download_fileobj(self.bucket, self._file_key(key), unpack,
-                                         Config=self._transfer)
+            try:
+                with zstandard.ZstdDecompressor().stream_writer(sink, closefd=False) as unpack:
+                    self.s3.download_fileobj(self.bucket, self._file_key(key), unpack,
+                                             Config=self._transfer)
+            except zstandard.ZstdError as exc:  # a damaged object: not a zstd stream
+                raise IntegrityError(f"file {key}: cannot decompress it: {exc}") from exc
+            if sha256 is not None:  # before the rename: a bad copy never appears
+                _check_sha256(key, sparse.hash.hexdigest(), sha256)
             sparse.finish()
             os.fsync(out.fileno())
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 
 if TYPE_CHECKING:
+    from .identity import VmmIdentity
     from .memsnap import BaseImage, MemSnapshot
 
 ENVD_PORT = 49983
@@ -300,6 +301,12 @@ class VmmDriver(Protocol):
         version, machine, devices, kernel and command line), with per-instance parts
         (paths, sockets, ports, namespace) left out: a snapshot restores only into a VM
         with the same digest."""
+
+    def identity(self) -> VmmIdentity:
+        """What this driver's memory snapshots depend on besides the spec: VMM version,
+        accelerator, guest CPU model (identity.py). Recorded with each snapshot; the
+        runtime refuses a restore under another. Blocking the first time (runs the VMM
+        with --version; cached)."""
 
     async def restore_memory(
         self, spec: VmSpec, *, base: BaseImage, snapshot: MemSnapshot | None = None,

@@ -17,6 +17,7 @@ from typing import Any, Self
 
 from .driver import BootTimeouts, VmSpec, VmState
 from .errors import VmmError, VmmStateError
+from .identity import VmmIdentity
 from .memsnap import BaseImage, MemSnapshot
 
 _pids = itertools.count(900_000)
@@ -154,8 +155,11 @@ class FakeDriver:
     name = "fake"
 
     def __init__(self, *, envd_url: str = "http://127.0.0.1:49983",
-                 fail: dict[str, BaseException] | None = None, delay_s: float = 0.0) -> None:
+                 fail: dict[str, BaseException] | None = None, delay_s: float = 0.0,
+                 identity: VmmIdentity | None = None) -> None:
         self.envd_url = envd_url
+        self.vmm_identity = identity or VmmIdentity(vmm="fake", version="fake 1.0",
+                                                    accel="tcg", cpu="max")
         self.fail = dict(fail or {})
         self.fail_once: dict[str, BaseException] = {}
         self.delay_s = delay_s
@@ -203,6 +207,10 @@ class FakeDriver:
 
     def config_digest(self, spec: VmSpec) -> str:
         return f"fake-{spec.vcpus}-{spec.mem_mib}-{spec.kernel}"
+
+    def identity(self) -> VmmIdentity:
+        """`identity=` of the constructor (settable: `vmm_identity`, a pretend upgrade)."""
+        return self.vmm_identity
 
     async def restore_memory(
         self, spec: VmSpec, *, base: BaseImage, snapshot: MemSnapshot | None = None,

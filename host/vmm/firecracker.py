@@ -44,6 +44,7 @@ from .firecracker_config import (
 from .firecracker_leftovers import belongs_to, find_leftovers, recorded_devices
 from .firecracker_snapshots import snapshot_mem_path
 from .firecracker_vm import FirecrackerVm
+from .identity import VmmIdentity, host_cpu_model
 from .jailer import JailerConfig, release_jail
 from .qemu import default_run_dir
 from .vmbase import DriverBase
@@ -96,6 +97,11 @@ class FirecrackerDriver(DriverBase["FirecrackerVm"]):
     def config_digest(self, spec: VmSpec) -> str:
         return config_digest(spec, version=firecracker_version(self.firecracker),
                              balloon=self.balloon)
+
+    def identity(self) -> VmmIdentity:
+        # KVM only, and no CPU template is set: the guest sees the host's CPU
+        return VmmIdentity(vmm="firecracker", version=firecracker_version(self.firecracker),
+                           accel="kvm", cpu="host", host_cpu=host_cpu_model())
 
     async def restore_memory(
         self, spec: VmSpec, *, base: BaseImage, snapshot: MemSnapshot | None = None,

@@ -8,20 +8,18 @@ ones the process sees (see jailer.py): relative to its working directory.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-import os
 import re
 import shlex
 import shutil
-import subprocess
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from .accel import _kvm_openable, _pvm_loaded
 from .driver import NbdDisk, TapNet, UserNet, VmSpec
 from .errors import VmmError
+from .identity import binary_version
 
 DEFAULT_FIRECRACKER = "firecracker"
 IFACE_ID = "eth0"
@@ -70,25 +68,7 @@ def firecracker_usable(binary: str = DEFAULT_FIRECRACKER) -> tuple[bool, str]:
 def firecracker_version(binary: str) -> str:
     """First line of `firecracker --version` (e.g. "Firecracker v1.16.1"); cached per
     binary file (an upgrade in place is seen)."""
-    path = shutil.which(binary) or binary
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        raise VmmError(f"cannot ask {binary} for its version: {exc}") from exc
-    return _version(path, st.st_mtime_ns, st.st_size)
-
-
-@functools.cache
-def _version(binary: str, mtime_ns: int, size: int) -> str:
-    try:
-        out = subprocess.run([binary, "--version"], capture_output=True, text=True,
-                             timeout=10, check=True, stdin=subprocess.DEVNULL).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise VmmError(f"cannot ask {binary} for its version: {exc}") from exc
-    line = out.strip().splitlines()[0] if out.strip() else ""
-    if not line:
-        raise VmmError(f"{binary} --version printed nothing")
-    return line
+    return binary_version(binary)
 
 
 def check_spec(spec: VmSpec, *, restoring: bool) -> None:

@@ -26,7 +26,8 @@ from . import procscan, qemu_memory
 from .accel import DEFAULT_QEMU, detect_accel, host_tsc_khz
 from .driver import BootTimeouts, TapNet, UserNet, VmSpec, VmState
 from .errors import VmmError, VmmStartError, VmmStateError, VmmTimeout
-from .qemu_cmdline import QemuRunFiles, build_argv, config_digest
+from .identity import VmmIdentity, binary_version, host_cpu_model
+from .qemu_cmdline import QemuRunFiles, build_argv, config_digest, cpu_model
 
 if TYPE_CHECKING:
     from .memsnap import BaseImage, MemSnapshot
@@ -91,6 +92,12 @@ class QemuDriver(DriverBase["QemuVm"]):
     def config_digest(self, spec: VmSpec) -> str:
         accel = self._accel or detect_accel(self.qemu).name  # cached after the first call
         return config_digest(spec, accel=accel, tsc_khz=host_tsc_khz(), qemu=self.qemu)
+
+    def identity(self) -> VmmIdentity:
+        accel = self._accel or detect_accel(self.qemu).name  # cached after the first call
+        cpu = cpu_model(accel)
+        return VmmIdentity(vmm="qemu", version=binary_version(self.qemu), accel=accel,
+                           cpu=cpu, host_cpu=host_cpu_model() if cpu == "host" else None)
 
     async def restore_memory(
         self, spec: VmSpec, *, base: BaseImage, snapshot: MemSnapshot | None = None,

@@ -55,6 +55,12 @@ def guest_cmdline(base: str, *, accel: str, tsc_khz: int | None) -> str:
     return " ".join([*extra, base.strip()]).strip()
 
 
+def cpu_model(accel: str) -> str:
+    """The `-cpu` of every VM: all the host's features under KVM, QEMU's most capable
+    emulated CPU under TCG. Part of what a memory snapshot is keyed on (identity.py)."""
+    return "max" if accel == "tcg" else "host"
+
+
 def _disk_args(index: int, disk: FileDisk | NbdDisk) -> list[str]:
     drive_id = f"disk{index}"
     opts = [f"id={drive_id}", "if=none", "format=raw" if isinstance(disk, NbdDisk)
@@ -97,7 +103,7 @@ def build_argv(
         "-name", qopt(spec.name),
         "-M", machine,
         "-accel", accel,
-        "-cpu", "max" if accel == "tcg" else "host",
+        "-cpu", cpu_model(accel),
         "-smp", str(spec.vcpus),
         "-m", f"{spec.mem_mib}M",
         "-nodefaults", "-no-user-config", "-no-reboot", "-display", "none",

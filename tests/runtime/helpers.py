@@ -20,11 +20,21 @@ def sdk(p: Placement) -> Any:
     from e2b import Sandbox
 
     host, port = p.address(49983)
+    wanted = {"E2B_DEBUG": "true", "E2B_SANDBOX_URL": f"http://{host}:{port}",
+              "E2B_API_KEY": os.environ.get("E2B_API_KEY", "x")}
     with _env_lock:
-        os.environ["E2B_DEBUG"] = "true"
-        os.environ["E2B_SANDBOX_URL"] = f"http://{host}:{port}"
-        os.environ.setdefault("E2B_API_KEY", "x")
-        return Sandbox.create()
+        # the SDK reads its connection settings from the environment at create; put
+        # back what was there after, so later tests (E2B_API_URL mode) do not inherit it
+        saved = {k: os.environ.get(k) for k in wanted}
+        os.environ.update(wanted)
+        try:
+            return Sandbox.create()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 async def run(p: Placement, cmd: str, timeout: float = 120) -> str:
