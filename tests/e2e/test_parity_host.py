@@ -159,3 +159,45 @@ def test_background_command_of_a_killed_sandbox_js(env: E2EService) -> None:
                        text=True, timeout=600, check=False)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
     assert json.loads(r.stdout.strip().splitlines()[-1])["error"] == "TimeoutError"
+
+
+def _node(env: E2EService, script: str) -> dict:
+    import json
+    import os
+    import shutil
+    import subprocess
+
+    from tests.orchestrator.hostproc import REPO
+
+    js = REPO / "tests" / "js"
+    if shutil.which("node") is None or not (js / "node_modules" / "e2b").exists():
+        pytest.skip("node or tests/js/node_modules/e2b missing (npm ci in tests/js)")
+    penv = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
+    penv.update(env.sdk_env())
+    penv["E2B_DOMAIN"] = "sbx.localhost"
+    r = subprocess.run(["node", str(js / script)], env=penv, cwd=js, capture_output=True,
+                       text=True, timeout=600, check=False)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_background_command_survives_pause_python(env: E2EService) -> None:
+    """Item 10, the Python SDK: the command started before pause() finishes after
+    connect()."""
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(timeout=300)
+    try:
+        sbx.commands.run("sleep 2 && echo done > /home/user/f", background=True, timeout=0)
+        assert sbx.pause()
+        again = Sandbox.connect(sbx.sandbox_id, timeout=300)
+        time.sleep(4)
+        assert again.files.read("/home/user/f") == "done\n"
+    finally:
+        Sandbox.kill(sbx.sandbox_id)
+
+
+@pytest.mark.js
+def test_background_command_survives_pause_js(env: E2EService) -> None:
+    """Item 10, the JS SDK (it did not, with the JS SDK, before)."""
+    assert _node(env, "pause_background.mjs")["content"] == "done\n"
