@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from host.storage.errors import StorageError
 from .config import RuntimeConfig
 from .errors import NodeRuntimeError
 
+log = logging.getLogger(__name__)
 _READY_S = 30.0
 
 
@@ -77,6 +79,32 @@ class BlockServerHandle:
             await asyncio.sleep(0.05)
         # Popen's object is dropped: the server outlives us; reap it if it dies meanwhile
         self._proc = proc
+
+    def alive(self) -> bool | None:
+        """Whether the block server process lives (None: not known here: no pid)."""
+        proc = getattr(self, "_proc", None)
+        if proc is not None:
+            return proc.poll() is None
+        with contextlib.suppress(OSError, ValueError):
+            return Path(f"/proc/{int(self.pid_file.read_text())}").exists()
+        return None
+
+    async def watch(self, interval_s: float = 0.5) -> None:
+        """Restart the block server whenever it dies (runs until cancelled). It recovers
+        every stack from its manifests and listens on the same sockets; the VMs' NBD
+        clients reconnect within their reconnect-delay and rerun the requests they held,
+        so a crash of the server costs the guests a pause, not I/O errors."""
+        while True:
+            await asyncio.sleep(interval_s)
+            if self.alive() is False or (self.alive() is None and not await self.ping()):
+                log.warning("the block server died; restarting it (its stacks are "
+                            "recovered from %s)", self.config.state_dir / "storage")
+                try:
+                    await self.ensure()
+                except Exception:
+                    log.exception("restarting the block server failed; retrying")
+                else:
+                    log.info("block server restarted")
 
     async def stop(self) -> None:
         """Stop the block server (node shutdown, tests). Its stacks stay on disk."""

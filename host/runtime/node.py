@@ -71,6 +71,7 @@ class NodeRuntime:
             memory=MemoryFiles(cfg.memory_dir, manifests.repo, bound_mib=cfg.memory_cache_mib),
             manifests=manifests)
         self._open = False
+        self._watchdog: asyncio.Task[None] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -79,6 +80,9 @@ class NodeRuntime:
             return self
         await asyncio.to_thread(make_dirs, self.config)
         await self.block.ensure()
+        # owned by this runtime: cancelled in aclose(), before anything it could race
+        self._watchdog = asyncio.get_running_loop().create_task(self.block.watch(),
+                                                                name="block-server-watchdog")
         await self.parts.machines.open()
         await asyncio.to_thread(host_tsc_khz)  # cached; QEMU under TCG needs it
         self._open = True
@@ -93,6 +97,11 @@ class NodeRuntime:
     async def aclose(self, *, stop_block_server: bool = False) -> None:
         """Release node resources; running VMs (and their networks, stacks and the block
         server) are left running for adoption, unless `stop_block_server`."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
+            self._watchdog = None
         for sb in list(self.parts.sandboxes.values()):
             with contextlib.suppress(VmmError):  # a VM that died meanwhile: nothing to keep
                 await sb.vm.detach()

@@ -61,6 +61,9 @@ def cpu_model(accel: str) -> str:
     return "max" if accel == "tcg" else "host"
 
 
+NBD_RECONNECT_DELAY_S = 60
+
+
 def _disk_args(index: int, disk: FileDisk | NbdDisk) -> list[str]:
     drive_id = f"disk{index}"
     opts = [f"id={drive_id}", "if=none", "format=raw" if isinstance(disk, NbdDisk)
@@ -69,8 +72,11 @@ def _disk_args(index: int, disk: FileDisk | NbdDisk) -> list[str]:
         opts.insert(1, f"file={qopt(disk.path)}")
         opts.append("cache=writeback")
     else:
+        # reconnect-delay: when the block server goes away (a crash, a restart), QEMU
+        # holds the guest's requests and reconnects for this long, then reruns them
         opts[1:1] = ["file.driver=nbd", "file.server.type=unix",
-                     f"file.server.path={qopt(disk.socket)}", f"file.export={qopt(disk.export)}"]
+                     f"file.server.path={qopt(disk.socket)}", f"file.export={qopt(disk.export)}",
+                     f"file.reconnect-delay={NBD_RECONNECT_DELAY_S}"]
         opts.append("cache=none")
     if disk.read_only:
         opts.append("readonly=on")
@@ -164,8 +170,9 @@ def config_digest(spec: VmSpec, *, accel: str, tsc_khz: int | None, qemu: str) -
     out: list[str] = []
     for a in argv:
         if a.startswith("file.driver=nbd") or "file.export=" in a:
-            a = ",".join(p for p in a.split(",") if not p.startswith(("file.export=",
-                                                                      "file.server.path=")))
+            # host-side block options: no part of what a restore must match
+            a = ",".join(p for p in a.split(",") if not p.startswith((
+                "file.export=", "file.server.path=", "file.reconnect-delay=")))
         if a.startswith("user,id=net0"):
             a = "user,id=net0"
         out.append(a)

@@ -55,7 +55,7 @@ def test_disks_in_order_with_escaping() -> None:
     assert _opt(argv, "-drive") == [
         "id=disk0,file=/img/a,,b.ext4,if=none,format=raw,cache=writeback,readonly=on",
         ("id=disk1,file.driver=nbd,file.server.type=unix,file.server.path=/run/nbd.sock,"
-         "file.export=upper,if=none,format=raw,cache=none"),
+         "file.export=upper,file.reconnect-delay=60,if=none,format=raw,cache=none"),
         "id=disk2,file=/img/c.qcow2,if=none,format=qcow2,cache=writeback",
     ]
     assert _opt(argv, "-device") == [
