@@ -22,6 +22,7 @@ from host.api import ApiKeys, build_api_app
 from host.config import Config, ConfigError, parse_config
 from host.contract import MachineSpec
 from host.orchestrator import NodeOrchestrator, Store
+from host.orchestrator.admission import AdmissionPolicy
 from host.proxy import build_proxy_app
 
 log = logging.getLogger("host")
@@ -33,6 +34,9 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+KEEP_ALIVE_S = 75  # idle client connections kept open (both listeners)
 
 
 async def open_runtime(cfg: Config) -> Any:
@@ -87,7 +91,10 @@ async def serve(cfg: Config) -> None:
         orch = NodeOrchestrator(
             store, runtime, domain=cfg.domain, default_template=cfg.default_template,
             machine=MachineSpec(cpu_count=cfg.cpu_count, memory_mb=cfg.memory_mb,
-                                disk_mb=cfg.disk_mb, image=cfg.image))
+                                disk_mb=cfg.disk_mb, image=cfg.image),
+            admission=AdmissionPolicy(max_starts=cfg.max_starts,
+                                      max_sandboxes=cfg.max_sandboxes,
+                                      reserve_mib=cfg.memory_reserve_mib))
         await orch.start(ttl_interval_s=cfg.ttl_interval_s)
         keys = ApiKeys.load_or_create(cfg.keys_path)
         api = build_api_app(orch, keys, domain=cfg.domain, state_dir=cfg.state_dir,
@@ -99,10 +106,14 @@ async def serve(cfg: Config) -> None:
             paths = ensure_certificates(cfg.tls_dir, cfg.domain)
             ssl = {"ssl_certfile": str(paths.cert), "ssl_keyfile": str(paths.key)}
         servers = [
+            # keep-alive well past uvicorn's 5 s: the SDKs pool connections and retry a
+            # 429 after its Retry-After (5 s), which otherwise races the server's close
             _Server(uvicorn.Config(api, host=cfg.listen, port=cfg.api_port, lifespan="off",
-                                   log_level=cfg.log_level, timeout_graceful_shutdown=10, **ssl)),
+                                   log_level=cfg.log_level, timeout_graceful_shutdown=10,
+                                   timeout_keep_alive=KEEP_ALIVE_S, **ssl)),
             _Server(uvicorn.Config(proxy, host=cfg.listen, port=cfg.proxy_port, lifespan="on",
-                                   log_level=cfg.log_level, timeout_graceful_shutdown=10, **ssl)),
+                                   log_level=cfg.log_level, timeout_graceful_shutdown=10,
+                                   timeout_keep_alive=KEEP_ALIVE_S, **ssl)),
         ]
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()

@@ -24,6 +24,13 @@
                      guest address pool (10.200.0.0/16): distinct per service on one host
     AENV_ENVD_TIMEOUT_S --envd-timeout 180            restore -> envd /health (generous: TCG under load)
     AENV_IMAGE, AENV_CPU_COUNT, AENV_MEMORY_MB, AENV_DISK_MB   the default template's machine
+    AENV_MAX_STARTS  --max-starts   4                 VM starts (creates, forks, resumes) at once;
+                                                      more wait their turn
+    AENV_MAX_SANDBOXES --max-sandboxes 0              sandboxes holding a VM on this node (0: no
+                                                      fixed limit); beyond it a start is refused
+                                                      with E2B's capacity error (429)
+    AENV_MEMORY_RESERVE_MIB --memory-reserve-mib 1024 a start is refused (429) rather than leave
+                                                      the host less MemAvailable than this
     AENV_TEMPLATE_UPLOAD_MIB --template-upload-mib 2048   largest COPY archive a template
                                                       build may upload (MiB)
     AENV_REGISTRY_MIRROR --registry-mirror -          serves docker.io image names for builds
@@ -76,6 +83,9 @@ class Config:
     ttl_interval_s: float = 1.0
     envd_timeout_s: float = 180.0
     template_upload_mib: int = 2048
+    max_starts: int = 4
+    max_sandboxes: int = 0
+    memory_reserve_mib: int = 1024
     registry_mirror: str | None = None
     insecure_registries: tuple[str, ...] = ()
     log_level: str = "info"
@@ -140,6 +150,11 @@ def _parser() -> argparse.ArgumentParser:
                         "(loopback registries always are)")
     p.add_argument("--template-upload-mib", type=int,
                    help="largest COPY archive a template build may upload (MiB)")
+    p.add_argument("--max-starts", type=int, help="VM starts at once (the rest wait)")
+    p.add_argument("--max-sandboxes", type=int,
+                   help="sandboxes holding a VM on this node (0: no fixed limit)")
+    p.add_argument("--memory-reserve-mib", type=int,
+                   help="refuse a start that would leave less available host memory")
     p.add_argument("--ttl-interval", type=float, dest="ttl_interval_s")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     return p
@@ -160,6 +175,8 @@ _ENV: dict[str, tuple[str, type]] = {
     "disk_mb": ("AENV_DISK_MB", int), "ttl_interval_s": ("AENV_TTL_INTERVAL_S", float),
     "envd_timeout_s": ("AENV_ENVD_TIMEOUT_S", float),
     "template_upload_mib": ("AENV_TEMPLATE_UPLOAD_MIB", int),
+    "max_starts": ("AENV_MAX_STARTS", int), "max_sandboxes": ("AENV_MAX_SANDBOXES", int),
+    "memory_reserve_mib": ("AENV_MEMORY_RESERVE_MIB", int),
     "registry_mirror": ("AENV_REGISTRY_MIRROR", str),
     "insecure_registries": ("AENV_INSECURE_REGISTRIES", tuple),
     "log_level": ("AENV_LOG_LEVEL", str),
@@ -210,6 +227,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("cpu_count >= 1, memory_mb >= 128, disk_mb >= 0")
     if cfg.template_upload_mib < 1:
         raise ConfigError(f"template_upload_mib must be at least 1, got {cfg.template_upload_mib}")
+    if cfg.max_starts < 1 or cfg.max_sandboxes < 0 or cfg.memory_reserve_mib < 0:
+        raise ConfigError("max_starts >= 1, max_sandboxes >= 0, memory_reserve_mib >= 0")
     if cfg.cache_mib < 64:
         raise ConfigError(f"cache_mib must be at least 64, got {cfg.cache_mib}")
     if cfg.repository and cfg.repository.startswith(("oss://", "s3://")):

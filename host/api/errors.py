@@ -17,6 +17,7 @@ from host.orchestrator.errors import (
     AliasConflict,
     AliasTaken,
     BuildNotFound,
+    CapacityExceeded,
     GuestUnresponsive,
     IdempotencyMismatch,
     IncompatibleSnapshot,
@@ -67,6 +68,7 @@ _STATUS: dict[type[Exception], int] = {
     AliasTaken: 403,            # the alias is owned by someone else (the built-in template)
     UploadTooLarge: 413,
     IncompatibleSnapshot: 409,  # memory saved by another VMM / CPU: resume with a reboot
+    CapacityExceeded: 429,      # error_code sandbox_capacity_unavailable, Retry-After
 }
 
 # Statuses a client may retry unchanged; every other 5xx carries `Should-Retry: false`
@@ -96,6 +98,10 @@ def response_for(exc: Exception) -> JSONResponse:
         status = status_of(exc)
         if status >= 500:
             log.error("orchestrator failed: %s", exc, exc_info=exc)
-        return error_response(status, str(exc), getattr(exc, "error_code", None))
+        response = error_response(status, str(exc), getattr(exc, "error_code", None))
+        retry_after = getattr(exc, "retry_after_s", None)
+        if retry_after is not None:   # the capacity error: the SDKs wait this long
+            response.headers["Retry-After"] = str(retry_after)
+        return response
     log.exception("unhandled error in the API", exc_info=exc)
     return error_response(500, f"internal error: {type(exc).__name__}")

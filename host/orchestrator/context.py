@@ -20,6 +20,7 @@ from typing import Any, Protocol, TypeVar
 
 from host.contract import MachineSpec, SandboxRuntime
 
+from .admission import HOLDS_VM, Admission
 from .build_log import BuildLogBuffer
 from .envd import EnvdClient
 from .errors import InvalidRequest, SandboxNotFound
@@ -53,6 +54,7 @@ class Context:
     max_timeout_s: int
     templates: TemplateStore
     files_dir: Path                   # uploaded COPY archives, one file per filesHash
+    admission: Admission = dataclasses.field(default_factory=Admission)
     locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
     # One event per running incarnation that the proxy was routed to (made by
     # guest.route), set and dropped when that incarnation ends: see end_run.
@@ -89,6 +91,10 @@ class Context:
         if rec.state in GONE:
             raise SandboxNotFound(sandbox_id)
         return rec
+
+    async def vm_holders(self) -> int:
+        """How many sandboxes hold (or are getting) a VM on this node."""
+        return len(await self.db(self.store.list_sandboxes, HOLDS_VM))
 
     def check_timeout(self, timeout_s: int, what: str = "timeout") -> None:
         if timeout_s < 0 or timeout_s > self.max_timeout_s:

@@ -12,6 +12,7 @@
     ├── UploadTooLarge           413  (a COPY archive over the upload limit)
     ├── InvalidRequest           400
     ├── IncompatibleSnapshot     409  (its memory was saved by another VMM / CPU: reboot it)
+    ├── CapacityExceeded         429  (the node's sandbox limit or memory: admission.py)
     └── OperationFailed          500  (the VMM or storage failed; state was rolled back)
 """
 
@@ -62,6 +63,18 @@ class OperationFailed(OrchestratorError):
     status = 500
 
 
+class CapacityExceeded(OrchestratorError):
+    """The node cannot take another VM start now (its sandbox limit, or the host's
+    memory): nothing was started. E2B's capacity error; the client may retry later."""
+
+    status = 429
+    error_code = "sandbox_capacity_unavailable"
+
+    def __init__(self, message: str, *, retry_after_s: int = 5) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class IncompatibleSnapshot(OrchestratorError):
     """The runtime refused to restore a snapshot's memory (another VMM version, accelerator
     or CPU model saved it); nothing changed and a reboot resume would work."""
@@ -74,6 +87,8 @@ def start_failed(message: str, exc: Exception) -> OrchestratorError:
     snapshot's memory is incompatible with this node, else OperationFailed (500)."""
     if isinstance(exc, SnapshotIncompatible):
         return IncompatibleSnapshot(message)
+    if isinstance(exc, CapacityExceeded):
+        return exc
     return OperationFailed(message)
 
 

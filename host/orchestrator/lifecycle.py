@@ -164,7 +164,9 @@ async def new_sandbox(ctx: Context, source: SnapshotRecord, *, template_id: str,
         await ctx.db(ctx.store.insert_sandbox, rec,
                      event={"op": "create", "source": source.id})
         try:
-            placement = await ctx.runtime.start(sandbox_id, ref, network)
+            async with ctx.admission.start(sandbox_id, ref.machine.memory_mb,
+                                           ctx.vm_holders):
+                placement = await ctx.runtime.start(sandbox_id, ref, network)
         except Exception as exc:
             await ctx.db(ctx.store.transition, sandbox_id, {S.CREATING}, S.KILLED,
                          event={"op": "create_failed", "error": str(exc)})

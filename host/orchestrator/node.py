@@ -41,6 +41,7 @@ from . import (
     templates,
     timeouts,
 )
+from .admission import Admission, AdmissionPolicy
 from .context import Context
 from .envd import EnvdClient
 from .errors import OperationFailed, OrchestratorError
@@ -86,7 +87,8 @@ class NodeOrchestrator:
                  machine: MachineSpec | None = None, envd: EnvdClient | None = None,
                  default_timeout_s: int = 300, max_timeout_s: int = 24 * 3600,
                  clock: Callable[[], float] = time.time,
-                 files_dir: Path | None = None, builtin_cache: Path | None = None) -> None:
+                 files_dir: Path | None = None, builtin_cache: Path | None = None,
+                 admission: AdmissionPolicy | None = None) -> None:
         self.domain = domain
         # the host-side inputs of built-in templates (pip trees, archives): like the
         # kernel and image, reusable across state dirs
@@ -107,7 +109,8 @@ class NodeOrchestrator:
             template_aliases=frozenset({"", default_template, *template_aliases}),
             default_timeout_s=default_timeout_s, max_timeout_s=max_timeout_s,
             templates=TemplateStore(store),
-            files_dir=files_dir or self.state_dir / "template-files")
+            files_dir=files_dir or self.state_dir / "template-files",
+            admission=Admission(admission))
         self._runs = self._ctx.runs  # the proxy's run events (Context.end_run)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ttl: TtlLoop | None = None

@@ -135,8 +135,9 @@ async def _resume_locked(ctx: Context, rec: SandboxRecord, timeout_s: int | None
     # a cold boot (reboot, or a filesystem-only snapshot) starts an envd with no token
     reboot = reboot or (ref.facts or {}).get("memory", True) is None
     try:
-        placement = await ctx.runtime.start(sid, ref, network_from_json(rec.network),
-                                            reboot=reboot)
+        async with ctx.admission.start(sid, rec.memory_mb, ctx.vm_holders):
+            placement = await ctx.runtime.start(sid, ref, network_from_json(rec.network),
+                                                reboot=reboot)
     except Exception as exc:
         await ctx.db(ctx.store.transition, sid, {S.RESUMING}, S.PAUSED,
                      event={"op": "resume_failed", "error": str(exc)})

@@ -1,0 +1,87 @@
+"""Admission control: VM starts (creates, fork children, resumes) are bounded, and
+refused with E2B's capacity error before they could exhaust the node.
+
+- At most `max_starts` VM starts run at once; the others wait their turn (a start is
+  the node's costliest operation: QEMU spawn, memory restore, network, envd).
+- A start is refused (429, `error_code: sandbox_capacity_unavailable`, `Retry-After`)
+  when the node already runs `max_sandboxes` (0: no fixed limit), or when the host's
+  available memory (MemAvailable) is below `reserve_mib` plus what the new sandbox
+  needs at first (`first_touch_mib`, its memory is otherwise overcommitted: a restored
+  guest maps its snapshot's pages copy-on-write and touches few of them). The check is
+  made when the start gets its turn, against the memory the node really has then.
+
+Refusing is what keeps the host out of its OOM killer; the SDKs see a RateLimit error
+(the Python SDK retries it after Retry-After).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import CapacityExceeded
+from .states import SandboxState as S
+
+# states in which a sandbox holds (or is about to hold) a VM
+HOLDS_VM = frozenset({S.CREATING, S.RUNNING, S.RESUMING, S.PAUSING, S.SNAPSHOTTING,
+                      S.FORKING, S.KILLING})
+RETRY_AFTER_S = 5
+
+
+def mem_available_mib(meminfo: Path = Path("/proc/meminfo")) -> int:
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) // 1024
+    raise RuntimeError(f"no MemAvailable in {meminfo}")
+
+
+@dataclass(frozen=True)
+class AdmissionPolicy:
+    max_starts: int = 4
+    max_sandboxes: int = 0          # 0: no fixed limit
+    reserve_mib: int = 1024         # never start a VM that would leave less available
+    first_touch_mib: int = 64       # what a restored sandbox needs at once, at least
+
+
+class Admission:
+    def __init__(self, policy: AdmissionPolicy | None = None, *,
+                 available_mib: Callable[[], int] = mem_available_mib) -> None:
+        self.policy = policy or AdmissionPolicy()
+        self._slots = asyncio.Semaphore(max(1, self.policy.max_starts))
+        self._available_mib = available_mib
+        self.in_flight = 0              # starts past the check, not finished
+        self.peak_in_flight = 0
+
+    @contextlib.asynccontextmanager
+    async def start(self, sandbox_id: str, memory_mb: int,
+                    holding: Callable[[], Awaitable[int]]) -> AsyncIterator[None]:
+        """Hold a start slot for the VM start in the `async with` body; CapacityExceeded
+        when the node cannot take it. `holding()`: how many sandboxes hold a VM now
+        (this one included)."""
+        async with self._slots:
+            self._check(sandbox_id, memory_mb, await holding())
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+            try:
+                yield
+            finally:
+                self.in_flight -= 1
+
+    def _check(self, sandbox_id: str, memory_mb: int, holding: int) -> None:
+        p = self.policy
+        if p.max_sandboxes and holding > p.max_sandboxes:
+            raise CapacityExceeded(
+                f"this node runs its maximum of {p.max_sandboxes} sandboxes; kill or pause "
+                f"one, or retry later (sandbox {sandbox_id} was not started)",
+                retry_after_s=RETRY_AFTER_S)
+        need = max(p.first_touch_mib, min(memory_mb, p.first_touch_mib * 4))
+        available = self._available_mib()
+        if available - need < p.reserve_mib:
+            raise CapacityExceeded(
+                f"this node is out of memory for another sandbox: {available} MiB "
+                f"available, {need} MiB needed at start and {p.reserve_mib} MiB kept in "
+                f"reserve; kill or pause sandboxes, or retry later (sandbox {sandbox_id} "
+                "was not started)", retry_after_s=RETRY_AFTER_S)

@@ -1,0 +1,59 @@
+"""Admission control on a real service (issue 14 item 14): started with
+`--max-sandboxes 1`, a second create is refused with E2B's capacity error, which both
+the REST API (429, `sandbox_capacity_unavailable`, Retry-After) and the Python SDK
+(RateLimitException) report; after a kill the next create is admitted. Its own service:
+the session one must not be limited."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .conftest import E2EService, build_template, need_vm
+
+pytestmark = [pytest.mark.vm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def limited() -> Iterator[E2EService]:
+    need_vm()
+    root = Path(tempfile.mkdtemp(prefix="aenv-e2e-adm-", dir="/var/tmp"))
+    s = E2EService(root, prefix="aeadm-", pool="10.216.80.0/20", tag="aeadm",
+                   extra=["--max-sandboxes", "1"])
+    try:
+        s.start()
+        build_template(s)
+        yield s
+    finally:
+        s.cleanup()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_capacity_error_then_admitted_after_a_kill(limited: E2EService,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from e2b import RateLimitException, Sandbox
+
+    for k, v in limited.sdk_env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("E2B_DOMAIN", "sbx.localhost")
+    first = Sandbox.create(timeout=120)
+    try:
+        with limited.client() as c:
+            r = c.post("/v2/sandboxes", json={"templateID": "base"},
+                       headers={"Should-Retry": "false"})
+        assert r.status_code == 429, r.text
+        assert r.json()["error_code"] == "sandbox_capacity_unavailable"
+        assert int(r.headers["Retry-After"]) > 0
+        with pytest.raises(RateLimitException):
+            Sandbox.create(timeout=120)
+        assert first.commands.run("echo still").stdout == "still\n"
+    finally:
+        first.kill()
+    second = Sandbox.create(timeout=120)
+    assert second.commands.run("echo admitted").stdout == "admitted\n"
+    second.kill()
+    assert limited.qemu_pids() == {}
