@@ -56,6 +56,19 @@ async def vm_exited(ctx: Context, sandbox_id: str) -> str | None:
             return None  # an operation got there first
         log.warning("sandbox %s: its VM exited on its own", sandbox_id)
         ctx.end_run(sandbox_id, "stopped (its VM exited)")
+        # Its disk outlives the VM (the block server holds the upper): keep it as a
+        # filesystem-only pause, resumed by a cold boot, rather than fall back to the
+        # last snapshot and lose what the sandbox wrote since (or kill it: none).
+        try:
+            await pausing.pause_locked(ctx, rec, op="vm_exited", memory=False)
+        except Exception as exc:  # noqa: BLE001 - any failure: the old way still settles it
+            log.warning("sandbox %s: keeping its disk failed (%s); settling it on its last "
+                        "snapshot", sandbox_id, exc)
+        else:
+            log.info("sandbox %s: paused with its disk as it was when the VM exited",
+                     sandbox_id)
+            return S.PAUSED.value
+        rec = await ctx.record(sandbox_id)
         state = await settle_exited(ctx.store, ctx.runtime, ctx.envd, rec, clock=ctx.clock)
     return state.value
 

@@ -69,7 +69,10 @@ async def _snapshot(p: NodeParts, sb: RunningSandbox, snapshot_id: str, *, stop:
     try:
         t_stop = time.perf_counter()
         if not memory:
-            await vm.pause()
+            if vm.alive():
+                await vm.pause()
+            # else: the VM died by itself; its disk (the block server's upper) is intact
+            # and is what this snapshot keeps (the watchdog's salvage, timeouts.vm_exited)
             await seal()
             mem, new_memsnap, new_base = None, None, sb.base_dir
         elif sb.scratch is not None:

@@ -280,9 +280,10 @@ async def test_ttl_loop_real_time(store, rt, envd):
         await o.aclose()
 
 
-async def test_watchdog_settles_vms_that_exit_by_themselves(store, rt, envd):
-    """A VM that dies while its sandbox runs (crash, OOM kill): its streams end, it is
-    released, and the sandbox becomes paused on its last snapshot, or killed without one."""
+async def test_watchdog_keeps_the_disk_of_vms_that_exit_by_themselves(store, rt, envd):
+    """A VM that dies while its sandbox runs (crash, OOM kill): its streams end, and the
+    sandbox becomes paused on a new filesystem-only snapshot of its disk as it was (issue
+    14 item 18: not on its last snapshot, losing what it wrote since, nor killed)."""
     o = NodeOrchestrator(store, rt, envd=EnvdClient(transport=envd.transport()))
     await o.start(ttl_interval_s=0.05)
     try:
@@ -300,15 +301,47 @@ async def test_watchdog_settles_vms_that_exit_by_themselves(store, rt, envd):
                                     store.get_sandbox(cycled).state} <= {S.KILLED, S.PAUSED}:
                 break
         assert gone.is_set() and "VM exited" in gone.reason
+        for sid in (fresh, cycled):
+            rec = store.get_sandbox(sid)
+            assert rec.state is S.PAUSED and rec.snapshot_id not in (None, last)
+            assert rec.runtime.get("pause_mode") == "filesystem"
+            ops = [e.detail.get("op") for e in store.events(sid)]
+            assert ops[-1] == "vm_exited"
+        assert rt.memory_flags[-2:] == [False, False]   # disk-only snapshots
+        rt.reboots.clear()
+        await o.connect(fresh, None)   # resumed by a cold boot of the kept disk
+        assert store.get_sandbox(fresh).state is S.RUNNING and rt.reboots == [fresh]
+        assert await o.vm_exited(fresh) is None  # alive: nothing to do
+    finally:
+        await o.aclose()
+
+
+async def test_watchdog_falls_back_to_the_last_snapshot_when_the_disk_cannot_be_kept(
+        store, rt, envd):
+    """When the disk-only snapshot fails too, the sandbox is paused on its last snapshot,
+    or killed without one, and nothing of its VM is left."""
+    o = NodeOrchestrator(store, rt, envd=EnvdClient(transport=envd.transport()))
+    await o.start(ttl_interval_s=0.05)
+    try:
+        fresh = (await o.create(CreateRequest(timeout_s=600))).sandbox_id
+        cycled = (await o.create(CreateRequest(timeout_s=600))).sandbox_id
+        await o.pause(cycled)
+        await o.connect(cycled, None)
+        last = store.get_sandbox(cycled).snapshot_id
+        rt.fail["snapshot"] = lambda sid: True
+        rt.dead |= {fresh, cycled}
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if not rt.exited() and {store.get_sandbox(fresh).state,
+                                    store.get_sandbox(cycled).state} <= {S.KILLED, S.PAUSED}:
+                break
         assert store.get_sandbox(fresh).state is S.KILLED
         rec = store.get_sandbox(cycled)
         assert rec.state is S.PAUSED and rec.snapshot_id == last
         assert ("kill", (fresh,)) in rt.calls and ("kill", (cycled,)) in rt.calls
-        ops = [e.detail.get("op") for e in store.events(cycled)]
-        assert ops[-1] == "vm_exited"
+        del rt.fail["snapshot"]
         await o.connect(cycled, None)  # resumable from that snapshot
         assert store.get_sandbox(cycled).state is S.RUNNING
-        assert await o.vm_exited(cycled) is None  # alive: nothing to do
     finally:
         await o.aclose()
 
