@@ -3,7 +3,8 @@
 Called by the host after boot and again after resume/fork (with a new token): once
 a token is set, a re-init must carry the current one as X-Access-Token. Setting the
 clock is opt-in (`ENVD_SET_CLOCK=1`, set by the guest init) and needs root: envd
-must never move the clock of a developer's machine or CI host.
+must never move the clock of a developer's machine or CI host. aenv's host also sends
+fresh entropy (`aenvEntropy`): it reseeds the kernel RNG before anything else (entropy.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..auth import require_token
+from ..entropy import entropy_from, reseed_kernel_rng
 from ..state import Defaults
 from ..users import UnknownUserError, User
 from .errors import Endpoint, HTTPError, json_errors
@@ -79,6 +81,12 @@ def init_endpoint(defaults: Defaults) -> Endpoint:
     async def init(request: Request) -> Response:
         require_token(defaults, request.headers.get("x-access-token"))
         data = _parse(await request.body())
+        # First, even if the rest of the body is refused: a restored guest draws from
+        # its snapshot's RNG state until this runs. After the token check, so that only
+        # the host can have envd (root) run RNG ioctls.
+        entropy = entropy_from(data)
+        if entropy is not None:
+            await asyncio.to_thread(reseed_kernel_rng, entropy)
 
         env_vars = data.get("envVars")
         if env_vars is not None and not (

@@ -3,12 +3,17 @@ root `/bin/sync` through envd's process API before a filesystem-only pause).
 
 One httpx client per orchestrator (no kept-alive connections); tests inject an
 `httpx.MockTransport`.
+
+Every /init carries fresh host entropy (`aenvEntropy`, our field: E2B's envd ignores
+unknown fields): a sandbox restored from a snapshot resumes the snapshot's kernel RNG
+state, and aenv's envd reseeds the kernel RNG from these bytes first thing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import secrets
 from datetime import UTC, datetime
 from typing import Any
 
@@ -23,6 +28,8 @@ from .model import Metric
 ENVD_PORT = 49983
 DEFAULT_USER = "user"
 DEFAULT_WORKDIR = "/home/user"
+ENTROPY_FIELD = "aenvEntropy"  # envd/entropy.py reads it
+ENTROPY_BYTES = 64
 
 
 class EnvdClient:
@@ -51,7 +58,8 @@ class EnvdClient:
 
     async def init(self, placement: Placement, *, token: str | None, current_token: str | None,
                    env_vars: dict[str, str], guest: GuestDefaults | None = None) -> None:
-        """Install the access token, env vars, default user/workdir and the clock.
+        """Reseed the guest's kernel RNG; install the access token, env vars, default
+        user/workdir and the clock.
 
         `current_token` is the token envd already holds (restored from a snapshot taken
         after an earlier /init): envd requires it on a re-init. `guest`: a built
@@ -63,6 +71,8 @@ class EnvdClient:
             "defaultUser": guest.user if guest else DEFAULT_USER,
             "defaultWorkdir": guest.workdir if guest else DEFAULT_WORKDIR,
             "timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+            # new for every start: siblings restored from one snapshot must diverge
+            ENTROPY_FIELD: secrets.token_bytes(ENTROPY_BYTES).hex(),
         }
         if token:
             body["accessToken"] = token
