@@ -121,11 +121,22 @@ class EnvdClient:
             raise OperationFailed(f"sync in {placement.sandbox_id}: envd answered "
                                   f"{resp.status_code}: {body[:200]!r}")
         try:
-            end = next((m for flags, m in messages([body]) if flags & END_STREAM), {})
+            frames = list(messages([body]))
         except EnvelopeError as exc:
             raise OperationFailed(f"sync in {placement.sandbox_id}: {exc}") from exc
+        end = next((m for flags, m in frames if flags & END_STREAM), {})
         if end.get("error"):
             raise OperationFailed(f"sync in {placement.sandbox_id} failed: {end['error']}")
+        # what /bin/sync itself said: a filesystem pause keeps only what reached the disk
+        # (issue 14 item 18), so a sync that failed (an I/O error) must stop it
+        done = next((m["event"]["end"] for flags, m in frames if not flags & END_STREAM
+                     and isinstance(m.get("event"), dict) and "end" in m["event"]), None)
+        if done is None:
+            raise OperationFailed(f"sync in {placement.sandbox_id}: the stream ended before "
+                                  "the process did")
+        if done.get("exitCode", 0) != 0 or not done.get("exited", True):
+            raise OperationFailed(f"sync in {placement.sandbox_id} failed: "
+                                  f"{done.get('status') or done.get('error') or done}")
 
     async def healthy(self, placement: Placement, *, attempts: int = 3,
                       timeout_s: float = 3.0) -> bool:

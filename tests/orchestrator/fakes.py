@@ -200,6 +200,7 @@ class FakeEnvd:
         self.stopped_hosts: set[str] = set()
         self.syncs: list[tuple[str, str, str]] = []  # (host, cmd, authorization)
         self.sync_fails: set[str] = set()
+        self.sync_exit: dict[str, int] = {}   # host -> /bin/sync's exit code (default 0)
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         host = request.url.host
@@ -226,9 +227,15 @@ class FakeEnvd:
             end = json.dumps({"error": {"code": "unavailable", "message": "no"}}
                              if host in self.sync_fails else {}).encode()
             start = json.dumps({"event": {"start": {"pid": 7}}}).encode()
+            code = self.sync_exit.get(host, 0)   # what /bin/sync exits with
+            done = json.dumps({"event": {"end": {
+                "exitCode": code, "exited": True, "status": f"exit status {code}",
+                **({"error": f"exit status {code}"} if code else {})}}}).encode()
+            frames = b"\0" + len(start).to_bytes(4, "big") + start
+            if host not in self.sync_fails:
+                frames += b"\0" + len(done).to_bytes(4, "big") + done
             return httpx.Response(200, headers={"content-type": "application/connect+json"},
-                                  content=(b"\0" + len(start).to_bytes(4, "big") + start
-                                           + b"\2" + len(end).to_bytes(4, "big") + end))
+                                  content=frames + b"\2" + len(end).to_bytes(4, "big") + end)
         if request.url.path == "/metrics":
             return httpx.Response(200, json={"ts": 1_700_000_000, "cpu_count": 2,
                                              "cpu_used_pct": 3.5, "mem_total": 10,

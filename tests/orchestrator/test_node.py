@@ -152,6 +152,11 @@ async def test_filesystem_only_pause_syncs_and_resumes_by_reboot(orch, rt, envd,
     assert (await orch.get(sid)).state is S.RUNNING and sid in rt.vms
     assert rt.memory_flags == []
     envd.sync_fails.clear()
+    envd.sync_exit[host] = 1   # /bin/sync ran and failed (an I/O error): refused too
+    with pytest.raises(GuestUnresponsive):
+        await orch.pause(sid, memory=False)
+    assert (await orch.get(sid)).state is S.RUNNING and rt.memory_flags == []
+    envd.sync_exit.clear()
     await orch.pause(sid, memory=False)
     assert envd.syncs[-1][:2] == (host, "/bin/sync")
     assert envd.syncs[-1][2].startswith("Basic ")  # as root
