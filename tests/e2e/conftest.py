@@ -76,6 +76,16 @@ def service() -> Iterator[E2EService]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def env(service: E2EService) -> Iterator[E2EService]:
+    """The service, with the in-process Python SDK's mode B env set for the module."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in service.sdk_env().items():
+            mp.setenv(k, v)
+        mp.setenv("E2B_DOMAIN", "sbx.localhost")
+        yield service
+
+
 @pytest.fixture
 def sdk(service: E2EService, monkeypatch: pytest.MonkeyPatch) -> E2EService:
     """Mode B env for the in-process Python SDK."""

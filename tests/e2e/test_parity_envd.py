@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,15 +26,6 @@ pytestmark = [pytest.mark.vm, pytest.mark.slow]
 JS = Path(__file__).resolve().parents[1] / "js"
 WAIT_S = 60.0    # events / output under TCG
 SETTLE_S = 2.0   # then nothing more may arrive
-
-
-@pytest.fixture(scope="module")
-def env(service: E2EService) -> Iterator[E2EService]:
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in service.sdk_env().items():
-            mp.setenv(k, v)
-        mp.setenv("E2B_DOMAIN", "sbx.localhost")
-        yield service
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime as dt
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -30,15 +29,6 @@ class H(http.server.BaseHTTPRequestHandler):
         self.end_headers(); self.wfile.write(body)
 http.server.ThreadingHTTPServer(('0.0.0.0', int(sys.argv[1])), H).serve_forever()
 """
-
-
-@pytest.fixture(scope="module")
-def env(service: E2EService) -> Iterator[E2EService]:
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in service.sdk_env().items():
-            mp.setenv(k, v)
-        mp.setenv("E2B_DOMAIN", "sbx.localhost")
-        yield service
 
 
 def test_started_after_is_inclusive(env: E2EService) -> None:
@@ -142,23 +132,7 @@ def test_background_command_of_a_killed_sandbox(env: E2EService) -> None:
 
 @pytest.mark.js
 def test_background_command_of_a_killed_sandbox_js(env: E2EService) -> None:
-    import json
-    import os
-    import shutil
-    import subprocess
-
-    from tests.orchestrator.hostproc import REPO
-
-    js = REPO / "tests" / "js"
-    if shutil.which("node") is None or not (js / "node_modules" / "e2b").exists():
-        pytest.skip("node or tests/js/node_modules/e2b missing (npm ci in tests/js)")
-    penv = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
-    penv.update(env.sdk_env())
-    penv["E2B_DOMAIN"] = "sbx.localhost"
-    r = subprocess.run(["node", str(js / "killed.mjs")], env=penv, cwd=js, capture_output=True,
-                       text=True, timeout=600, check=False)
-    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
-    assert json.loads(r.stdout.strip().splitlines()[-1])["error"] == "TimeoutError"
+    assert _node(env, "killed.mjs")["error"] == "TimeoutError"
 
 
 def _node(env: E2EService, script: str) -> dict:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import socket
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -21,15 +20,6 @@ pytestmark = [pytest.mark.vm, pytest.mark.slow]
 
 TAG = uuid.uuid4().hex[:8]
 ENVD = 49983
-
-
-@pytest.fixture(scope="module")
-def env(service: E2EService) -> Iterator[E2EService]:
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in service.sdk_env().items():
-            mp.setenv(k, v)
-        mp.setenv("E2B_DOMAIN", "sbx.localhost")
-        yield service
 
 
 @pytest.fixture(scope="module")

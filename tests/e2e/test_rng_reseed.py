@@ -12,7 +12,6 @@ the console line is what proves the reseed ran."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
@@ -26,15 +25,6 @@ pytestmark = [pytest.mark.vm, pytest.mark.slow]
 
 RESEEDED = "kernel RNG reseeded: 64 bytes from the host credited and the CRNG reseeded"
 READ_URANDOM = "head -c32 /dev/urandom | od -An -tx1"
-
-
-@pytest.fixture(scope="module")
-def env(service: E2EService) -> Iterator[E2EService]:
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in service.sdk_env().items():
-            mp.setenv(k, v)
-        mp.setenv("E2B_DOMAIN", "sbx.localhost")
-        yield service
 
 
 def urandom32(sbx: Sandbox) -> str:
