@@ -200,6 +200,14 @@ class SandboxRuntime(Protocol):
         """Kill VMs and release networks/stacks of sandboxes not in `known`."""
         ...
 
+    async def salvage(self, sandbox_id: str, facts: dict[str, Any],
+                      snapshot_id: str) -> SnapshotRef | None:
+        """After a restart: a sandbox whose VM is gone (`adopt` returned None) but whose
+        disk survived (the block server keeps it until `reap_orphans`): its disk as a
+        filesystem-only snapshot `snapshot_id` (resumed by a cold boot), then its
+        leftovers released. None when there is no disk to keep."""
+        ...
+
     async def find_snapshot(self, snapshot_id: str) -> SnapshotRef | None:
         """The committed snapshot `snapshot_id`, or None when it was never completed.
         Recovery asks this after a crash mid-pause: the orchestrator picks snapshot ids

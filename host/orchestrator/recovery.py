@@ -95,7 +95,8 @@ class _Recovery:
                                            placement=placement_to_json(placement)))
         return S.RUNNING
 
-    async def to_paused(self, rec: SandboxRecord, snapshot_id: str) -> S:
+    async def to_paused(self, rec: SandboxRecord, snapshot_id: str, *,
+                        pause_mode: str | None = None) -> S:
         await self.kill_quietly(rec.id)  # no VM, network or stack may stay behind
         ttl_left = rec.ttl_left_s
         if rec.end_at is not None:
@@ -104,7 +105,9 @@ class _Recovery:
             rec = await self.db(self.store.transition, rec.id, {S.RUNNING}, S.PAUSING)
         await self.db(self.store.transition, rec.id, {rec.state}, S.PAUSED, event=self.ev(rec),
                       snapshot_id=snapshot_id, end_at=None, ttl_left_s=ttl_left,
-                      runtime=with_runtime(rec, pending=None, placement=None))
+                      runtime=with_runtime(rec, pending=None, placement=None,
+                                           **({"pause_mode": pause_mode} if pause_mode
+                                              else {})))
         return S.PAUSED
 
     async def to_killed(self, rec: SandboxRecord) -> S:
@@ -156,7 +159,7 @@ class _Recovery:
             await self.drop_pending(rec)
         placement = await self.adopt(rec)
         if placement is None:
-            return await self.paused_or_killed(rec)
+            return await self.keep_disk(rec)
         if st is S.RUNNING or await self.envd.healthy(placement):
             return await self.to_running(rec, placement)
         return await self.pause_unresponsive(rec)
@@ -198,10 +201,36 @@ class _Recovery:
                 return await self.to_paused(rec, store_id or runtime_id)
         placement = await self.adopt(rec)
         if placement is None:
-            return await self.paused_or_killed(rec)
+            return await self.keep_disk(rec)
         if await self.envd.healthy(placement):
             return await self.to_running(rec, placement)
         return await self.pause_unresponsive(rec)
+
+    async def keep_disk(self, rec: SandboxRecord) -> S:
+        """Its VM is gone (it died while the service was down), its disk may not be:
+        keep that disk as a filesystem-only pause (resumed by a cold boot), so what the
+        sandbox wrote since its last snapshot is not lost; else the last snapshot."""
+        p = placement_of(rec)
+        salvage = getattr(self.runtime, "salvage", None)
+        if p is not None and salvage is not None:
+            snap_id = ids.new_runtime_snapshot_id("pause")
+            try:
+                ref = await salvage(rec.id, p.facts, snap_id)
+            except Exception:
+                log.exception("recovery: keeping the disk of %s failed", rec.id)
+                ref = None
+            if ref is not None:
+                await self.db(self.store.insert_snapshot, SnapshotRecord(
+                    id=snap_id, kind="pause", created_at=ref.created_at, sandbox_id=rec.id,
+                    parent_id=ref.parent_id,
+                    spec={"ref": ref_to_json(ref), "envd_token": rec.envd_token,
+                          "template_id": rec.template_id,
+                          **({"guest": rec.runtime["guest"]} if rec.runtime.get("guest")
+                             else {})}))
+                log.warning("recovery: the VM of %s was gone; paused it on its disk (%s)",
+                            rec.id, snap_id)
+                return await self.to_paused(rec, snap_id, pause_mode="filesystem")
+        return await self.paused_or_killed(rec)
 
 
 async def settle_exited(store: Store, runtime: SandboxRuntime, envd: EnvdClient,

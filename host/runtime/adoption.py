@@ -1,5 +1,6 @@
-"""After a host-service restart: re-attach to live VMs (`adopt`) and remove what no known
-sandbox owns (`reap_orphans`): VMM processes, work dirs, stacks and namespaces."""
+"""After a host-service restart: re-attach to live VMs (`adopt`), keep the disk of a
+sandbox whose VM died meanwhile (`salvage`), and remove what no known sandbox owns
+(`reap_orphans`): VMM processes, work dirs, stacks and namespaces."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from host.contract import Placement
+from host.contract import Placement, SnapshotRef
 from host.storage.errors import StorageError
+from host.vmm.driver import Vm, VmSpec
 
+from . import snapshots
 from .parts import NodeParts, build_stack
 from .sandbox import RunningSandbox
 from .snapshots import release
@@ -24,7 +27,8 @@ async def adopt(p: NodeParts, sandbox_id: str, facts: dict[str, Any]) -> Placeme
     mx = p.machines
     vm = await mx.adopt_vm(sandbox_id, facts) if facts.get("mode") == mx.mode else None
     if vm is None:
-        await mx.release_leftovers(sandbox_id, facts)
+        # the disk stays for `salvage` (or reap_orphans, which drops what nobody kept)
+        await mx.release_leftovers(sandbox_id, facts, keep_stack=True)
         return None
     try:
         await p.block.client.info(str(facts["stack"]))
@@ -36,6 +40,42 @@ async def adopt(p: NodeParts, sandbox_id: str, facts: dict[str, Any]) -> Placeme
         return None
     p.sandboxes[sandbox_id] = sb
     return sb.placement()
+
+
+class _GoneVm:
+    """The VM of a sandbox that died while the service was down: what `snapshots`
+    asks of a VM it does not pause (it is not alive) and releases (nothing to kill)."""
+
+    def __init__(self, sandbox_id: str, work_dir: Path) -> None:
+        self.spec = VmSpec(kernel=None, network=None, name=sandbox_id, work_dir=work_dir)
+
+    def alive(self) -> bool:
+        return False
+
+    async def kill(self) -> None:
+        return None
+
+
+async def salvage(p: NodeParts, sandbox_id: str, facts: dict[str, Any],
+                  snapshot_id: str) -> SnapshotRef | None:
+    try:
+        await p.block.client.info(str(facts["stack"]))
+        vm: Vm = _GoneVm(sandbox_id, p.config.vms_dir / sandbox_id)  # type: ignore[assignment]
+        sb = RunningSandbox.from_facts(sandbox_id, vm, facts)
+    except (KeyError, TypeError, ValueError, StorageError) as exc:
+        log.info("sandbox %s: no disk to keep (%s)", sandbox_id, exc)
+        return None
+    p.sandboxes[sandbox_id] = sb
+    try:
+        ref = await snapshots.snapshot(p, sandbox_id, snapshot_id, stop=True, memory=False)
+    except Exception:
+        log.exception("sandbox %s: keeping its disk failed", sandbox_id)
+        if p.sandboxes.get(sandbox_id) is sb:
+            await release(p, sb)
+        return None
+    log.info("sandbox %s: its VM was gone; its disk is kept as snapshot %s", sandbox_id,
+             snapshot_id)
+    return ref
 
 
 async def adopt_networks(p: NodeParts) -> None:

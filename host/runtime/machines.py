@@ -251,9 +251,10 @@ class Machines:
             log.warning("cannot adopt the VM of %s: %s", sid, exc)
             return None
 
-    async def release_leftovers(self, sid: str, facts: dict[str, Any] | None) -> None:
+    async def release_leftovers(self, sid: str, facts: dict[str, Any] | None, *,
+                                keep_stack: bool = False) -> None:
         """Kill whatever VMM process of `sid` is still around (recorded or found in
-        /proc) and remove its work dir, stack and network."""
+        /proc) and remove its work dir, stack (unless `keep_stack`) and network."""
         work = self.config.vms_dir / sid
         pids: set[int] = set()
         with contextlib.suppress(OSError, ValueError):
@@ -267,7 +268,8 @@ class Machines:
             except VmmError as exc:
                 log.error("leftover VM of %s: %s", sid, exc)
         shutil.rmtree(work, ignore_errors=True)
-        await self.drop_stack(f"sbx-{sid}")
+        if not keep_stack:
+            await self.drop_stack(f"sbx-{sid}")
         if self.mode == "netns" and self.nm is not None:
             with contextlib.suppress(NetworkError, ValueError):
                 await self.nm.destroy(sid)

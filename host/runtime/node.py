@@ -213,6 +213,11 @@ class NodeRuntime:
         self._check_open()
         return await adoption.reap_orphans(self.parts, known)
 
+    async def salvage(self, sandbox_id: str, facts: dict[str, Any],
+                      snapshot_id: str) -> SnapshotRef | None:
+        self._check_open()
+        return await adoption.salvage(self.parts, sandbox_id, facts, snapshot_id)
+
     async def update_network(self, sandbox_id: str, network: NetworkConfig) -> None:
         sb = self.parts.get(sandbox_id)
         policy = policy_of(network)

@@ -44,6 +44,7 @@ class FakeRuntime:
         self.memory_flags: list[bool] = []  # `memory` of each snapshot call
         self.dead: set[str] = set()  # VMs that "exited by themselves" (exited())
         self.build_specs: list[BuildSpec] = []  # every build() call's spec, in order
+        self.disks: set[str] = set()  # dead sandboxes whose disk survived (salvage())
         self._n = itertools.count(1)
 
     async def _step(self, op: str, sandbox_id: str) -> None:
@@ -160,6 +161,18 @@ class FakeRuntime:
             self.vms.pop(sandbox_id, None)
             return None
         return vm
+
+    async def salvage(self, sandbox_id: str, facts: dict[str, Any],
+                      snapshot_id: str) -> SnapshotRef | None:
+        """A dead sandbox's disk kept as a disk-only snapshot, for those in `disks`."""
+        self.calls.append(("salvage", (sandbox_id, snapshot_id)))
+        if sandbox_id not in self.disks:
+            return None
+        self.disks.discard(sandbox_id)
+        ref = SnapshotRef(snapshot_id=snapshot_id, machine=MachineSpec(), created_at=0.0,
+                          parent_id=str(facts.get("from")), facts={"memory": None})
+        self.snapshots[snapshot_id] = ref
+        return ref
 
     async def reap_orphans(self, known: set[str]) -> list[str]:
         self.calls.append(("reap_orphans", (frozenset(known),)))

@@ -161,8 +161,9 @@ def _wait_state(c: httpx.Client, sid: str, want: str | None, timeout_s: float = 
 
 def test_vm_that_dies_is_settled_and_its_streams_end(sdk_env: HostService) -> None:
     """SIGKILL a sandbox's QEMU behind the service's back (what an OOM kill does): the open
-    command stream through the proxy ends, the sandbox with an earlier pause is paused on
-    it (and resumes with that data), the one without is killed; nothing is left behind."""
+    command stream through the proxy ends, and each sandbox is paused on its disk as the
+    VM left it (issue 14 item 18): what the guest synced after its last pause is kept, a
+    sandbox never paused is not killed; resumes cold-boot that disk; nothing is left."""
     import signal
 
     from e2b import Sandbox
@@ -172,7 +173,10 @@ def test_vm_that_dies_is_settled_and_its_streams_end(sdk_env: HostService) -> No
     cycled.files.write("/home/user/before.txt", "snapshotted")
     assert cycled.pause()
     cycled = Sandbox.connect(cycled.sandbox_id, timeout=600)
-    cycled.files.write("/home/user/after.txt", "lost with the VM")
+    cycled.files.write("/home/user/after.txt", "kept with the disk")
+    fresh.files.write("/home/user/fresh.txt", "never paused")
+    for sbx in (fresh, cycled):
+        assert sbx.commands.run("sync").exit_code == 0
     bg = fresh.commands.run("sleep 1000", background=True, timeout=0)
     ended = threading.Event()
 
@@ -190,14 +194,43 @@ def test_vm_that_dies_is_settled_and_its_streams_end(sdk_env: HostService) -> No
         os.kill(pids[0], signal.SIGKILL)
     assert ended.wait(30), "the command stream did not end"
     with sdk_env.client() as c:
-        _wait_state(c, fresh.sandbox_id, None)  # killed: 404
+        _wait_state(c, fresh.sandbox_id, "paused")
         _wait_state(c, cycled.sandbox_id, "paused")
     again = Sandbox.connect(cycled.sandbox_id, timeout=120)
     assert again.files.read("/home/user/before.txt") == "snapshotted"
-    assert not again.files.exists("/home/user/after.txt")
+    assert again.files.read("/home/user/after.txt") == "kept with the disk"
     again.kill()
+    first = Sandbox.connect(fresh.sandbox_id, timeout=120)
+    assert first.files.read("/home/user/fresh.txt") == "never paused"
+    first.kill()
     assert fresh.sandbox_id not in sdk_env.vm_sandbox_ids()
     assert fresh.sandbox_id not in sdk_env.netns()
+
+
+def test_vm_that_died_while_the_service_was_down_keeps_its_disk(
+        sdk_env: HostService) -> None:
+    """The service is SIGKILLed, then the sandbox's QEMU: at restart, recovery finds the
+    VM gone but its disk in the block server, and pauses the sandbox on it (issue 14
+    item 18) instead of killing it (it was never paused)."""
+    import signal
+
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(timeout=600)
+    sid = sbx.sandbox_id
+    sbx.files.write("/home/user/survivor.txt", "written before both crashes")
+    assert sbx.commands.run("sync").exit_code == 0
+    pids = [p for p, cmd in sdk_env.qemu_pids().items() if sid in cmd]
+    assert len(pids) == 1
+    sdk_env.sigkill()
+    os.kill(pids[0], signal.SIGKILL)
+    sdk_env.start()
+    with sdk_env.client() as c:
+        _wait_state(c, sid, "paused")
+    again = Sandbox.connect(sid, timeout=120)
+    assert again.files.read("/home/user/survivor.txt") == "written before both crashes"
+    again.kill()
+    assert sid not in sdk_env.vm_sandbox_ids() and sid not in sdk_env.netns()
 
 
 def test_ttl_expiry_pauses_by_default_and_kills_without_autopause(svc: HostService) -> None:

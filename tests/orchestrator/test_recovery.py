@@ -77,6 +77,25 @@ async def test_running_dead_with_pause_snapshot_is_paused(orch, store, rt, envd)
     assert (await orch.connect(sid, None))[1] is True  # resumable
 
 
+async def test_running_dead_with_its_disk_is_paused_on_that_disk(orch, store, rt, envd):
+    """Issue 14 item 18: the VM died while the service was down, its disk did not: the
+    sandbox is paused on a new disk-only snapshot (resumed by a cold boot), not on its
+    last pause (losing what it wrote since) nor killed."""
+    sid = await _running(orch)
+    await orch.pause(sid)
+    await orch.connect(sid, None)
+    last = store.get_sandbox(sid).snapshot_id
+    del rt.vms[sid]
+    rt.disks.add(sid)
+    assert await _recover(store, rt, envd) == {sid: S.PAUSED}
+    rec = store.get_sandbox(sid)
+    assert rec.snapshot_id not in (None, last) and rec.runtime["pause_mode"] == "filesystem"
+    assert store.get_snapshot(rec.snapshot_id).kind == "pause"
+    rt.reboots.clear()
+    assert (await orch.connect(sid, None))[1] is True
+    assert rt.reboots == [sid]   # a cold boot of the kept disk
+
+
 async def test_creating_is_killed(orch, store, rt, envd):
     sid = await _running(orch)
     # a sandbox that was being created: record only, VM half-started
