@@ -62,7 +62,9 @@ class Admission:
         when the node cannot take it. `holding()`: how many sandboxes hold a VM now
         (this one included)."""
         async with self._slots:
-            self._check(sandbox_id, memory_mb, await holding())
+            # the count is a store query: only made when there is a limit to check
+            count = await holding() if self.policy.max_sandboxes else 0
+            self._check(sandbox_id, memory_mb, count)
             self.in_flight += 1
             self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
             try:

@@ -12,8 +12,8 @@ from . import lifecycle
 from .context import Context
 from .errors import InvalidRequest, OrchestratorError
 from .model import ForkResult
-from .records import network_from_json, with_runtime
-from .snapshots import live_snapshot, snapshot_record
+from .records import network_from_json, snapshot_record, with_runtime
+from .snapshots import live_snapshot
 from .states import SandboxState as S
 
 MAX_FORK = 16

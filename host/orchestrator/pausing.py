@@ -24,10 +24,10 @@ from .records import (
     placement_of,
     placement_to_json,
     sandbox_info,
+    snapshot_record,
     snapshot_ref,
     with_runtime,
 )
-from .snapshots import snapshot_record
 from .states import SandboxState as S
 from .store import SandboxRecord
 

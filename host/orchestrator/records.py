@@ -146,3 +146,14 @@ def expand_states(states: frozenset[SandboxState] | None) -> frozenset[SandboxSt
         else:
             out.add(s)
     return frozenset(out)
+
+
+def snapshot_record(store_id: str, kind: str, ref: SnapshotRef, rec: SandboxRecord,
+                    name: str | None = None) -> SnapshotRecord:
+    """The store's record of a snapshot of `rec`'s sandbox (kind: pause, fork, named)."""
+    return SnapshotRecord(id=store_id, kind=kind, created_at=ref.created_at,
+                          sandbox_id=rec.id, name=name, parent_id=ref.parent_id,
+                          spec={"ref": ref_to_json(ref), "envd_token": rec.envd_token,
+                                "template_id": rec.template_id,
+                                **({"guest": rec.runtime["guest"]}
+                                   if rec.runtime.get("guest") else {})})

@@ -31,7 +31,14 @@ from host.contract import Placement, SandboxRuntime, SnapshotRef
 from . import ids
 from .envd import EnvdClient
 from .errors import SnapshotNotFound
-from .records import guest_of, placement_of, placement_to_json, ref_to_json, with_runtime
+from .records import (
+    guest_of,
+    placement_of,
+    placement_to_json,
+    ref_to_json,
+    snapshot_record,
+    with_runtime,
+)
 from .states import SandboxState as S
 from .store import SandboxRecord, SnapshotRecord, Store
 
@@ -220,13 +227,8 @@ class _Recovery:
                 log.exception("recovery: keeping the disk of %s failed", rec.id)
                 ref = None
             if ref is not None:
-                await self.db(self.store.insert_snapshot, SnapshotRecord(
-                    id=snap_id, kind="pause", created_at=ref.created_at, sandbox_id=rec.id,
-                    parent_id=ref.parent_id,
-                    spec={"ref": ref_to_json(ref), "envd_token": rec.envd_token,
-                          "template_id": rec.template_id,
-                          **({"guest": rec.runtime["guest"]} if rec.runtime.get("guest")
-                             else {})}))
+                await self.db(self.store.insert_snapshot,
+                              snapshot_record(snap_id, "pause", ref, rec))
                 log.warning("recovery: the VM of %s was gone; paused it on its disk (%s)",
                             rec.id, snap_id)
                 return await self.to_paused(rec, snap_id, pause_mode="filesystem")

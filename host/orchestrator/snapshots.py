@@ -14,9 +14,9 @@ from . import ids
 from .context import Context
 from .errors import AliasConflict, InvalidRequest, OperationFailed, SnapshotNotFound
 from .model import SnapshotInfo
-from .records import GONE, ref_to_json, snapshot_info, snapshot_ref, with_runtime
+from .records import GONE, snapshot_info, snapshot_record, snapshot_ref, with_runtime
 from .states import SandboxState as S
-from .store import SandboxRecord, SnapshotRecord
+from .store import SandboxRecord
 from .template_names import TEAM
 
 
@@ -61,17 +61,6 @@ async def live_snapshot(ctx: Context, rec: SandboxRecord, via: S, store_id: str 
                      event={"op": f"{kind}_failed", "error": str(exc)},
                      runtime=with_runtime(rec, pending=None))
         raise OperationFailed(f"snapshotting sandbox {rec.id} failed: {exc}") from exc
-
-
-def snapshot_record(store_id: str, kind: str, ref: SnapshotRef, rec: SandboxRecord,
-                    name: str | None = None) -> SnapshotRecord:
-    """The store's record of a snapshot of `rec`'s sandbox (kind: pause, fork, named)."""
-    return SnapshotRecord(id=store_id, kind=kind, created_at=ref.created_at,
-                          sandbox_id=rec.id, name=name, parent_id=ref.parent_id,
-                          spec={"ref": ref_to_json(ref), "envd_token": rec.envd_token,
-                                "template_id": rec.template_id,
-                                **({"guest": rec.runtime["guest"]}
-                                   if rec.runtime.get("guest") else {})})
 
 
 async def list_snapshots(ctx: Context, sandbox_id: str | None,

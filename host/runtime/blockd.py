@@ -96,7 +96,8 @@ class BlockServerHandle:
         so a crash of the server costs the guests a pause, not I/O errors."""
         while True:
             await asyncio.sleep(interval_s)
-            if self.alive() is False or (self.alive() is None and not await self.ping()):
+            alive = self.alive()
+            if alive is False or (alive is None and not await self.ping()):
                 log.warning("the block server died; restarting it (its stacks are "
                             "recovered from %s)", self.config.state_dir / "storage")
                 try:
