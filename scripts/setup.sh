@@ -16,7 +16,9 @@ APT_PACKAGES=(
   skopeo                                # host/images: pull OCI images into the local OCI cache
   docker-registry apache2-utils         # tests/images: a local registry (distribution 2.8) and htpasswd -B for its auth
   nginx wrk                             # proxy benchmark peer and load generator
-  nodejs npm                            # the JS e2b SDK in tests
+  nodejs npm                            # the JS e2b SDK in tests; xterm.js vendored for the web terminal
+  chromium                              # tests/web: the web terminal in a real headless browser
+  redis-server                          # cluster state (gateway, scheduler) and its tests
 )
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
