@@ -1,4 +1,4 @@
-# aenv: make setup | gen | envd | kernel | image | run | test | bench | lint
+# aenv: make setup | gen | envd | kernel | image | web | run | test | bench | lint
 # Everything runs from the repo's virtualenv (.venv), made by `make setup`.
 
 PY        ?= .venv/bin/python
@@ -6,7 +6,7 @@ PY        ?= .venv/bin/python
 AENV_CACHE ?= /var/cache/aenv
 export AENV_CACHE
 
-.PHONY: setup gen envd kernel image run test test-fast bench lint clean
+.PHONY: setup gen envd kernel image web run test test-fast bench lint clean
 
 setup:            ## install system packages, the venv and the JS SDK for tests
 	scripts/setup.sh
@@ -23,13 +23,16 @@ kernel:           ## build (or reuse) the guest kernel: $(AENV_CACHE)/kernel/<ha
 image: envd kernel ## build (or reuse) the rootfs layers and manifest
 	rootfs/build.sh
 
-run:              ## run the host service on this machine's defaults
+web:              ## vendor xterm.js (npm, pinned) for the web terminal page: host/web/static/vendor
+	scripts/vendor-web.sh
+
+run: web          ## run the host service on this machine's defaults
 	$(PY) -m host
 
-test:             ## the full test suite (what .ci/run runs)
+test: web         ## the full test suite (what .ci/run runs)
 	$(PY) -m pytest -q -ra
 
-test-fast:        ## unit and envd tests only (no VMs)
+test-fast: web    ## unit and envd tests only (no VMs)
 	$(PY) -m pytest -q -ra -m "not vm"
 
 bench:

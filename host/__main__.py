@@ -24,6 +24,7 @@ from host.contract import MachineSpec
 from host.orchestrator import NodeOrchestrator, Store
 from host.orchestrator.admission import AdmissionPolicy
 from host.proxy import build_proxy_app
+from host.web.links import TerminalLinks
 
 log = logging.getLogger("host")
 
@@ -97,9 +98,12 @@ async def serve(cfg: Config) -> None:
                                       reserve_mib=cfg.memory_reserve_mib))
         await orch.start(ttl_interval_s=cfg.ttl_interval_s)
         keys = ApiKeys.load_or_create(cfg.keys_path)
+        links = TerminalLinks.load_or_create(cfg.state_dir)
         api = build_api_app(orch, keys, domain=cfg.domain, state_dir=cfg.state_dir,
-                            max_upload_bytes=cfg.template_upload_mib << 20)
-        proxy = build_proxy_app(orch, cfg.domain, api_app=api if cfg.tls else None)
+                            max_upload_bytes=cfg.template_upload_mib << 20,
+                            terminal_links=links, terminal_base_url=cfg.public_proxy_url)
+        proxy = build_proxy_app(orch, cfg.domain, api_app=api if cfg.tls else None,
+                                terminal_links=links, keys=keys)
         ssl: dict[str, Any] = {}
         if cfg.tls:
             from host.proxy.tls import ensure_certificates

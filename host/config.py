@@ -7,6 +7,8 @@
     AENV_API_PORT    --api-port     3000              REST API
     AENV_PROXY_PORT  --proxy-port   3001              sandbox proxy (envd and user ports)
     AENV_DOMAIN      --domain       sbx.localhost     returned as `domain` to the SDKs
+    AENV_PROXY_URL   --proxy-url    <scheme>://<listen>:<proxy port>   the proxy's public URL
+                                                      (links to the web terminal)
     AENV_REPOSITORY  --repository   posix_fs:<state>/repo   or oss://...
     AENV_CACHE_DIR   --cache-dir    <state>/cache     local cache of remote (oss) layer chunks
     AENV_CACHE_MIB   --cache-mib    10240             its bound, and that of the local copies
@@ -62,6 +64,7 @@ class Config:
     listen: str = "127.0.0.1"
     api_port: int = 3000
     proxy_port: int = 3001
+    proxy_url: str | None = None
     domain: str = "sbx.localhost"
     repository: str | None = None
     cache_dir: Path | None = None
@@ -95,6 +98,16 @@ class Config:
         return self.state_dir / "state.db"
 
     @property
+    def public_proxy_url(self) -> str:
+        """Where clients reach the proxy (the web terminal's links point there)."""
+        if self.proxy_url:
+            return self.proxy_url.rstrip("/")
+        host = "127.0.0.1" if self.listen in ("0.0.0.0", "::") else self.listen
+        if ":" in host:
+            host = f"[{host}]"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.proxy_port}"
+
+    @property
     def keys_path(self) -> Path:
         return self.state_dir / "api_keys"
 
@@ -125,6 +138,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--api-port", type=int)
     p.add_argument("--proxy-port", type=int)
     p.add_argument("--domain")
+    p.add_argument("--proxy-url", help="the proxy's public URL (web terminal links)")
     p.add_argument("--repository", help="posix_fs:/path (default) or oss://bucket/prefix")
     p.add_argument("--cache-dir", type=Path,
                    help="local cache of repository layer chunks (default <state>/cache)")
@@ -164,6 +178,7 @@ _ENV: dict[str, tuple[str, type]] = {
     "state_dir": ("AENV_STATE_DIR", Path), "run_dir": ("AENV_RUN_DIR", Path),
     "listen": ("AENV_LISTEN", str), "api_port": ("AENV_API_PORT", int),
     "proxy_port": ("AENV_PROXY_PORT", int), "domain": ("AENV_DOMAIN", str),
+    "proxy_url": ("AENV_PROXY_URL", str),
     "repository": ("AENV_REPOSITORY", str), "tls": ("AENV_TLS", bool),
     "cache_dir": ("AENV_CACHE_DIR", Path), "cache_mib": ("AENV_CACHE_MIB", int),
     "vmm": ("AENV_VMM", str), "network": ("AENV_NETWORK", str),
@@ -223,6 +238,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"network must be one of {NETWORK_MODES}, got {cfg.network!r}")
     if not cfg.domain or "/" in cfg.domain or ":" in cfg.domain:
         raise ConfigError(f"domain must be a DNS name, got {cfg.domain!r}")
+    if cfg.proxy_url and urlparse(cfg.proxy_url).scheme not in ("http", "https"):
+        raise ConfigError(f"proxy_url must be an http(s) URL, got {cfg.proxy_url!r}")
     if cfg.cpu_count < 1 or cfg.memory_mb < 128 or cfg.disk_mb < 0:
         raise ConfigError("cpu_count >= 1, memory_mb >= 128, disk_mb >= 0")
     if cfg.template_upload_mib < 1:

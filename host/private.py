@@ -45,4 +45,21 @@ def tighten(path: str | os.PathLike[str], mode: int = FILE_MODE) -> None:
         pass
 
 
-__all__ = ["DIR_MODE", "FILE_MODE", "FROZEN_MODE", "open_private", "private_dir", "tighten"]
+def secret_file(path: str | os.PathLike[str], nbytes: int = 32) -> bytes:
+    """The secret kept in `path` as hex, made (0600, `nbytes` random bytes) on first use.
+    O_EXCL: two services starting at once end up with one secret."""
+    path = Path(path)
+    if not path.exists():
+        private_dir(path.parent)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+        except FileExistsError:
+            pass
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(os.urandom(nbytes).hex() + "\n")
+    return bytes.fromhex(path.read_text().strip())
+
+
+__all__ = ["DIR_MODE", "FILE_MODE", "FROZEN_MODE", "open_private", "private_dir", "secret_file",
+           "tighten"]

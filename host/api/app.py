@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from host.orchestrator import Orchestrator
+from host.web.links import TerminalLinks
 
 from .auth import ApiKeyMiddleware, ApiKeys
 from .errors import error_response
@@ -30,7 +31,9 @@ async def http_error(request: Request, exc: Exception) -> Response:
 
 def build_api_app(orchestrator: Orchestrator, keys: ApiKeys | Path | str, *,
                   domain: str | None = None, state_dir: Path | None = None,
-                  max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES) -> Starlette:
+                  max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
+                  terminal_links: TerminalLinks | None = None,
+                  terminal_base_url: str | None = None) -> Starlette:
     """The REST API app.
 
     `keys`: an `ApiKeys`, or the path of the key file (created with one key on first use).
@@ -38,6 +41,8 @@ def build_api_app(orchestrator: Orchestrator, keys: ApiKeys | Path | str, *,
     proxy; defaults to `orchestrator.domain`. `state_dir` keeps the secret that signs
     COPY upload URLs (default: the orchestrator's `state_dir`; with neither, a secret
     that lives as long as the app); `max_upload_bytes` bounds one upload.
+    `terminal_links` + `terminal_base_url` (the proxy's public URL) enable the web
+    terminal's signed links.
     """
     if not isinstance(keys, ApiKeys):
         keys = ApiKeys.load_or_create(keys)
@@ -54,4 +59,7 @@ def build_api_app(orchestrator: Orchestrator, keys: ApiKeys | Path | str, *,
     signer = (UploadSigner.load_or_create(Path(state_dir) / SECRET_FILE) if state_dir
               else UploadSigner(secrets.token_bytes(32)))
     app.state.uploads = Uploads(signer=signer, max_bytes=max_upload_bytes)
+    # POST /sandboxes/{id}/terminal mints links to the proxy's web terminal (host/web)
+    app.state.terminal_links = terminal_links
+    app.state.terminal_base_url = terminal_base_url
     return app

@@ -22,6 +22,7 @@ from . import sandboxes as sb
 from . import snapshots as snap
 from . import template_models as tm
 from . import templates as tpl
+from . import terminal_links as term
 from . import uploads
 from .errors import response_for
 from .validation import read_body, read_headers, read_query
@@ -145,6 +146,9 @@ OPERATIONS: tuple[Operation, ...] = (
         body=m.SandboxPauseRequest, body_required=False, errors=(*_409, 503)),
     _op("POST", f"{SID}/resume", "resumeSandbox", sb.resume_v1, Reply(201, "Resumed", m.Sandbox),
         body=m.ResumedSandbox, body_required=False, errors=_409),
+    _op("POST", f"{SID}/terminal", "createTerminalLink", term.create_link,
+        Reply(201, "A signed link to the sandbox's web terminal (aenv extension)",
+              term.TerminalLink), body=term.TerminalLinkRequest, body_required=False),
     _op("POST", f"{SID}/timeout", "setSandboxTimeout", sb.set_timeout, *NO_CONTENT,
         body=m.SandboxTimeoutRequest),
     _op("POST", f"{SID}/refreshes", "refreshSandbox", sb.refresh, *NO_CONTENT,

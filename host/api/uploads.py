@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +20,8 @@ from pathlib import Path
 
 from starlette.requests import Request
 from starlette.responses import Response
+
+from host.private import secret_file
 
 from . import template_models as tm
 from .errors import ApiError
@@ -48,16 +48,7 @@ class UploadSigner:
     @classmethod
     def load_or_create(cls, path: Path) -> UploadSigner:
         """The secret in `path` (created 0600 with 32 random bytes on first use)."""
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            try:  # O_EXCL: two services starting at once keep one secret
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            except FileExistsError:
-                pass
-            else:
-                with os.fdopen(fd, "w") as f:
-                    f.write(secrets.token_hex(32) + "\n")
-        return cls(bytes.fromhex(path.read_text().strip()))
+        return cls(secret_file(path))
 
     def _mac(self, files_hash: str, expires: int) -> str:
         msg = f"PUT\n{files_hash}\n{expires}".encode()

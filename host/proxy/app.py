@@ -33,9 +33,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 
+from host.api.auth import ApiKeys
 from host.orchestrator.errors import OrchestratorError, SandboxNotFound, StateConflict
 from host.orchestrator.model import ListFilter, Route, RunEnded
 from host.orchestrator.service import Orchestrator
+from host.web.links import TerminalLinks
+from host.web.terminal import TerminalSite
 
 from . import responses
 from .routing import ENVD_PORT, BadTarget, Target, host_name, parse_target, routes_by_headers
@@ -116,7 +119,8 @@ class ProxyApp:
 
     def __init__(self, orchestrator: Orchestrator, domain: str | None, *,
                  api_app: ASGIApp | None = None, auto_resume: bool = True,
-                 connect_timeout_s: float = 5.0) -> None:
+                 connect_timeout_s: float = 5.0, terminal_links: TerminalLinks | None = None,
+                 keys: ApiKeys | None = None) -> None:
         self.orchestrator = orchestrator
         self.domain = domain.lower() if domain else None
         self.api_app = api_app
@@ -125,6 +129,9 @@ class ProxyApp:
         self._pool = Pool(connect_timeout_s=connect_timeout_s)
         # runs whose end drops the pool's idle connections into them (one callback each)
         self._watched: weakref.WeakSet[RunEnded] = weakref.WeakSet()
+        # the web terminal's pages (`/terminal/<id>` on hosts that are not a sandbox's)
+        self.terminal = (TerminalSite(orchestrator, terminal_links, self._relay_terminal,
+                                      keys=keys) if terminal_links is not None else None)
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -148,6 +155,9 @@ class ProxyApp:
             await self._lifespan(receive, send)
             return
         host = host_name(_header(scope, b"host") or "")
+        if self.terminal is not None and self._terminal_request(scope, host):
+            await self.terminal(scope, receive, send)
+            return
         if self.api_app is not None and self.domain and host == f"api.{self.domain}":
             await self.api_app(scope, receive, send)
             return
@@ -168,6 +178,23 @@ class ProxyApp:
         else:
             await self._http_exchange(scope, receive, send, target, route)
 
+    def _terminal_request(self, scope: Scope, host: str) -> bool:
+        """A web-terminal path on the proxy's own host (not a sandbox's `<port>-<id>` host,
+        not a request routed by E2b-Sandbox-* headers)."""
+        if not scope["path"].startswith("/terminal/") or _header(scope, b"e2b-sandbox-id"):
+            return False
+        return routes_by_headers(host, self.domain) or (
+            self.domain is not None and host in (self.domain, f"api.{self.domain}"))
+
+    async def _relay_terminal(self, scope: Scope, receive: Receive, send: Send,
+                              sandbox_id: str) -> None:
+        """The web terminal's WebSocket to envd's /terminal (authorised by terminal.py),
+        without resuming a paused sandbox: an open tab must not keep one running."""
+        target = Target(sandbox_id, ENVD_PORT)
+        route = await self._route(scope, receive, send, target, resume=False)
+        if route is not None:
+            await self._websocket(scope, receive, send, target, route)
+
     async def _signed_target(self, scope: Scope, host: str) -> Target | None:
         """envd of the sandbox that signed a file URL sent without E2b-Sandbox-* headers
         to a host that routes by them (E2B_SANDBOX_URL mode; signed.py)."""
@@ -186,12 +213,14 @@ class ProxyApp:
         else:
             await responses.send_json(send, status, message, sandbox_id=sandbox_id, port=port)
 
-    async def _route(self, scope: Scope, receive: Receive, send: Send,
-                     target: Target) -> Route | None:
-        """Resolve and authorize; answers the client itself and returns None on refusal."""
+    async def _route(self, scope: Scope, receive: Receive, send: Send, target: Target, *,
+                     resume: bool | None = None) -> Route | None:
+        """Resolve and authorize; answers the client itself and returns None on refusal.
+        `resume`: whether a paused sandbox is resumed (default: the proxy's auto_resume)."""
         sid, port = target.sandbox_id, target.port
+        resume = self.auto_resume if resume is None else resume
         try:
-            route = await self.orchestrator.route(sid, port, resume=self.auto_resume)
+            route = await self.orchestrator.route(sid, port, resume=resume)
         except (SandboxNotFound, StateConflict):
             # unknown, killed, or paused without auto-resume: the SDK reads "was not found"
             await self._deny(scope, receive, send, 502, responses.NOT_FOUND, sandbox_id=sid)
@@ -490,12 +519,17 @@ class ProxyApp:
 
 
 def build_proxy_app(orchestrator: Orchestrator, domain: str | None, *,
-                    api_app: ASGIApp | None = None, auto_resume: bool = True) -> ProxyApp:
+                    api_app: ASGIApp | None = None, auto_resume: bool = True,
+                    terminal_links: TerminalLinks | None = None,
+                    keys: ApiKeys | None = None) -> ProxyApp:
     """The sandbox proxy. `api_app`, when given, serves requests for `api.<domain>` (one
     TLS listener for everything); `auto_resume` is passed to `orchestrator.route`.
 
     Serve it with uvicorn, `lifespan="on"` (closes the upstream pool), a long
     `timeout_keep_alive` (SDK pools reuse connections; 300 s like envd), and for TLS
     `ssl_certfile`/`ssl_keyfile` from `tls.ensure_certificates(state_dir, domain)`.
+    `terminal_links` turns on the web terminal (host/web), opened by those links or by
+    one of `keys`.
     """
-    return ProxyApp(orchestrator, domain, api_app=api_app, auto_resume=auto_resume)
+    return ProxyApp(orchestrator, domain, api_app=api_app, auto_resume=auto_resume,
+                    terminal_links=terminal_links, keys=keys)
