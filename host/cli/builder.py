@@ -106,7 +106,8 @@ def build(template: TemplateClass, opts: BuildOptions, *, api_url: str, api_key:
           on_log: Callable[[LogEntry], None]) -> Built:
     """Run the build to its end, streaming its log to `on_log`."""
     if not api_key:
-        raise CliError("no API key: pass --api-key or set AENV_API_KEY", EXIT_AUTH)
+        raise CliError("no API key", EXIT_AUTH,
+                       hint=": run `aenv auth login` or set E2B_API_KEY")
     try:
         with sdk_errors(api_url):
             info = Template.build(

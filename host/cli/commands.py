@@ -1,42 +1,52 @@
-"""The `aenv` click group and its REST commands: thin wrappers over rest.ApiClient; the
-commands inside a sandbox (envd) are in guest.py."""
+"""The `aenv` click group, its global options, and the sandbox commands that are one REST
+call each: thin wrappers over rest.ApiClient. The other commands live in their own
+modules (guest.py: inside a sandbox; snapshots.py, templates.py, auth.py, completion.py)
+and are added to the group at the end."""
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Sequence
 
 import click
 
-from . import guest, templates
+from . import auth, completion, guest, snapshots, templates
 from .context import (
+    API_KEY_ENV,
+    API_URL_ENV,
     DEFAULT_API_URL,
     DEFAULT_SANDBOX_URL,
+    SANDBOX_URL_ENV,
     AenvGroup,
-    Settings,
-    echo_table,
-    emit_json,
-    key_from_file,
     pairs,
-    rfc3339,
+    resolve_settings,
     settings,
 )
 from .errors import EXIT_GENERIC
+from .output import echo_fields, echo_table, emit_json, output_option, rfc3339
+
+SANDBOX_ID = click.argument("sandbox_id", shell_complete=completion.sandbox_ids)
 
 
 @click.group(cls=AenvGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--api-url", envvar=["AENV_API_URL", "E2B_API_URL"], default=DEFAULT_API_URL,
-              show_default=True, help="REST API (env AENV_API_URL, E2B_API_URL).")
-@click.option("--api-key", envvar=["AENV_API_KEY", "E2B_API_KEY"], default=None,
-              help="API key (env AENV_API_KEY, E2B_API_KEY; else the service's key file).")
-@click.option("--sandbox-url", envvar="E2B_SANDBOX_URL", default=DEFAULT_SANDBOX_URL,
-              show_default=True, help="Sandbox proxy (env E2B_SANDBOX_URL).")
+@click.option("--api-url", envvar=list(API_URL_ENV), default=None,
+              help=f"REST API (env AENV_API_URL, E2B_API_URL; else `aenv auth login`'s; "
+                   f"default {DEFAULT_API_URL}).")
+@click.option("--api-key", envvar=list(API_KEY_ENV), default=None,
+              help="API key (env AENV_API_KEY, E2B_API_KEY; else `aenv auth login`'s, "
+                   "else the service's key file).")
+@click.option("--sandbox-url", envvar=list(SANDBOX_URL_ENV), default=None,
+              help=f"Sandbox proxy (env E2B_SANDBOX_URL; else `aenv auth login`'s; "
+                   f"default {DEFAULT_SANDBOX_URL}).")
 @click.pass_context
-def cli(ctx: click.Context, api_url: str, api_key: str | None, sandbox_url: str) -> None:
-    """aenv: start and drive E2B-compatible microVM sandboxes."""
-    s = Settings(api_url=api_url, api_key=api_key or key_from_file(), sandbox_url=sandbox_url,
-                 key_given=bool(api_key))
+def cli(ctx: click.Context, api_url: str | None, api_key: str | None,
+        sandbox_url: str | None) -> None:
+    """aenv: start and drive E2B-compatible microVM sandboxes.
+
+    Exit codes: 0 ok, 1 error, 2 usage, 3 authentication, 4 not found, 5 conflict, 130
+    interrupted; exec, terminal and connect: the remote command's.
+    """
+    s = resolve_settings(ctx, api_url=api_url, api_key=api_key, sandbox_url=sandbox_url)
     ctx.obj = s
     ctx.call_on_close(s.close)
 
@@ -50,15 +60,15 @@ def cli(ctx: click.Context, api_url: str, api_key: str | None, sandbox_url: str)
 @click.option("--env", "envs", multiple=True, metavar="K=V", help="Environment variable.")
 @click.option("--metadata", "metadata", multiple=True, metavar="K=V")
 @click.option("--no-auto-pause", is_flag=True, help="Kill (not pause) on timeout.")
-@click.option("--json", "as_json", is_flag=True)
+@output_option
 @click.pass_context
 def start(ctx: click.Context, template: str, timeout_s: int, envs: Sequence[str],
-          metadata: Sequence[str], no_auto_pause: bool, as_json: bool) -> None:
+          metadata: Sequence[str], no_auto_pause: bool, output: str) -> None:
     """Start a sandbox and print its id."""
     body = {"templateID": template, "timeout": timeout_s, "envVars": pairs(envs, "--env"),
             "metadata": pairs(metadata, "--metadata"), "autoPause": not no_auto_pause}
     info = settings(ctx).api.create(body)
-    if as_json:
+    if output == "json":
         emit_json(info.wire())
     else:
         click.echo(info.sandbox_id)
@@ -66,12 +76,12 @@ def start(ctx: click.Context, template: str, timeout_s: int, envs: Sequence[str]
 
 @cli.command("ls")
 @click.option("--state", default=None, help="Comma-separated: running,paused.")
-@click.option("--json", "as_json", is_flag=True)
+@output_option
 @click.pass_context
-def ls(ctx: click.Context, state: str | None, as_json: bool) -> None:
+def ls(ctx: click.Context, state: str | None, output: str) -> None:
     """List sandboxes."""
     items = settings(ctx).api.list_sandboxes(state)
-    if as_json:
+    if output == "json":
         emit_json([i.wire() for i in items])
         return
     rows = [("SANDBOX ID", "TEMPLATE", "STATE", "STARTED", "ENDS", "METADATA")]
@@ -79,29 +89,24 @@ def ls(ctx: click.Context, state: str | None, as_json: bool) -> None:
         meta = ",".join(f"{k}={v}" for k, v in sorted(i.metadata.items()))
         rows.append((i.sandbox_id, i.alias or i.template_id, i.state, rfc3339(i.started_at),
                      rfc3339(i.end_at), meta))
-    echo_table(rows)
+    echo_table(rows, style_column=2)
 
 
 @cli.command()
-@click.argument("sandbox_id")
-@click.option("--json", "as_json", is_flag=True)
+@SANDBOX_ID
+@output_option
 @click.pass_context
-def info(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
-    """Show one sandbox."""
+def info(ctx: click.Context, sandbox_id: str, output: str) -> None:
+    """Show one sandbox (its envd token only with -o json)."""
     data = settings(ctx).api.get(sandbox_id).wire()
-    if as_json:
+    if output == "json":
         emit_json(data)
-        return
-    for key in sorted(data):
-        if key == "envdAccessToken":
-            continue  # a secret: only with --json
-        value = data[key]
-        shown = json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else value
-        click.echo(f"{key}: {shown}")
+    else:
+        echo_fields(data, hidden=("envdAccessToken",))
 
 
 @cli.command()
-@click.argument("sandbox_id")
+@SANDBOX_ID
 @click.pass_context
 def kill(ctx: click.Context, sandbox_id: str) -> None:
     """Kill a sandbox."""
@@ -109,7 +114,7 @@ def kill(ctx: click.Context, sandbox_id: str) -> None:
 
 
 @cli.command()
-@click.argument("sandbox_id")
+@SANDBOX_ID
 @click.option("--filesystem", is_flag=True,
               help="keep the disk only: resuming cold-boots it (processes are not kept)")
 @click.pass_context
@@ -119,7 +124,7 @@ def pause(ctx: click.Context, sandbox_id: str, filesystem: bool) -> None:
 
 
 @cli.command()
-@click.argument("sandbox_id")
+@SANDBOX_ID
 @click.option("--timeout", "timeout_s", type=click.IntRange(min=0), default=None)
 @click.option("--reboot", is_flag=True,
               help="cold-boot the paused sandbox's disk instead of restoring its memory")
@@ -130,7 +135,7 @@ def resume(ctx: click.Context, sandbox_id: str, timeout_s: int | None, reboot: b
 
 
 @cli.command("timeout")
-@click.argument("sandbox_id")
+@SANDBOX_ID
 @click.argument("seconds", type=click.IntRange(min=0))
 @click.pass_context
 def set_timeout(ctx: click.Context, sandbox_id: str, seconds: int) -> None:
@@ -139,19 +144,19 @@ def set_timeout(ctx: click.Context, sandbox_id: str, seconds: int) -> None:
 
 
 @cli.command()
-@click.argument("sandbox_id")
+@SANDBOX_ID
 @click.option("-n", "count", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@output_option
 @click.pass_context
-def fork(ctx: click.Context, sandbox_id: str, count: int, as_json: bool) -> None:
+def fork(ctx: click.Context, sandbox_id: str, count: int, output: str) -> None:
     """Fork a sandbox into N children; prints one child id per line."""
     results = settings(ctx).api.fork(sandbox_id, count)
-    if as_json:
+    if output == "json":
         emit_json([r.wire() for r in results])
     failed = 0
     for r in results:
         if r.sandbox is not None:
-            if not as_json:
+            if output != "json":
                 click.echo(r.sandbox.sandbox_id)
         else:
             failed += 1
@@ -161,50 +166,16 @@ def fork(ctx: click.Context, sandbox_id: str, count: int, as_json: bool) -> None
         ctx.exit(EXIT_GENERIC)
 
 
-# --- snapshots ---------------------------------------------------------------------------
-
-@cli.command()
-@click.argument("sandbox_id")
-@click.option("--name", default=None)
-@click.pass_context
-def snapshot(ctx: click.Context, sandbox_id: str, name: str | None) -> None:
-    """Snapshot a sandbox; prints the snapshot id."""
-    click.echo(settings(ctx).api.snapshot(sandbox_id, name).snapshot_id)
-
-
-@cli.command()
-@click.option("--sandbox", "sandbox_id", default=None)
-@click.option("--json", "as_json", is_flag=True)
-@click.pass_context
-def snapshots(ctx: click.Context, sandbox_id: str | None, as_json: bool) -> None:
-    """List snapshots."""
-    items = settings(ctx).api.snapshots(sandbox_id)
-    if as_json:
-        emit_json([s.wire() for s in items])
-        return
-    for s in items:
-        names = [n for n in s.names if n != s.snapshot_id]
-        click.echo(s.snapshot_id + (f"  ({', '.join(names)})" if names else ""))
-
-
-@cli.command("rm-snapshot")
-@click.argument("snapshot_id")
-@click.pass_context
-def rm_snapshot(ctx: click.Context, snapshot_id: str) -> None:
-    """Delete a snapshot."""
-    settings(ctx).api.delete_snapshot(snapshot_id)
-
-
 # --- observability -----------------------------------------------------------------------
 
 @cli.command()
-@click.argument("sandbox_id")
-@click.option("--json", "as_json", is_flag=True)
+@SANDBOX_ID
+@output_option
 @click.pass_context
-def logs(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
+def logs(ctx: click.Context, sandbox_id: str, output: str) -> None:
     """Print the sandbox's logs."""
     entries = settings(ctx).api.logs(sandbox_id)
-    if as_json:
+    if output == "json":
         emit_json([e.wire() for e in entries])
         return
     for e in entries:
@@ -212,22 +183,25 @@ def logs(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
 
 
 @cli.command()
-@click.argument("sandbox_id")
-@click.option("--json", "as_json", is_flag=True)
+@SANDBOX_ID
+@output_option
 @click.pass_context
-def metrics(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
+def metrics(ctx: click.Context, sandbox_id: str, output: str) -> None:
     """Print the sandbox's resource metrics."""
     items = settings(ctx).api.metrics(sandbox_id)
-    if as_json:
+    if output == "json":
         emit_json([x.wire() for x in items])
         return
-    click.echo("TIMESTAMP             CPUS  CPU%    MEM USED/TOTAL          DISK USED/TOTAL")
+    rows: list[tuple[object, ...]] = [("TIMESTAMP", "CPUS", "CPU%", "MEM USED", "MEM TOTAL",
+                                       "DISK USED", "DISK TOTAL")]
     for x in items:
-        click.echo(f"{rfc3339(x.timestamp):20}  {x.cpu_count:4}  {x.cpu_used_pct:5.1f}  "
-                   f"{x.mem_used:>10}/{x.mem_total:<12} {x.disk_used:>10}/{x.disk_total}")
+        rows.append((rfc3339(x.timestamp), x.cpu_count, f"{x.cpu_used_pct:.1f}", x.mem_used,
+                     x.mem_total, x.disk_used, x.disk_total))
+    echo_table(rows)
 
 
-for _command in (*guest.COMMANDS, *templates.COMMANDS):
+for _command in (*guest.COMMANDS, *snapshots.COMMANDS, *templates.COMMANDS, *auth.COMMANDS,
+                 *completion.COMMANDS):
     cli.add_command(_command)
 
 

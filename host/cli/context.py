@@ -1,20 +1,28 @@
-"""What every `aenv` command shares: the settings from the global options (and the API
-client they open), the error-reporting group, and small input/output helpers."""
+"""What every `aenv` command shares: the settings from the global options, the environment
+and the saved credentials (and the API client they open), the error-reporting group, and
+small input helpers.
+
+Where each setting comes from, first found wins: the option (`--api-url`, `--api-key`,
+`--sandbox-url`), the environment (`AENV_*`, `E2B_*`), the credentials `aenv auth login`
+saved (credentials.py), then the defaults; a key last of all from the service's own key
+file. The saved key goes only to the API URL it was saved for: with another `--api-url`
+the saved credentials are not used.
+"""
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import click
 
+from . import credentials
+from .credentials import Credentials
 from .envd import Envd
-from .errors import CliError
+from .errors import EXIT_CONFLICT, ApiError, CliError
 from .rest import ApiClient
 
 DEFAULT_API_URL = "http://127.0.0.1:3000"
@@ -22,13 +30,21 @@ DEFAULT_SANDBOX_URL = "http://127.0.0.1:3001"
 # The service keeps its keys in <state dir>/api_keys (host/config.py, host/api/auth.py);
 # duplicated here so that the CLI does not import the service.
 DEFAULT_STATE_DIR = "/var/lib/aenv"
+API_URL_ENV = ("AENV_API_URL", "E2B_API_URL")
+API_KEY_ENV = ("AENV_API_KEY", "E2B_API_KEY")
+SANDBOX_URL_ENV = ("E2B_SANDBOX_URL",)
+# what to do when the API refuses the key
+LOGIN_HINT = "run `aenv auth login` or set E2B_API_KEY"
+
+
+def service_key_path() -> Path:
+    return Path(os.environ.get("AENV_STATE_DIR") or DEFAULT_STATE_DIR) / "api_keys"
 
 
 def key_from_file() -> str | None:
     """The first key in the service's key file, if this user may read it."""
-    path = Path(os.environ.get("AENV_STATE_DIR") or DEFAULT_STATE_DIR) / "api_keys"
     try:
-        text = path.read_text()
+        text = service_key_path().read_text()
     except OSError:
         return None
     for line in text.splitlines():
@@ -43,7 +59,8 @@ class Settings:
     api_url: str
     api_key: str | None
     sandbox_url: str
-    key_given: bool = False
+    # where the key came from, for messages: "--api-key", "$E2B_API_KEY", a file's path
+    key_source: str | None = None
     _api: ApiClient | None = field(default=None, repr=False)
 
     @property
@@ -53,13 +70,70 @@ class Settings:
         return self._api
 
     def envd(self, sandbox_id: str) -> Envd:
-        """envd of a sandbox; GET /sandboxes/{id} supplies its access token (404 -> exit 4)."""
+        """envd of a running sandbox; GET /sandboxes/{id} supplies its access token (404 ->
+        exit 4) and its state (paused: exit 5, saying how to resume it)."""
         info = self.api.get(sandbox_id)
+        if info.state == "paused":
+            raise CliError(f"sandbox {sandbox_id} is paused", EXIT_CONFLICT,
+                           hint=f": run `aenv resume {sandbox_id}` first (or `aenv connect "
+                                f"{sandbox_id}` for a terminal)")
         return Envd(self.sandbox_url, sandbox_id, info.envd_access_token)
 
     def close(self) -> None:
         if self._api is not None:
             self._api.close()
+
+
+def same_url(a: str, b: str) -> bool:
+    return a.rstrip("/") == b.rstrip("/")
+
+
+def _source(ctx: click.Context, name: str, flag: str, envs: Iterable[str]) -> str:
+    """How the option `name` was given: its flag, or the environment variable."""
+    if ctx.get_parameter_source(name) is click.core.ParameterSource.ENVIRONMENT:
+        for env in envs:
+            if os.environ.get(env):
+                return f"${env}"
+    return flag
+
+
+def saved_credentials(*, warn: bool = True) -> Credentials | None:
+    """The saved credentials; an unreadable file is skipped with a warning (so that
+    `aenv auth login` or `logout` can still replace or remove it)."""
+    try:
+        return credentials.load()
+    except CliError as exc:
+        if warn:
+            click.echo(f"aenv: warning: {exc.message}, ignored: run `aenv auth login` or "
+                       "`aenv auth logout`", err=True)
+        return None
+
+
+def resolve_settings(ctx: click.Context, *, api_url: str | None, api_key: str | None,
+                     sandbox_url: str | None, warn: bool = True) -> Settings:
+    """The settings, each from the first place that has it (see the module docstring)."""
+    saved = saved_credentials(warn=warn)
+    url = api_url or (saved.api_url if saved else DEFAULT_API_URL)
+    if saved is not None and not same_url(saved.api_url, url):
+        saved = None  # saved for another API: its key must not go to this one
+    key: str | None
+    key_source: str | None
+    if api_key:
+        key, key_source = api_key, _source(ctx, "api_key", "--api-key", API_KEY_ENV)
+    elif saved is not None:
+        key, key_source = saved.api_key, str(credentials.credentials_path())
+    else:
+        key = key_from_file()
+        key_source = str(service_key_path()) if key else None
+    proxy = sandbox_url or (saved.sandbox_url if saved else DEFAULT_SANDBOX_URL)
+    return Settings(api_url=url, api_key=key, sandbox_url=proxy, key_source=key_source)
+
+
+def auth_hint(s: Settings | None) -> str:
+    """What to do when the API answered 401, given where the key came from."""
+    if s is None or not s.key_source:
+        return f": {LOGIN_HINT}"
+    return f" (the key from {s.key_source}): {LOGIN_HINT}"
 
 
 class AenvGroup(click.Group):
@@ -69,11 +143,9 @@ class AenvGroup(click.Group):
         try:
             return super().invoke(ctx)
         except CliError as exc:
-            message = exc.message
-            given = isinstance(ctx.obj, Settings) and ctx.obj.key_given
-            if getattr(exc, "status", None) == 401 and not given:
-                message += " (pass --api-key or set AENV_API_KEY)"
-            click.echo(f"aenv: {message}", err=True)
+            if isinstance(exc, ApiError) and exc.status == 401 and not exc.hint:
+                exc.hint = auth_hint(ctx.obj if isinstance(ctx.obj, Settings) else None)
+            click.echo(f"aenv: {exc.line()}", err=True)
             ctx.exit(exc.exit_code)
 
 
@@ -89,19 +161,3 @@ def pairs(values: Iterable[str], what: str) -> dict[str, str]:
 
 def settings(ctx: click.Context) -> Settings:
     return ctx.find_object(Settings)  # type: ignore[return-value]
-
-
-def emit_json(value: Any) -> None:
-    click.echo(json.dumps(value, indent=2, sort_keys=True))
-
-
-def echo_table(rows: Sequence[Sequence[object]]) -> None:
-    """Rows (the first is the header) in left-aligned columns, two spaces apart."""
-    widths = [max(len(str(r[c])) for r in rows) for c in range(len(rows[0]))]
-    for r in rows:
-        click.echo("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())
-
-
-def rfc3339(dt: datetime) -> str:
-    """A time as the API writes it (UTC as `Z`)."""
-    return dt.isoformat().replace("+00:00", "Z")

@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 from urllib.parse import urlencode
 
 import httpx
@@ -36,6 +36,16 @@ class ExecResult:
     status: str
     exited: bool = True
     error: str | None = None
+
+
+class TransferObserver(Protocol):
+    """Told how a file transfer goes (progress.TransferProgress draws it)."""
+
+    def start(self, total: int | None) -> None:
+        """The transfer begins: `total` bytes (None: unknown)."""
+
+    def advance(self, n: int) -> None:
+        """`n` more bytes went through."""
 
 
 def shell_command(argv: tuple[str, ...] | list[str]) -> str:
@@ -84,7 +94,7 @@ class Envd:
         headers = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1",
                    "Keepalive-Ping-Interval": "30", **self._user_header(user)}
         body = envelope(message)
-        with transport_errors(self.sandbox_url), self._http.stream(
+        with transport_errors(self.sandbox_url, "sandbox proxy"), self._http.stream(
                 "POST", "/process.Process/Start", content=body, headers=headers) as resp:
             raise_for_status(resp, what="envd")
             for msg in _envelopes(resp.iter_bytes()):
@@ -105,46 +115,56 @@ class Envd:
 
     def kill_process(self, pid: int) -> None:
         """Best effort SIGKILL of a process started by `exec` (unary Connect, JSON)."""
-        with transport_errors(self.sandbox_url):
+        with transport_errors(self.sandbox_url, "sandbox proxy"):
             self._http.post("/process.Process/SendSignal",
                             json={"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"},
                             headers={"Connect-Protocol-Version": "1"}, timeout=5.0)
 
     # --- files --------------------------------------------------------------------------
 
-    def upload(self, local: Path, remote: str, *, user: str | None = None) -> int:
+    def upload(self, local: Path, remote: str, *, user: str | None = None,
+               observer: TransferObserver | None = None) -> int:
         """Stream `local` to `remote` (application/octet-stream); returns bytes sent."""
         try:
             f = local.open("rb")
         except OSError as exc:
             raise CliError(f"cannot read {local}: {exc.strerror or exc}") from exc
         size = os.fstat(f.fileno()).st_size
+        if observer is not None:
+            observer.start(size)
 
         def chunks() -> Iterator[bytes]:
             while block := f.read(CHUNK):
                 yield block
+                if observer is not None:  # the block went out: httpx asks for the next
+                    observer.advance(len(block))
 
         params = {"path": remote, **({"username": user} if user else {})}
-        with f, transport_errors(self.sandbox_url):
+        with f, transport_errors(self.sandbox_url, "sandbox proxy"):
             resp = self._http.post("/files", params=params, content=chunks(),
                                    headers={"Content-Type": "application/octet-stream",
                                             "Content-Length": str(size)})
         raise_for_status(resp, what="envd")
         return size
 
-    def download(self, remote: str, local: Path, *, user: str | None = None) -> int:
+    def download(self, remote: str, local: Path, *, user: str | None = None,
+                 observer: TransferObserver | None = None) -> int:
         """Stream `remote` into `local` (written to a temp file, renamed at the end)."""
         params = {"path": remote, **({"username": user} if user else {})}
         tmp = local.with_name(f".{local.name}.aenv-part")
         written = 0
-        with transport_errors(self.sandbox_url), self._http.stream(
+        with transport_errors(self.sandbox_url, "sandbox proxy"), self._http.stream(
                 "GET", "/files", params=params) as resp:
             raise_for_status(resp, what="envd")
+            if observer is not None:
+                observer.start(_body_size(resp))
             try:
                 with tmp.open("wb") as out:
                     for block in resp.iter_bytes(CHUNK):
                         out.write(block)
                         written += len(block)
+                        if observer is not None:
+                            observer.advance(len(block))
                 tmp.replace(local)
             except OSError as exc:
                 tmp.unlink(missing_ok=True)
@@ -164,6 +184,14 @@ class Envd:
                 params[key] = value
         base = self.sandbox_url.replace("https://", "wss://", 1).replace("http://", "ws://", 1)
         return f"{base}/terminal?{urlencode(params)}"
+
+
+def _body_size(resp: httpx.Response) -> int | None:
+    """The size of the decoded body, when the answer says (not for an encoded one)."""
+    length = resp.headers.get("content-length")
+    if length is None or not length.isdigit() or resp.headers.get("content-encoding"):
+        return None
+    return int(length)
 
 
 def _envelopes(stream: Iterator[bytes]) -> Iterator[dict[str, Any]]:

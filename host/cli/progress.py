@@ -1,7 +1,12 @@
-"""The progress of a template build: its log entries as they arrive (the e2b SDK's
-`on_build_logs` callback). On a terminal, log lines scroll above a live status line (rich:
-spinner, elapsed time, the current step, its latest output line); anywhere else, each entry
-is one plain line, without ANSI codes or redrawn lines. Debug entries are not shown."""
+"""Progress shown while the CLI waits, drawn with rich on a terminal only.
+
+A template build (`BuildProgress`): its log entries as they arrive (the e2b SDK's
+`on_build_logs` callback). On a terminal, log lines scroll above a live status line
+(spinner, elapsed time, the current step, its latest output line); anywhere else, each
+entry is one plain line, without ANSI codes or redrawn lines. Debug entries are not shown.
+
+A file transfer (`TransferProgress`): a byte bar with speed and time left on a terminal;
+nothing at all anywhere else."""
 
 from __future__ import annotations
 
@@ -15,6 +20,15 @@ from typing import Protocol, Self, TextIO
 import click
 from rich.console import Console, RenderableType
 from rich.live import Live
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 from rich.spinner import Spinner
 from rich.text import Text
 
@@ -137,3 +151,41 @@ class BuildProgress:
         line.truncate(max(console.width - 1, 20), overflow="ellipsis")
         line.no_wrap = True
         return line
+
+
+class TransferProgress:
+    """A byte progress bar for an upload or a download (an envd.TransferObserver), drawn
+    on `stream` only when `live` (a terminal); otherwise it draws nothing at all. The bar
+    goes away when the transfer ends (the command then prints one summary line)."""
+
+    def __init__(self, description: str, stream: TextIO, *, live: bool) -> None:
+        self.description = description
+        self.stream = stream
+        self.live = live
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
+
+    def __enter__(self) -> Self:
+        if self.live:
+            console = Console(file=self.stream, force_terminal=True, highlight=False)
+            self._progress = Progress(
+                TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                TransferSpeedColumn(), TimeRemainingColumn(), console=console,
+                transient=True, refresh_per_second=8, redirect_stdout=False,
+                redirect_stderr=False)
+            self._progress.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def start(self, total: int | None) -> None:
+        if self._progress is not None:
+            self._task = self._progress.add_task(self.description, total=total)
+
+    def advance(self, n: int) -> None:
+        if self._progress is not None and self._task is not None:
+            self._progress.advance(self._task, n)

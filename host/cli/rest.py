@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Any, TypeVar
 from urllib.parse import quote
 
 import httpx
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from host.api import models as m
 from host.api import template_models as tm
@@ -24,6 +26,14 @@ from .errors import ApiError, CliError, ConnectionFailed
 T = TypeVar("T")
 
 USER_AGENT = "aenv-cli/0.1"
+
+
+class WebTerminal(BaseModel):
+    """The answer of POST /sandboxes/{id}/terminal (an aenv extension): a signed link to
+    the sandbox's web terminal and when it stops working."""
+
+    url: str
+    expires_at: datetime = Field(alias="expiresAt")
 
 
 def error_message(resp: httpx.Response) -> str:
@@ -47,11 +57,15 @@ def error_message(resp: httpx.Response) -> str:
     return text[0][:300] if text else resp.reason_phrase or "no message"
 
 
-def raise_for_status(resp: httpx.Response, *, what: str = "API") -> None:
+def raise_for_status(resp: httpx.Response, *, what: str = "API",
+                     missing: str | None = None) -> None:
+    """An error answer as ApiError; `missing`: what a 404 means (sandbox, snapshot,
+    template), for the hint where to look."""
     if resp.status_code >= 400:
         if not resp.is_closed:
             resp.read()
-        raise ApiError(resp.status_code, error_message(resp), what=what)
+        hint = NOT_FOUND_HINTS.get(missing or "", "") if resp.status_code == 404 else ""
+        raise ApiError(resp.status_code, error_message(resp), what=what, hint=hint)
 
 
 def parse(resp: httpx.Response, schema: type[T]) -> T:
@@ -65,15 +79,36 @@ def parse(resp: httpx.Response, schema: type[T]) -> T:
                        f"{where}: {err['msg']}") from exc
 
 
+# what to do when a server does not answer, by which one it is
+UNREACHABLE_HINTS = {
+    "API": ": is the service running? (`make run`), or set --api-url / run `aenv auth login`",
+    "sandbox proxy": ": is the service running? (`make run`), or set --sandbox-url "
+                     "(env E2B_SANDBOX_URL) / run `aenv auth login`",
+}
+SLOW_HINT = ": the service did not answer in time; try again (the operation may have gone on)"
+# what to do about a 404, by what was not found
+NOT_FOUND_HINTS = {"sandbox": " (see `aenv ls`)", "snapshot": " (see `aenv snapshot ls`)",
+                   "template": " (see `aenv template ls`)"}
+_ERRNO = re.compile(r"^\[Errno -?\d+\] ")
+
+
 @contextlib.contextmanager
-def transport_errors(url: str) -> Iterator[None]:
-    """httpx transport failures become one-line ConnectionFailed errors."""
+def transport_errors(url: str, what: str = "API") -> Iterator[None]:
+    """httpx transport failures become one-line ConnectionFailed errors naming the server
+    (`what`: "API" or "sandbox proxy") and what to do."""
+    hint = UNREACHABLE_HINTS.get(what, "")
     try:
         yield
     except httpx.TimeoutException as exc:
-        raise ConnectionFailed(f"timed out talking to {url}: {type(exc).__name__}") from exc
+        # no connection at all: as unreachable; connected but no answer: slow, not gone
+        slow = not isinstance(exc, httpx.ConnectTimeout)
+        raise ConnectionFailed(f"timed out talking to the {what} at {url} "
+                               f"({type(exc).__name__})",
+                               hint=SLOW_HINT if slow else hint) from exc
     except httpx.TransportError as exc:
-        raise ConnectionFailed(f"cannot reach {url}: {exc or type(exc).__name__}") from exc
+        reason = _ERRNO.sub("", str(exc)) or type(exc).__name__
+        raise ConnectionFailed(f"cannot reach the {what} at {url} ({reason})",
+                               hint=hint) from exc
 
 
 class ApiClient:
@@ -85,17 +120,23 @@ class ApiClient:
         if api_key:
             headers["X-API-Key"] = api_key
         self._http = httpx.Client(base_url=self.api_url, headers=headers,
-                                  timeout=httpx.Timeout(timeout_s, connect=10.0))
+                                  timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)))
 
     def close(self) -> None:
         self._http.close()
 
     def request(self, method: str, path: str, *, json_body: Any = None,
-                params: dict[str, str] | None = None) -> httpx.Response:
+                params: dict[str, str] | None = None,
+                missing: str | None = None) -> httpx.Response:
+        """One call; `missing`: what a 404 answer means (see raise_for_status)."""
         with transport_errors(self.api_url):
             resp = self._http.request(method, path, json=json_body, params=params)
-        raise_for_status(resp)
+        raise_for_status(resp, missing=missing)
         return resp
+
+    def check_key(self) -> None:
+        """Is the key accepted? The cheapest authenticated call: one sandbox listed."""
+        self.request("GET", "/v2/sandboxes", params={"limit": "1"})
 
     # --- sandboxes ----------------------------------------------------------------------
 
@@ -118,60 +159,69 @@ class ApiClient:
                 return out
             params["nextToken"] = token
 
+    def sandbox_call(self, method: str, sandbox_id: str, suffix: str = "", *,
+                     v2: bool = False, json_body: Any = None) -> httpx.Response:
+        """A call on /sandboxes/{id}[suffix] (a 404 says where to look for ids)."""
+        path = f"{'/v2' if v2 else ''}/sandboxes/{_seg(sandbox_id)}{suffix}"
+        return self.request(method, path, json_body=json_body, missing="sandbox")
+
     def get(self, sandbox_id: str) -> m.SandboxDetail:
-        return parse(self.request("GET", f"/sandboxes/{_seg(sandbox_id)}"), m.SandboxDetail)
+        return parse(self.sandbox_call("GET", sandbox_id), m.SandboxDetail)
 
     def kill(self, sandbox_id: str) -> None:
-        self.request("DELETE", f"/sandboxes/{_seg(sandbox_id)}")
+        self.sandbox_call("DELETE", sandbox_id)
 
     def pause(self, sandbox_id: str, *, memory: bool = True) -> None:
-        self.request("POST", f"/sandboxes/{_seg(sandbox_id)}/pause",
-                     json_body={} if memory else {"memory": False})
+        self.sandbox_call("POST", sandbox_id, "/pause",
+                          json_body={} if memory else {"memory": False})
 
     def resume(self, sandbox_id: str, timeout_s: int | None, *,
                memory: bool = True) -> m.Sandbox:
         body: dict[str, Any] = {} if timeout_s is None else {"timeout": timeout_s}
         if not memory:
             body["memory"] = False
-        resp = self.request("POST", f"/sandboxes/{_seg(sandbox_id)}/resume", json_body=body)
-        return parse(resp, m.Sandbox)
+        return parse(self.sandbox_call("POST", sandbox_id, "/resume", json_body=body),
+                     m.Sandbox)
 
-    def connect(self, sandbox_id: str, timeout_s: int | None) -> m.Sandbox:
-        """Resume if paused, else just return the sandbox (POST /v2/.../connect)."""
+    def connect(self, sandbox_id: str, timeout_s: int | None) -> tuple[m.Sandbox, bool]:
+        """Resume if paused, else just return the sandbox (POST /v2/sandboxes/{id}/connect);
+        and whether it was resumed (201; 200: it was running)."""
         body = {} if timeout_s is None else {"timeout": timeout_s}
-        resp = self.request("POST", f"/v2/sandboxes/{_seg(sandbox_id)}/connect", json_body=body)
-        return parse(resp, m.Sandbox)
+        resp = self.sandbox_call("POST", sandbox_id, "/connect", v2=True, json_body=body)
+        return parse(resp, m.Sandbox), resp.status_code == 201
 
     def set_timeout(self, sandbox_id: str, timeout_s: int) -> None:
-        self.request("POST", f"/sandboxes/{_seg(sandbox_id)}/timeout",
-                     json_body={"timeout": timeout_s})
+        self.sandbox_call("POST", sandbox_id, "/timeout", json_body={"timeout": timeout_s})
 
     def fork(self, sandbox_id: str, count: int) -> list[m.SandboxForkResult]:
-        resp = self.request("POST", f"/sandboxes/{_seg(sandbox_id)}/fork",
-                            json_body={"count": count})
+        resp = self.sandbox_call("POST", sandbox_id, "/fork", json_body={"count": count})
         return parse(resp, list[m.SandboxForkResult])
 
     def logs(self, sandbox_id: str) -> list[m.SandboxLogEntry]:
-        resp = self.request("GET", f"/v2/sandboxes/{_seg(sandbox_id)}/logs")
+        resp = self.sandbox_call("GET", sandbox_id, "/logs", v2=True)
         return parse(resp, m.SandboxLogsV2Response).logs
 
     def metrics(self, sandbox_id: str) -> list[m.SandboxMetric]:
-        resp = self.request("GET", f"/sandboxes/{_seg(sandbox_id)}/metrics")
-        return parse(resp, list[m.SandboxMetric])
+        return parse(self.sandbox_call("GET", sandbox_id, "/metrics"), list[m.SandboxMetric])
+
+    def web_terminal(self, sandbox_id: str, ttl_s: int) -> WebTerminal:
+        """A browser terminal URL for the sandbox, valid `ttl_s` seconds."""
+        resp = self.sandbox_call("POST", sandbox_id, "/terminal", json_body={"ttl": ttl_s})
+        return parse(resp, WebTerminal)
 
     # --- snapshots ----------------------------------------------------------------------
 
     def snapshot(self, sandbox_id: str, name: str | None) -> m.SnapshotInfo:
         body = {} if name is None else {"name": name}
-        resp = self.request("POST", f"/sandboxes/{_seg(sandbox_id)}/snapshots", json_body=body)
-        return parse(resp, m.SnapshotInfo)
+        return parse(self.sandbox_call("POST", sandbox_id, "/snapshots", json_body=body),
+                     m.SnapshotInfo)
 
     def snapshots(self, sandbox_id: str | None) -> list[m.SnapshotInfo]:
         return self._all_pages("/snapshots", {"sandboxID": sandbox_id} if sandbox_id else {},
                                list[m.SnapshotInfo])
 
     def delete_snapshot(self, snapshot_id: str) -> None:
-        self.request("DELETE", f"/templates/{_seg(snapshot_id)}")
+        self.request("DELETE", f"/templates/{_seg(snapshot_id)}", missing="snapshot")
 
     # --- templates (builds go through the e2b SDK: builder.py) ----------------------------
 
@@ -180,7 +230,7 @@ class ApiClient:
         return self._all_pages("/v2/templates", {}, list[tm.Template])
 
     def delete_template(self, name_or_id: str) -> None:
-        self.request("DELETE", f"/templates/{_seg(name_or_id)}")
+        self.request("DELETE", f"/templates/{_seg(name_or_id)}", missing="template")
 
 
 def _seg(value: str) -> str:

@@ -11,18 +11,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from .context import echo_table, emit_json, rfc3339, settings
+from .context import settings
+from .output import echo_table, emit_json, output_option, rfc3339
 from .progress import BuildProgress, is_terminal
 
 if TYPE_CHECKING:
     from e2b import TemplateClass
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-output_option = click.option(
-    "--output", "-o", type=click.Choice(["text", "json"]), default="text", show_default=True,
-    help="json: machine-readable (a build's log then goes to stderr).")
-
 
 def build_options(f: F) -> F:
     """The options every build takes (E2B's Template.build arguments)."""
@@ -121,7 +117,7 @@ def ls(ctx: click.Context, output: str) -> None:
     for t in items:
         rows.append((",".join(t.aliases) or "-", t.template_id, t.build_status, t.cpu_count,
                      t.memory_mb, rfc3339(t.created_at)))
-    echo_table(rows)
+    echo_table(rows, style_column=2)
 
 
 @template.command("rm")

@@ -26,6 +26,7 @@ from websockets.sync.client import ClientConnection, connect
 
 from .envd import Envd
 from .errors import ApiError, CliError, ConnectionFailed
+from .rest import UNREACHABLE_HINTS
 
 CLOSE_UNAUTHORIZED = 4401
 CLOSE_BAD_REQUEST = 4400
@@ -122,7 +123,8 @@ def run_terminal(envd: Envd, *, cmd: str | None = None, user: str | None = None,
     except InvalidHandshake as exc:
         raise ConnectionFailed(f"terminal handshake failed: {exc}") from exc
     except (OSError, TimeoutError) as exc:
-        raise ConnectionFailed(f"cannot reach {envd.sandbox_url}: {exc}") from exc
+        raise ConnectionFailed(f"cannot reach the sandbox proxy at {envd.sandbox_url} ({exc})",
+                               hint=UNREACHABLE_HINTS["sandbox proxy"]) from exc
 
     session = _Session(ws, out_fd)
     reader = threading.Thread(target=session.reader, name="aenv-terminal-reader", daemon=True)

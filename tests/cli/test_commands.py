@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from host.orchestrator.states import SandboxState
+from tests.api.conftest import API_KEY, free_port
 
-from .conftest import Stack
+from .conftest import Stack, invoke
 
 
 def _start(stack: Stack, *args: str) -> str:
@@ -69,7 +70,7 @@ def test_kill_then_not_found_exit_4(stack: Stack) -> None:
                  ("download", sid, "/etc/hostname", "/tmp/x")):
         r = stack.run(*args)
         assert r.exit_code == 4, (args, r.output)
-        assert r.stderr.startswith("aenv: API error 404: ") and sid in r.stderr
+        assert r.stderr == f"aenv: API error 404: sandbox '{sid}' not found (see `aenv ls`)\n"
         assert "Traceback" not in r.output
         assert len(r.stderr.strip().splitlines()) == 1
 
@@ -106,28 +107,40 @@ def test_timeout(stack: Stack) -> None:
 def test_bad_and_missing_key(stack: Stack) -> None:
     r = stack.run("ls", key="e2b_wrong")
     assert r.exit_code == 3
-    assert r.stderr.strip() == "aenv: API error 401: invalid API key"
+    assert r.stderr == ("aenv: API error 401: invalid API key (the key from --api-key): "
+                        "run `aenv auth login` or set E2B_API_KEY\n")
     r = stack.run("ls", key=None)
     assert r.exit_code == 3
-    assert "missing X-API-Key header" in r.stderr and "AENV_API_KEY" in r.stderr
+    assert r.stderr == ("aenv: API error 401: missing X-API-Key header: "
+                        "run `aenv auth login` or set E2B_API_KEY\n")
 
 
 def test_key_from_env_and_key_file(stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("E2B_API_KEY", "e2b_test_key")
     assert stack.run("ls", key=None).exit_code == 0
+    monkeypatch.setenv("E2B_API_KEY", "e2b_wrong")
+    r = stack.run("ls", key=None)
+    assert r.exit_code == 3 and "(the key from $E2B_API_KEY)" in r.stderr
     monkeypatch.delenv("E2B_API_KEY")
     (tmp_path / "api_keys").write_text("# service keys\n\ne2b_test_key\n")
     monkeypatch.setenv("AENV_STATE_DIR", str(tmp_path))
     assert stack.run("ls", key=None).exit_code == 0
 
 
-def test_unreachable_api(stack: Stack) -> None:
-    from click.testing import CliRunner
-
-    from host.cli import cli
-    r = CliRunner().invoke(cli, ["--api-url", "http://127.0.0.1:1", "ls"])
+def test_unreachable_api_and_proxy(stack: Stack) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    r = invoke("--api-url", url, "ls")
     assert r.exit_code == 1
-    assert r.stderr.startswith("aenv: cannot reach http://127.0.0.1:1")
+    assert r.stderr == (f"aenv: cannot reach the API at {url} (Connection refused): is the "
+                        "service running? (`make run`), or set --api-url / run `aenv auth "
+                        "login`\n")
+    sid = _start(stack)
+    r = invoke("--api-url", stack.api_url, "--api-key", API_KEY, "--sandbox-url", url,
+               "exec", sid, "--", "true")
+    assert r.exit_code == 1
+    assert r.stderr.startswith(f"aenv: cannot reach the sandbox proxy at {url} (")
+    assert "set --sandbox-url (env E2B_SANDBOX_URL)" in r.stderr
+    assert len(r.stderr.splitlines()) == 1
 
 
 def test_exec_streams_and_propagates_exit_code(stack: Stack) -> None:
@@ -181,7 +194,7 @@ def test_upload_download_round_trip(stack: Stack, tmp_path: Path) -> None:
     assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x.*"))
 
 
-def test_fork_snapshots_logs_metrics(stack: Stack) -> None:
+def test_fork_logs_metrics(stack: Stack) -> None:
     sid = _start(stack)
     r = stack.run("fork", sid, "-n", "3")
     # the double answers count-1 children and one 503 error
@@ -190,21 +203,20 @@ def test_fork_snapshots_logs_metrics(stack: Stack) -> None:
     assert len(children) == 2 and all(c in stack.orch.sandboxes for c in children)
     assert "fork failed: 503 no capacity" in r.stderr
 
-    r = stack.run("snapshot", sid, "--name", "snap1")
-    assert (r.exit_code, r.stdout) == (0, "team/snap1:default\n")
-    assert stack.run("snapshot", sid).exit_code == 0
-    r = stack.run("snapshots", "--sandbox", sid)
-    assert r.exit_code == 0 and "team/snap1:default" in r.stdout.splitlines()
-    assert len(r.stdout.splitlines()) == 2
-    assert stack.run("rm-snapshot", "team/snap1:default").exit_code == 0
-    r = stack.run("rm-snapshot", "team/snap1:default")
-    assert r.exit_code == 4
+    r = stack.run("fork", sid, "-n", "2", "-o", "json")
+    assert r.exit_code == 1
+    results = json.loads(r.stdout)  # stdout holds only the JSON; the failure on stderr
+    assert results[0]["sandbox"]["sandboxID"] in stack.orch.sandboxes
+    assert results[1]["error"] == {"code": 503, "message": "no capacity"}
 
     r = stack.run("logs", sid)
     assert r.exit_code == 0 and "line 0" in r.stdout and "error" in r.stdout
-    r = stack.run("metrics", sid, "--json")
-    assert r.exit_code == 0 and len(json.loads(r.stdout)) == 3
-    assert stack.run("metrics", sid).exit_code == 0
+    r = stack.run("metrics", sid)
+    assert r.exit_code == 0
+    assert r.stdout.splitlines()[0].split() == ["TIMESTAMP", "CPUS", "CPU%", "MEM", "USED",
+                                                "MEM", "TOTAL", "DISK", "USED", "DISK",
+                                                "TOTAL"]
+    assert len(r.stdout.splitlines()) == 4
 
 
 def test_exec_signal_killed_command(stack: Stack) -> None:
@@ -253,9 +265,15 @@ def test_exec_ctrl_c_kills_remote_process(stack: Stack) -> None:
         time.sleep(0.2)
 
 
-def test_exec_on_paused_sandbox_is_one_line(stack: Stack) -> None:
+def test_guest_commands_on_a_paused_sandbox_say_how_to_resume(stack: Stack,
+                                                               tmp_path: Path) -> None:
     sid = _start(stack)
     stack.run("pause", sid)
-    r = stack.run("exec", sid, "--", "true")
-    assert r.exit_code != 0
-    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.output
+    line = (f"aenv: sandbox {sid} is paused: run `aenv resume {sid}` first (or `aenv connect "
+            f"{sid}` for a terminal)\n")
+    for args in (("exec", sid, "--", "true"), ("upload", sid, "/etc/hostname", "/tmp/x"),
+                 ("download", sid, "/etc/hostname", str(tmp_path / "x"))):
+        r = stack.run(*args)
+        assert (r.exit_code, r.stderr) == (5, line), args
+    assert stack.run("resume", sid).exit_code == 0
+    assert stack.run("exec", sid, "--", "true").exit_code == 0

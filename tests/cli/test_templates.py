@@ -169,10 +169,14 @@ def test_pull_errors(tstack: TemplateStack, monkeypatch: pytest.MonkeyPatch) -> 
     assert r.stderr.startswith("aenv: API error 401: ")
     assert len(r.stderr.strip().splitlines()) == 1
     r = tstack.run("pull", "busybox", "--name", "z", key=None)  # no key anywhere
-    assert r.exit_code == 3 and r.stderr == "aenv: no API key: pass --api-key or set AENV_API_KEY\n"
-    r = CliRunner().invoke(cli, ["--api-url", f"http://127.0.0.1:{free_port()}", "--api-key",
-                                 "k", "pull", "busybox", "--name", "z"])
-    assert r.exit_code == 1 and r.stderr.startswith("aenv: cannot reach http://127.0.0.1:")
+    assert r.exit_code == 3
+    assert r.stderr == "aenv: no API key: run `aenv auth login` or set E2B_API_KEY\n"
+    url = f"http://127.0.0.1:{free_port()}"
+    r = CliRunner().invoke(cli, ["--api-url", url, "--api-key", "k", "pull", "busybox",
+                                 "--name", "z"])
+    assert r.exit_code == 1
+    assert r.stderr.startswith(f"aenv: cannot reach the API at {url} (")
+    assert r.stderr.endswith("or set --api-url / run `aenv auth login`\n")
     assert len(r.stderr.strip().splitlines()) == 1
     # usage errors: exit 2
     for args in (("pull", "busybox"), ("pull", "busybox", "--name", "u", "--username", "me"),
@@ -225,6 +229,8 @@ def test_template_ls_and_rm(tstack: TemplateStack, context: Path) -> None:
     assert rows["web"][2] == "ready"
 
     listed = json.loads(tstack.run("template", "ls", "-o", "json").stdout)
+    assert json.loads(tstack.run("template", "ls", "--json").stdout) == listed
+    assert tstack.run("template", "ls", "-o", "text").stdout == r.stdout
     by_alias = {t["aliases"][0]: t for t in listed if t["aliases"]}
     assert by_alias["web"]["templateID"] == rows["web"][1]
     assert by_alias["web"]["buildStatus"] == "ready"
@@ -244,6 +250,7 @@ def test_template_ls_and_rm(tstack: TemplateStack, context: Path) -> None:
     assert "api" not in names and "web" in names
     r = tstack.run("template", "rm", "api")
     assert r.exit_code == 4 and r.stderr.startswith("aenv: API error 404: ")
+    assert r.stderr.endswith(" (see `aenv template ls`)\n")
 
 
 # --- progress output: a terminal gets the live status line, a pipe plain lines ----------
@@ -257,9 +264,15 @@ def _env() -> dict[str, str]:
     return {**env, "TERM": "xterm-256color", "COLUMNS": "120"}
 
 
+async def _slow_pull(spec: BuildSpec, log: Callable[..., None]) -> None:
+    log("info", f"Pulling {spec.from_image}", "base")
+    await asyncio.sleep(0.6)  # a few redraws
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="needs a Linux pty")
+@pytest.mark.parametrize("command", ["build", "pull"])
 def test_progress_on_a_terminal(tstack: TemplateStack, context: Path,
-                                monkeypatch: pytest.MonkeyPatch) -> None:
+                                monkeypatch: pytest.MonkeyPatch, command: str) -> None:
     import fcntl
     import pty
     import select
@@ -267,10 +280,11 @@ def test_progress_on_a_terminal(tstack: TemplateStack, context: Path,
     import termios
     import time
 
-    wrap_build(tstack, monkeypatch, lambda spec, log: asyncio.sleep(0.6))  # a few redraws
+    wrap_build(tstack, monkeypatch, _slow_pull)
+    args = ["build", str(context)] if command == "build" else ["pull", "busybox"]
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    proc = subprocess.Popen(_aenv(tstack, "build", str(context), "--name", "tty"),
+    proc = subprocess.Popen(_aenv(tstack, *args, "--name", "tty"),
                             cwd=REPO_ROOT, env=_env(), stdin=slave, stdout=slave,
                             stderr=slave, start_new_session=True)
     os.close(slave)
@@ -296,7 +310,10 @@ def test_progress_on_a_terminal(tstack: TemplateStack, context: Path,
     assert ANSI.search(text)  # colours and the redrawn status line
     shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
     assert re.search(r"[⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏] \d+\.\ds  ", shown)  # spinner, elapsed time, step
-    assert "Uploaded 'a.txt'" in text and "Built tty: template" in text
+    assert re.search(r"\d+\.\ds  Pulling ", shown)  # the pull is the step shown
+    assert "Built tty: template" in text
+    if command == "build":
+        assert "Uploaded 'a.txt'" in text
 
 
 def test_progress_through_a_pipe(tstack: TemplateStack, context: Path) -> None:
@@ -333,7 +350,8 @@ def test_progress_through_a_pipe(tstack: TemplateStack, context: Path) -> None:
     (e2b.InvalidArgumentException("Both username and password are required"),
      "Both username and password are required", 1),
     (ValueError("No files found in /ctx/x"), "No files found in /ctx/x", 1),
-    (httpx.ConnectError("refused"), "cannot reach http://api: refused", 1),
+    (httpx.ConnectError("[Errno 111] Connection refused"),
+     "cannot reach the API at http://api (Connection refused)", 1),
 ], ids=lambda v: type(v).__name__ if isinstance(v, Exception) else None)
 def test_sdk_errors(exc: Exception, message: str, exit_code: int) -> None:
     with pytest.raises(CliError) as info, sdk_errors("http://api"):

@@ -136,12 +136,53 @@ def test_terminal_cmd_without_tty_and_not_found(stack: Stack) -> None:
 def test_piped_stdin_to_interactive_shell_and_connect_resumes(stack: Stack) -> None:
     sid = stack.run("start").stdout.strip()
     assert stack.run("pause", sid).exit_code == 0
+    assert stack.orch.sandboxes[sid].state.public == "paused"
     env = {**os.environ, **stack.env()}
-    # `connect` resumes the paused sandbox first; stdin is not a tty: no raw mode, and EOF
-    # goes up as ^D
+    # `connect` resumes the paused sandbox first (POST /v2/sandboxes/{id}/connect), then
+    # opens the terminal; stdin is not a tty: no raw mode, and EOF goes up as ^D
     r = subprocess.run([sys.executable, "-m", "host.cli", "connect", sid],
                        cwd=REPO_ROOT, env=env, input=b"echo piped-in\nexit 2\n",
                        capture_output=True, timeout=60, check=False)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert b"piped-in" in r.stdout
+    assert r.stderr == f"Resumed paused sandbox {sid}\n".encode()
     assert stack.orch.sandboxes[sid].state.public == "running"
+    assert ("connect", (sid, None, True)) in stack.orch.calls
+
+    # running already: nothing to resume, straight to the terminal
+    r = subprocess.run([sys.executable, "-m", "host.cli", "connect", sid, "--timeout", "60",
+                        "--cmd", "echo again"], cwd=REPO_ROOT, env=env,
+                       stdin=subprocess.DEVNULL, capture_output=True, timeout=60, check=False)
+    assert (r.returncode, r.stderr) == (0, b""), r.stderr
+    assert b"again" in r.stdout
+    assert ("connect", (sid, 60, True)) in stack.orch.calls
+
+    missing = stack.run("connect", "inosuchsandbox0000000")
+    assert missing.exit_code == 4 and missing.stderr.endswith("not found (see `aenv ls`)\n")
+
+
+def test_web_terminal_link(stack: Stack) -> None:
+    """`terminal --web`: POST /sandboxes/{id}/terminal {"ttl": N}, the link on stdout."""
+    from .conftest import TERMINAL_BASE_URL, TERMINAL_LINKS
+
+    sid = stack.run("start").stdout.strip()
+    before = time.time()
+    r = stack.run("terminal", "--web", sid)
+    assert r.exit_code == 0, r.output
+    assert r.stderr == ""  # the expiry goes to a terminal only
+    url = r.stdout.strip()
+    assert r.stdout == url + "\n" and url.startswith(f"{TERMINAL_BASE_URL}/terminal/{sid}?token=")
+    expires = TERMINAL_LINKS.expiry(sid, url.split("token=", 1)[1])
+    assert expires is not None and before + 900 - 2 <= expires <= time.time() + 900 + 2
+
+    r = stack.run("terminal", sid, "--web", "--ttl", "60")
+    expires = TERMINAL_LINKS.expiry(sid, r.stdout.strip().split("token=", 1)[1])
+    assert expires is not None and expires <= time.time() + 61
+    r = stack.run("terminal", sid, "--web", "--ttl", "5")  # the API's bounds: 10 s .. 1 day
+    assert r.exit_code == 1 and r.stderr.startswith("aenv: API error 400: ") and "ttl" in r.stderr
+
+    r = stack.run("terminal", "--web", "inosuchsandbox0000000")
+    assert r.exit_code == 4 and r.stderr.endswith("(see `aenv ls`)\n")
+    for args in (("--web", sid, "--cmd", "top"), (sid, "--ttl", "60")):
+        r = stack.run("terminal", *args)
+        assert r.exit_code == 2, args
