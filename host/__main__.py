@@ -21,6 +21,7 @@ import uvicorn
 from host.api import ApiKeys, build_api_app
 from host.config import Config, ConfigError, parse_config
 from host.contract import MachineSpec
+from host.metrics import Metrics, ProxyMetrics, setup_logging
 from host.orchestrator import NodeOrchestrator, Store
 from host.orchestrator.admission import AdmissionPolicy
 from host.proxy import build_proxy_app
@@ -40,7 +41,7 @@ class _Server(uvicorn.Server):
 KEEP_ALIVE_S = 75  # idle client connections kept open (both listeners)
 
 
-async def open_runtime(cfg: Config) -> Any:
+async def open_runtime(cfg: Config, metrics: Metrics | None = None) -> Any:
     """`host.runtime.NodeRuntime` for this config, opened (imported lazily)."""
     try:
         from host.runtime import NodeRuntime, RuntimeConfig
@@ -57,7 +58,8 @@ async def open_runtime(cfg: Config) -> Any:
                                    network_pool=cfg.network_pool,
                                    envd_timeout_s=cfg.envd_timeout_s,
                                    registry_mirror=cfg.registry_mirror,
-                                   insecure_registries=cfg.insecure_registries))
+                                   insecure_registries=cfg.insecure_registries),
+                     metrics=metrics)
     return await rt.open()
 
 
@@ -87,23 +89,32 @@ async def serve(cfg: Config) -> None:
     store = Store(cfg.db_path)
     runtime = None
     orch = None
+    metrics = Metrics()  # this service's registry: runtime, orchestrator, API, proxy
     try:
-        runtime = await open_runtime(cfg)
+        runtime = await open_runtime(cfg, metrics)
         orch = NodeOrchestrator(
             store, runtime, domain=cfg.domain, default_template=cfg.default_template,
             machine=MachineSpec(cpu_count=cfg.cpu_count, memory_mb=cfg.memory_mb,
                                 disk_mb=cfg.disk_mb, image=cfg.image),
             admission=AdmissionPolicy(max_starts=cfg.max_starts,
                                       max_sandboxes=cfg.max_sandboxes,
-                                      reserve_mib=cfg.memory_reserve_mib))
+                                      reserve_mib=cfg.memory_reserve_mib),
+            metrics=metrics)
         await orch.start(ttl_interval_s=cfg.ttl_interval_s)
         keys = ApiKeys.load_or_create(cfg.keys_path)
         links = TerminalLinks.load_or_create(cfg.state_dir)
         api = build_api_app(orch, keys, domain=cfg.domain, state_dir=cfg.state_dir,
                             max_upload_bytes=cfg.template_upload_mib << 20,
-                            terminal_links=links, terminal_base_url=cfg.public_proxy_url)
+                            terminal_links=links, terminal_base_url=cfg.public_proxy_url,
+                            metrics=metrics if cfg.metrics else None)
         proxy = build_proxy_app(orch, cfg.domain, api_app=api if cfg.tls else None,
                                 terminal_links=links, keys=keys)
+        # counted from outside the proxy app (host/metrics/asgi.py); not the API it serves
+        proxy_listener = (ProxyMetrics(proxy, metrics,
+                                       skip_hosts=frozenset({f"api.{cfg.domain}"}))
+                          if cfg.metrics else proxy)
+        # json logs: uvicorn's loggers reach the root's JSON handler instead of their own
+        logs: dict[str, Any] = {"log_config": None} if cfg.log_format == "json" else {}
         ssl: dict[str, Any] = {}
         if cfg.tls:
             from host.proxy.tls import ensure_certificates
@@ -114,10 +125,11 @@ async def serve(cfg: Config) -> None:
             # 429 after its Retry-After (5 s), which otherwise races the server's close
             _Server(uvicorn.Config(api, host=cfg.listen, port=cfg.api_port, lifespan="off",
                                    log_level=cfg.log_level, timeout_graceful_shutdown=10,
-                                   timeout_keep_alive=KEEP_ALIVE_S, **ssl)),
-            _Server(uvicorn.Config(proxy, host=cfg.listen, port=cfg.proxy_port, lifespan="on",
-                                   log_level=cfg.log_level, timeout_graceful_shutdown=10,
-                                   timeout_keep_alive=KEEP_ALIVE_S, **ssl)),
+                                   timeout_keep_alive=KEEP_ALIVE_S, **ssl, **logs)),
+            _Server(uvicorn.Config(proxy_listener, host=cfg.listen, port=cfg.proxy_port,
+                                   lifespan="on", log_level=cfg.log_level,
+                                   timeout_graceful_shutdown=10,
+                                   timeout_keep_alive=KEEP_ALIVE_S, **ssl, **logs)),
         ]
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
@@ -153,8 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"aenv: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=cfg.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(cfg.log_level, cfg.log_format)
     asyncio.run(serve(cfg))
     return 0
 

@@ -38,6 +38,11 @@
     AENV_REGISTRY_MIRROR --registry-mirror -          serves docker.io image names for builds
     AENV_INSECURE_REGISTRIES --insecure-registry       registries reached over plain HTTP
                      (comma list / repeatable; loopback registries always are)
+    AENV_LOG_LEVEL   --log-level    info              debug | info | warning | error
+    AENV_LOG_FORMAT  --log-format   text              text | json (one object a line, with
+                                                      sandbox_id; host/metrics/logs.py)
+    AENV_METRICS     --metrics / --no-metrics  on     GET /metrics on the API listener
+                                                      (Prometheus, no API key: host/metrics)
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from urllib.parse import parse_qs, urlparse
 
 VMM_DRIVERS = ("auto", "qemu", "firecracker")
 NETWORK_MODES = ("auto", "netns", "user")
+LOG_FORMATS = ("text", "json")
 
 
 class ConfigError(ValueError):
@@ -92,6 +98,8 @@ class Config:
     registry_mirror: str | None = None
     insecure_registries: tuple[str, ...] = ()
     log_level: str = "info"
+    log_format: str = "text"
+    metrics: bool = True
 
     @property
     def db_path(self) -> Path:
@@ -171,6 +179,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="refuse a start that would leave less available host memory")
     p.add_argument("--ttl-interval", type=float, dest="ttl_interval_s")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-format", choices=LOG_FORMATS,
+                   help="text (default) or json: one object a line, with sandbox_id")
+    p.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=None,
+                   help="serve GET /metrics (Prometheus) on the API listener (default on)")
     return p
 
 
@@ -195,6 +207,7 @@ _ENV: dict[str, tuple[str, type]] = {
     "registry_mirror": ("AENV_REGISTRY_MIRROR", str),
     "insecure_registries": ("AENV_INSECURE_REGISTRIES", tuple),
     "log_level": ("AENV_LOG_LEVEL", str),
+    "log_format": ("AENV_LOG_FORMAT", str), "metrics": ("AENV_METRICS", bool),
 }
 
 
@@ -234,6 +247,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("firecracker must name a binary")
     if cfg.jailer_uid < 0 or cfg.jailer_gid < 0:
         raise ConfigError("jailer_uid and jailer_gid must be >= 0")
+    if cfg.log_format not in LOG_FORMATS:
+        raise ConfigError(f"log_format must be one of {LOG_FORMATS}, got {cfg.log_format!r}")
     if cfg.network not in NETWORK_MODES:
         raise ConfigError(f"network must be one of {NETWORK_MODES}, got {cfg.network!r}")
     if not cfg.domain or "/" in cfg.domain or ":" in cfg.domain:

@@ -11,6 +11,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 
+from host.metrics import Metrics, metrics_route
 from host.orchestrator import Orchestrator
 from host.web.links import TerminalLinks
 
@@ -33,7 +34,8 @@ def build_api_app(orchestrator: Orchestrator, keys: ApiKeys | Path | str, *,
                   domain: str | None = None, state_dir: Path | None = None,
                   max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
                   terminal_links: TerminalLinks | None = None,
-                  terminal_base_url: str | None = None) -> Starlette:
+                  terminal_base_url: str | None = None,
+                  metrics: Metrics | None = None) -> Starlette:
     """The REST API app.
 
     `keys`: an `ApiKeys`, or the path of the key file (created with one key on first use).
@@ -43,11 +45,12 @@ def build_api_app(orchestrator: Orchestrator, keys: ApiKeys | Path | str, *,
     that lives as long as the app); `max_upload_bytes` bounds one upload.
     `terminal_links` + `terminal_base_url` (the proxy's public URL) enable the web
     terminal's signed links.
+    `metrics`: serve them at `GET /metrics` (no API key, not in the E2B document).
     """
     if not isinstance(keys, ApiKeys):
         keys = ApiKeys.load_or_create(keys)
     app = Starlette(
-        routes=starlette_routes(OPERATIONS),
+        routes=[*starlette_routes(OPERATIONS), *([metrics_route(metrics)] if metrics else [])],
         middleware=[Middleware(ApiKeyMiddleware, keys=keys)],
         exception_handlers={HTTPException: http_error},
     )

@@ -1,8 +1,9 @@
 """API keys: generated on first start, kept in a 0600 file, checked on every request.
 
 The file holds one key per line (blank lines and `#` comments ignored). Clients send a key
-as `X-API-Key` (any case; the SDKs spell it `X-API-KEY`). Only `GET /health` is open, and
-the PUT of a COPY archive to its signed URL (uploads.py), which the signature authorises.
+as `X-API-Key` (any case; the SDKs spell it `X-API-KEY`). Only `GET /health` is open,
+`GET /metrics` (Prometheus scrapes without a key; host/metrics), and the PUT of a COPY
+archive to its signed URL (uploads.py), which the signature authorises.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .errors import error_response
 
 DEFAULT_KEYS_PATH = Path("/var/lib/aenv/api_keys")
 KEY_PREFIX = "e2b_"
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 SIGNED_PREFIX = "/template-files/"  # PUT only: the URL's signature is checked instead
 
 

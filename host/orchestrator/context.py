@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from host.contract import MachineSpec, SandboxRuntime
+from host.metrics import Metrics
 
 from .admission import HOLDS_VM, Admission
 from .build_log import BuildLogBuffer
@@ -31,6 +33,8 @@ from .template_store import TemplateStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+A = TypeVar("A")
+P = ParamSpec("P")
 
 
 class Spawn(Protocol):
@@ -55,6 +59,7 @@ class Context:
     templates: TemplateStore
     files_dir: Path                   # uploaded COPY archives, one file per filesHash
     admission: Admission = dataclasses.field(default_factory=Admission)
+    metrics: Metrics = dataclasses.field(default_factory=Metrics)  # the service's (node.py)
     locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
     # One event per running incarnation that the proxy was routed to (made by
     # guest.route), set and dropped when that incarnation ends: see end_run.
@@ -118,3 +123,20 @@ class Context:
         run = self.runs.pop(sandbox_id, None)
         if run is not None:
             run.end(reason)
+
+
+def observed(operation: str) -> Callable[
+        [Callable[Concatenate[Context, A, P], Coroutine[Any, Any, T]]],
+        Callable[Concatenate[Context, A, P], Coroutine[Any, Any, T]]]:
+    """Time the decorated operation `(ctx, sandbox id or record, ...)` in `ctx.metrics`
+    (duration when it succeeds, error class when it fails) with its log records tagged
+    with the sandbox id. Nested scopes of one operation count once (the outermost)."""
+    def wrap(fn: Callable[Concatenate[Context, A, P], Coroutine[Any, Any, T]]
+             ) -> Callable[Concatenate[Context, A, P], Coroutine[Any, Any, T]]:
+        @functools.wraps(fn)
+        async def run(ctx: Context, target: A, /, *args: P.args, **kwargs: P.kwargs) -> T:
+            sandbox_id = target if isinstance(target, str) else getattr(target, "id", None)
+            with ctx.metrics.operation(operation, sandbox_id):
+                return await fn(ctx, target, *args, **kwargs)
+        return run
+    return wrap

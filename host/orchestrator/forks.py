@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import Sequence
 
 from . import lifecycle
-from .context import Context
+from .context import Context, observed
 from .errors import InvalidRequest, OrchestratorError
 from .model import ForkResult
 from .records import network_from_json, snapshot_record, with_runtime
@@ -28,6 +28,7 @@ async def fork(ctx: Context, sandbox_id: str, count: int,
     return await ctx.shielded(_fork(ctx, sandbox_id, count, timeout_s))
 
 
+@observed("fork")
 async def _fork(ctx: Context, sandbox_id: str, count: int,
                 timeout_s: int | None) -> list[ForkResult]:
     async with ctx.lock(sandbox_id):
@@ -52,6 +53,7 @@ async def _fork(ctx: Context, sandbox_id: str, count: int,
                 auto_pause_memory=rec.runtime.get("auto_pause_memory", True))
             results[i] = ForkResult(sandbox=info)
         except Exception as exc:  # noqa: BLE001 - each child succeeds or fails on its own
+            ctx.metrics.operation_failed("fork", exc)  # the fork itself succeeded
             status = exc.status if isinstance(exc, OrchestratorError) else 500
             results[i] = ForkResult(error=str(exc), error_status=status)
 

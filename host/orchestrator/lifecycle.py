@@ -17,9 +17,10 @@ import json
 import logging
 
 from host.contract import NetworkConfig
+from host.metrics import bind_sandbox
 
 from . import ids, snapshots, templates
-from .context import Context
+from .context import Context, observed
 from .errors import (
     IdempotencyMismatch,
     OperationFailed,
@@ -84,6 +85,7 @@ async def _create_bound(ctx: Context, req: CreateRequest, key: str) -> SandboxIn
     return info
 
 
+@observed("create")
 async def _create(ctx: Context, req: CreateRequest) -> SandboxInfo:
     built = await templates.sandbox_source(ctx, req.template_id)
     if built is not None:  # a template built through the build API, by id or name[:tag]
@@ -144,6 +146,7 @@ async def new_sandbox(ctx: Context, source: SnapshotRecord, *, template_id: str,
     held_token = source.spec.get("envd_token")
     guest = snapshot_guest(source)
     sandbox_id = ids.new_sandbox_id()
+    bind_sandbox(sandbox_id)  # for the log records of the rest of this (create or fork) task
     # A snapshot taken after an /init keeps that token inside envd: the new sandbox
     # must get its own token then, or it would answer to the source's.
     token = ids.new_envd_token() if (secure or held_token) else None
@@ -195,6 +198,7 @@ async def kill(ctx: Context, sandbox_id: str) -> None:
     await ctx.shielded(_kill(ctx, sandbox_id))
 
 
+@observed("kill")
 async def _kill(ctx: Context, sandbox_id: str, op: str = "killed") -> None:
     async with ctx.lock(sandbox_id):
         await kill_locked(ctx, await ctx.record(sandbox_id), op)
@@ -205,6 +209,7 @@ async def _kill(ctx: Context, sandbox_id: str, op: str = "killed") -> None:
         log.exception("snapshot garbage collection failed")
 
 
+@observed("kill")
 async def kill_locked(ctx: Context, rec: SandboxRecord, op: str) -> None:
     """Kill `rec`'s sandbox (any state but gone); the caller holds its lock."""
     movable = {s for s in S if s not in GONE}

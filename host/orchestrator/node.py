@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from host.contract import MachineSpec, NetworkConfig, SandboxRuntime
+from host.metrics import Metrics
 
 from . import (
     builds,
@@ -63,6 +64,7 @@ from .model import (
 )
 from .records import expand_states, sandbox_info
 from .recovery import recover as run_recovery
+from .states import SandboxState
 from .store import Store
 from .template_store import TemplateStore
 from .ttl import TtlLoop
@@ -79,6 +81,8 @@ class NodeOrchestrator:
     Call `await start()` (recovery, then the TTL loop) before serving and `await aclose()`
     after. The store and the runtime belong to the caller. `files_dir` holds the uploaded
     COPY archives of template builds (default: `template-files` next to the database).
+    `metrics`: the service's (operations are timed there, and it reads the sandboxes by
+    state from the store at each scrape); by default one of its own.
     """
 
     def __init__(self, store: Store, runtime: SandboxRuntime, *, domain: str | None = None,
@@ -88,7 +92,8 @@ class NodeOrchestrator:
                  default_timeout_s: int = 300, max_timeout_s: int = 24 * 3600,
                  clock: Callable[[], float] = time.time,
                  files_dir: Path | None = None, builtin_cache: Path | None = None,
-                 admission: AdmissionPolicy | None = None) -> None:
+                 admission: AdmissionPolicy | None = None,
+                 metrics: Metrics | None = None) -> None:
         self.domain = domain
         # the host-side inputs of built-in templates (pip trees, archives): like the
         # kernel and image, reusable across state dirs
@@ -103,6 +108,9 @@ class NodeOrchestrator:
         self.default_timeout_s = default_timeout_s
         self.max_timeout_s = max_timeout_s
         self.clock = clock
+        # not `self.metrics`: that is the sandbox metrics call of the E2B API
+        self.service_metrics = metrics if metrics is not None else Metrics()
+        self.service_metrics.track_sandboxes(self.state_counts)
         self._ctx = Context(
             store=store, runtime=runtime, envd=self.envd, spawn=self.spawn, clock=clock,
             machine=self.machine, default_template=default_template,
@@ -110,7 +118,7 @@ class NodeOrchestrator:
             default_timeout_s=default_timeout_s, max_timeout_s=max_timeout_s,
             templates=TemplateStore(store),
             files_dir=files_dir or self.state_dir / "template-files",
-            admission=Admission(admission))
+            admission=Admission(admission), metrics=self.service_metrics)
         self._runs = self._ctx.runs  # the proxy's run events (Context.end_run)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ttl: TtlLoop | None = None
@@ -163,6 +171,15 @@ class NodeOrchestrator:
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         return sandbox_info(await self._ctx.record(sandbox_id), now=self.clock())
+
+    async def state_counts(self) -> dict[str, int]:
+        """How many sandboxes are in each state but `killed` (every state listed, 0
+        included, so each series exists from the start); read at each metrics scrape."""
+        rows = await self._ctx.db(self.store.select,
+                                  "SELECT state, COUNT(*) FROM sandboxes GROUP BY state")
+        counts = {s.value: 0 for s in SandboxState if s is not SandboxState.KILLED}
+        counts.update({str(state): int(n) for state, n in rows if state in counts})
+        return counts
 
     async def list(self, flt: ListFilter) -> Sequence[SandboxInfo]:
         recs = await self._ctx.db(self.store.list_sandboxes, expand_states(flt.states))

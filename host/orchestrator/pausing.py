@@ -9,7 +9,7 @@ its snapshot (same envd token, so SDK handles keep working) or extends a running
 from __future__ import annotations
 
 from . import ids
-from .context import Context
+from .context import Context, observed
 from .errors import (
     GuestUnresponsive,
     OperationFailed,
@@ -42,6 +42,7 @@ async def pause(ctx: Context, sandbox_id: str, *, memory: bool = True,
     await ctx.shielded(_pause(ctx, sandbox_id, memory, require_healthy))
 
 
+@observed("pause")
 async def _pause(ctx: Context, sandbox_id: str, memory: bool, require_healthy: bool) -> None:
     async with ctx.lock(sandbox_id):
         rec = await ctx.record(sandbox_id)
@@ -68,6 +69,7 @@ async def check_guest(ctx: Context, rec: SandboxRecord, *, sync: bool) -> None:
                                 "keeps running")
 
 
+@observed("pause")
 async def pause_locked(ctx: Context, rec: SandboxRecord, op: str, *,
                        memory: bool = True) -> None:
     """Pause `rec`'s running sandbox (op "timeout": its TTL ran out, none is left); the
@@ -124,6 +126,7 @@ async def _connect(ctx: Context, sandbox_id: str, timeout_s: int | None,
         return sandbox_info(rec, now=ctx.clock()), True
 
 
+@observed("resume")
 async def _resume_locked(ctx: Context, rec: SandboxRecord, timeout_s: int | None, *,
                          reboot: bool = False) -> SandboxRecord:
     sid = rec.id

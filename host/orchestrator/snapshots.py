@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from host.contract import SnapshotRef
 
 from . import ids
-from .context import Context
+from .context import Context, observed
 from .errors import AliasConflict, InvalidRequest, OperationFailed, SnapshotNotFound
 from .model import SnapshotInfo
 from .records import GONE, snapshot_info, snapshot_record, snapshot_ref, with_runtime
@@ -32,6 +32,7 @@ async def snapshot(ctx: Context, sandbox_id: str, name: str | None) -> SnapshotI
     return await ctx.shielded(_snapshot(ctx, sandbox_id, public_id, name))
 
 
+@observed("snapshot")
 async def _snapshot(ctx: Context, sandbox_id: str, public_id: str,
                     name: str | None) -> SnapshotInfo:
     async with ctx.lock(sandbox_id):

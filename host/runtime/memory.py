@@ -44,6 +44,8 @@ class MemoryFiles:
         self.fetching: dict[str, asyncio.Lock] = {}  # relpath -> its download
         self.writing: set[str] = set()  # snapshot ids whose memory is being written
         self.pins: Counter[str] = Counter()  # snapshot id -> starts restoring from it
+        self.hits = 0    # files a start found here (metrics: aenv_cache_hits_total)
+        self.misses = 0  # files it fetched from the repository
 
     # -- names ----------------------------------------------------------------------------
 
@@ -93,13 +95,16 @@ class MemoryFiles:
         for name in m["memory"].get("files", ()):
             path = self.path(name)
             if path.exists():
+                self.hits += 1
                 with contextlib.suppress(OSError):  # recently used, for the LRU trim
                     os.utime(self.path(name.split("/", 1)[0]))
                 continue
             lock = self.fetching.setdefault(name, asyncio.Lock())
             async with lock:
                 if path.exists():
+                    self.hits += 1
                     continue
+                self.misses += 1
                 t0 = time.perf_counter()
                 try:
                     await asyncio.to_thread(self.repo.fetch_file, MEMORY_KEY + name, path,
@@ -129,6 +134,18 @@ class MemoryFiles:
                 log.warning("removing memory of %s from the repository: %s", owner, exc)
 
     # -- space ----------------------------------------------------------------------------
+
+    def used_bytes(self) -> int:
+        """Bytes `memory/` holds on disk (blocking: walks the dir)."""
+        if not self.dir.is_dir():
+            return 0
+        total = 0
+        for f in self.dir.rglob("*"):
+            with contextlib.suppress(OSError):  # removed meanwhile (gc, trim)
+                st = f.lstat()
+                if not f.is_dir():
+                    total += st.st_blocks * 512
+        return total
 
     @contextlib.contextmanager
     def pin(self, owners: Iterable[str]) -> Iterator[None]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from host.contract import (
     BuildLog,
@@ -38,7 +38,7 @@ from host.vmm.accel import host_tsc_khz
 from host.vmm.errors import VmmError
 from host.vmm.proc import tail
 
-from . import adoption, builds, snapshots, starts, templates
+from . import adoption, builds, snapshots, starts, templates, usage
 from .blockd import BlockServerHandle
 from .config import RuntimeConfig
 from .errors import NodeRuntimeError, SnapshotNotFoundError
@@ -47,6 +47,9 @@ from .manifests import ManifestStore
 from .memory import MemoryFiles
 from .parts import NodeParts
 from .sandbox import policy_of
+
+if TYPE_CHECKING:
+    from host.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +63,12 @@ def make_dirs(cfg: RuntimeConfig) -> None:
 
 
 class NodeRuntime:
-    """One node's sandbox runtime. `await NodeRuntime(config).open()` (or `async with`)."""
+    """One node's sandbox runtime. `await NodeRuntime(config).open()` (or `async with`).
+    With `metrics`, the service's VM memory and storage usage are read from it at each
+    scrape (usage.py)."""
 
-    def __init__(self, config: RuntimeConfig | None = None) -> None:
+    def __init__(self, config: RuntimeConfig | None = None, *,
+                 metrics: Metrics | None = None) -> None:
         self.config = cfg = config or RuntimeConfig()
         block = BlockServerHandle(cfg)
         manifests = ManifestStore(cfg.repository_spec)
@@ -72,6 +78,9 @@ class NodeRuntime:
             manifests=manifests)
         self._open = False
         self._watchdog: asyncio.Task[None] | None = None
+        if metrics is not None:
+            metrics.track_vms(lambda: usage.vm_pids(self.parts))
+            metrics.track_storage(lambda: usage.storage_usage(self.parts))
 
     # -- lifecycle ----------------------------------------------------------------------
 

@@ -385,6 +385,20 @@ class BlockServer:
             await self.push(digest)
         return digest
 
+    def stats(self) -> dict[str, Any]:
+        """Counters for the host's metrics: the chunk cache (None without one) and the
+        bytes moved to and from the repository (None without one), since this start."""
+        cache = repo = None
+        if self.cache is not None:
+            c = self.cache
+            cache = {"used_bytes": c.used_bytes, "capacity_bytes": c.capacity_bytes,
+                     "hits": c.stats.hits, "misses": c.stats.misses}
+        moved = getattr(self.repository, "transferred", None)
+        if moved is not None:
+            repo = {"backend": getattr(self.repository, "backend", "unknown"),
+                    "upload_bytes": moved.upload_bytes, "download_bytes": moved.download_bytes}
+        return {"cache": cache, "repository": repo}
+
     async def push(self, digest: str) -> None:
         if self.repository is None:
             return
@@ -419,6 +433,8 @@ class BlockServer:
                 return {"ok": True, "result": True}
             if op == "list":
                 return {"ok": True, "result": [i.to_dict() for i in await self.list()]}
+            if op == "stats":
+                return {"ok": True, "result": self.stats()}
             ops: dict[str, Callable[..., Awaitable[Any]]] = {
                 "create": self.create, "seal": self.seal, "clone": self.clone,
                 "delete": self.delete, "flush": self.flush, "info": self.info,

@@ -33,8 +33,8 @@ CHUNK = 1 << 20
 
 @dataclass
 class CacheStats:
-    hits: int = 0
-    misses: int = 0
+    hits: int = 0    # lookups served from the cache
+    misses: int = 0  # lookups that fetched their chunk (not also counted as hits)
     evictions: int = 0
     fetched_bytes: int = 0
     corrupt: int = 0  # fetched chunks that did not match their sums (not kept)
@@ -99,6 +99,7 @@ class ChunkCache:
         """An O_RDONLY fd on chunk `idx` of the layer, fetched first if absent (and checked
         against `sums`)."""
         key = (_hex(digest), idx)
+        fetched = False
         while True:
             with self._lock:
                 if key in self._lru:
@@ -108,7 +109,8 @@ class ChunkCache:
                         self.used_bytes -= self._lru.pop(key)
                     else:
                         self._lru.move_to_end(key)
-                        self.stats.hits += 1
+                        if not fetched:
+                            self.stats.hits += 1
                         return fd
                 fetch_lock = self._fetching.setdefault(key, threading.Lock())
             try:
@@ -117,6 +119,7 @@ class ChunkCache:
                         present = key in self._lru
                     if not present:
                         self._fetch(repo, digest, key, length, sums)
+                        fetched = True
             finally:  # also when the fetch failed: the next reader tries again
                 with self._lock:
                     self._fetching.pop(key, None)

@@ -141,6 +141,11 @@ class BlockServerClient:
         """Upload a local layer to the repository (durable once this returns)."""
         await self._call("push", digest=digest)
 
+    async def stats(self) -> dict[str, Any]:
+        """The server's counters (`BlockServer.stats`): chunk cache, repository bytes."""
+        result: dict[str, Any] = await self._call("stats")
+        return result
+
 
 class SyncBlockServerClient:
     """Blocking twin of BlockServerClient for scripts and tests."""
@@ -196,3 +201,7 @@ class SyncBlockServerClient:
 
     def push(self, digest: str) -> None:
         self._call("push", digest=digest)
+
+    def stats(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("stats")
+        return result

@@ -9,6 +9,9 @@ PUT, after everything it names. So a crash never leaves half a snapshot visible.
 What comes back from `oss` is checked (integrity.py): a layer is uploaded after its chunk
 sums (`layers/<hex>.sums.json`), which the chunk cache checks every fetched chunk against;
 `put_file` returns the sha256 of the file's content, which `fetch_file(sha256=)` checks.
+
+Each repository counts the bytes it moves (`transferred`, read by the host's metrics):
+copies and network transfers, not the hard links posix_fs makes on one filesystem.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any, Protocol, cast
@@ -47,6 +51,26 @@ def _check_key(key: str) -> str:
     if not key or any(not p or p.startswith(".") for p in parts):
         raise ValueError(f"bad file key {key!r}")
     return key
+
+
+class Transferred:
+    """Bytes a repository object moved to (upload) and from (download) its backend since
+    it was opened. Thread-safe: repository calls run in worker threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.upload_bytes = 0
+        self.download_bytes = 0
+
+    def uploaded(self, n: int) -> None:
+        if n > 0:  # boto3 progress callbacks report a retried part's bytes negative
+            with self._lock:
+                self.upload_bytes += n
+
+    def downloaded(self, n: int) -> None:
+        if n > 0:
+            with self._lock:
+                self.download_bytes += n
 
 
 class Repository(Protocol):
@@ -79,8 +103,11 @@ class Repository(Protocol):
 class PosixFsRepository:
     """A directory (possibly on a shared filesystem)."""
 
+    backend = "posix_fs"
+
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
+        self.transferred = Transferred()
         (self.root / "layers").mkdir(parents=True, exist_ok=True)
         (self.root / "manifests").mkdir(parents=True, exist_ok=True)
 
@@ -103,33 +130,39 @@ class PosixFsRepository:
     def read_layer(self, digest: str, offset: int, length: int) -> bytes:
         try:
             with open(self._layer(digest), "rb") as f:
-                return os.pread(f.fileno(), length, offset)
+                data = os.pread(f.fileno(), length, offset)
         except FileNotFoundError as exc:
             raise LayerNotFoundError(f"layer {digest} not in {self.root}") from exc
+        self.transferred.downloaded(len(data))
+        return data
 
     def put_layer(self, digest: str, path: str | os.PathLike[str]) -> None:
         dst = self._layer(digest)
         if dst.exists():
             return
-        _link_or_copy(Path(path), dst)  # sealed layers are immutable: share the bytes
+        # sealed layers are immutable: share the bytes
+        self.transferred.uploaded(_link_or_copy(Path(path), dst))
 
     def layer_sums(self, digest: str) -> ChunkSums | None:
         return None  # read in place (local_path), never through the chunk cache
 
     def put_manifest(self, name: str, manifest: dict[str, Any]) -> None:
         dst = self.root / "manifests" / f"{_check_name(name)}.json"
+        body = json.dumps(manifest, sort_keys=True)
         with _atomic(dst) as tmp, open(tmp, "w") as out:
-            json.dump(manifest, out, sort_keys=True)
+            out.write(body)
             out.flush()
             os.fsync(out.fileno())
+        self.transferred.uploaded(len(body))
 
     def get_manifest(self, name: str) -> dict[str, Any]:
         try:
-            doc: dict[str, Any] = json.loads(
-                (self.root / "manifests" / f"{_check_name(name)}.json").read_text())
-            return doc
+            text = (self.root / "manifests" / f"{_check_name(name)}.json").read_text()
         except FileNotFoundError as exc:
             raise RepositoryError(f"no manifest {name!r} in {self.root}") from exc
+        self.transferred.downloaded(len(text))
+        doc: dict[str, Any] = json.loads(text)
+        return doc
 
     def list_manifests(self) -> list[str]:
         return sorted(p.stem for p in (self.root / "manifests").glob("*.json"))
@@ -143,7 +176,7 @@ class PosixFsRepository:
     def put_file(self, key: str, path: str | os.PathLike[str]) -> str | None:
         dst = self._file(key)
         dst.parent.mkdir(parents=True, exist_ok=True)
-        _link_or_copy(Path(path), dst)
+        self.transferred.uploaded(_link_or_copy(Path(path), dst))
         return None  # usually a hard link: hashing would read what was never copied
 
     def fetch_file(self, key: str, dest: str | os.PathLike[str], *,
@@ -154,7 +187,7 @@ class PosixFsRepository:
         dst = Path(dest)
         dst.parent.mkdir(parents=True, exist_ok=True)
         if sha256 is None:
-            _link_or_copy(src, dst)
+            self.transferred.downloaded(_link_or_copy(src, dst))
             return
 
         def attempt() -> None:
@@ -163,7 +196,7 @@ class PosixFsRepository:
                 try:
                     os.link(src, tmp)
                 except OSError:
-                    _copy_sparse(src, tmp)
+                    self.transferred.downloaded(_copy_sparse(src, tmp))
                 _check_sha256(key, _hash_file(tmp), sha256)
 
         retry_once(f"file {key}", attempt)
@@ -213,15 +246,17 @@ def _check_sha256(what: str, got: str, want: str) -> None:
                              f"recorded {want}")
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
+def _link_or_copy(src: Path, dst: Path) -> int:
     """Make `dst` an atomic, durable copy of `src`: a hard link when both are on one
-    filesystem, else a copy that keeps holes (memory files are mostly zeros)."""
+    filesystem, else a copy that keeps holes (memory files are mostly zeros). Returns
+    the bytes copied (0 for a link)."""
     with _atomic(dst) as tmp:
         tmp.unlink()
         try:
             os.link(src, tmp)
         except OSError:
-            _copy_sparse(src, tmp)
+            return _copy_sparse(src, tmp)
+    return 0
 
 
 class _SparseWriter:
@@ -250,7 +285,9 @@ class _SparseWriter:
         self.f.flush()
 
 
-def _copy_sparse(src: Path, dst: Path) -> None:
+def _copy_sparse(src: Path, dst: Path) -> int:
+    """Copy `src` to `dst` keeping its holes; returns the data bytes copied."""
+    copied = 0
     with open(src, "rb") as f, open(dst, "wb") as out:
         size = os.fstat(f.fileno()).st_size
         pos = 0
@@ -269,10 +306,12 @@ def _copy_sparse(src: Path, dst: Path) -> None:
                     break
                 out.write(buf)
                 left -= len(buf)
+                copied += len(buf)
             pos = hole
         out.truncate(size)
         out.flush()
         os.fsync(out.fileno())
+    return copied
 
 
 @contextlib.contextmanager
@@ -294,6 +333,8 @@ def _map_boto_errors(what: str) -> Iterator[None]:
 class OssRepository:
     """Any S3-compatible object store through boto3. Endpoint, bucket and region are explicit."""
 
+    backend = "oss"
+
     def __init__(self, *, bucket: str, region: str | None, endpoint: str | None = None,
                  prefix: str = "", access_key: str | None = None, secret_key: str | None = None,
                  addressing_style: str = "path", multipart_chunk_mib: int = 8) -> None:
@@ -309,6 +350,7 @@ class OssRepository:
 
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.transferred = Transferred()
         self.s3 = boto3.client(
             "s3", endpoint_url=endpoint, region_name=region, aws_access_key_id=access_key,
             aws_secret_access_key=secret_key,
@@ -342,7 +384,9 @@ class OssRepository:
         with _map_boto_errors(f"layer {digest}"):
             r = self.s3.get_object(Bucket=self.bucket, Key=self._key(digest),
                                    Range=f"bytes={offset}-{offset + length - 1}")
-            return bytes(r["Body"].read())
+            data = bytes(r["Body"].read())
+        self.transferred.downloaded(len(data))
+        return data
 
     def put_layer(self, digest: str, path: str | os.PathLike[str]) -> None:
         if self.has_layer(digest):
@@ -355,12 +399,14 @@ class OssRepository:
         # upload_file uses a multipart upload above the threshold: the object becomes
         # visible only when CompleteMultipartUpload succeeds, never half-written
         with _map_boto_errors(f"upload {digest}"):
-            self.s3.upload_file(str(path), self.bucket, self._key(digest), Config=self._transfer)
+            self.s3.upload_file(str(path), self.bucket, self._key(digest), Config=self._transfer,
+                                Callback=self.transferred.uploaded)
 
     def _put_sums(self, sums: ChunkSums) -> None:
+        body = sums.to_json()
         with _map_boto_errors(f"upload chunk sums of {sums.digest}"):
-            self.s3.put_object(Bucket=self.bucket, Key=self._sums_key(sums.digest),
-                               Body=sums.to_json())
+            self.s3.put_object(Bucket=self.bucket, Key=self._sums_key(sums.digest), Body=body)
+        self.transferred.uploaded(len(body))
 
     def layer_sums(self, digest: str) -> ChunkSums | None:
         try:
@@ -369,6 +415,7 @@ class OssRepository:
                                          Key=self._sums_key(digest))["Body"].read()
         except LayerNotFoundError:
             return None
+        self.transferred.downloaded(len(raw))
         return ChunkSums.from_json(raw, digest)
 
     def put_manifest(self, name: str, manifest: dict[str, Any]) -> None:
@@ -376,16 +423,19 @@ class OssRepository:
         with _map_boto_errors(f"manifest {name}"):
             self.s3.put_object(Bucket=self.bucket, Key=f"{self.prefix}manifests/{_check_name(name)}.json",
                                Body=body)
+        self.transferred.uploaded(len(body))
 
     def get_manifest(self, name: str) -> dict[str, Any]:
         try:
             with _map_boto_errors(f"manifest {name}"):
                 r = self.s3.get_object(Bucket=self.bucket,
                                        Key=f"{self.prefix}manifests/{_check_name(name)}.json")
-                doc: dict[str, Any] = json.loads(r["Body"].read())
-                return doc
+                raw = r["Body"].read()
         except LayerNotFoundError as exc:
             raise RepositoryError(f"no manifest {name!r}") from exc
+        self.transferred.downloaded(len(raw))
+        doc: dict[str, Any] = json.loads(raw)
+        return doc
 
     def _file_key(self, key: str) -> str:
         return f"{self.prefix}files/{_check_key(key)}"
@@ -404,7 +454,8 @@ class OssRepository:
             # a read()-only stream is all it needs
             with cctx.stream_reader(cast("IO[bytes]", src)) as packed:
                 self.s3.upload_fileobj(packed, self.bucket, self._file_key(key),
-                                       Config=self._transfer)
+                                       Config=self._transfer,
+                                       Callback=self.transferred.uploaded)
         return src.hexdigest()
 
     def fetch_file(self, key: str, dest: str | os.PathLike[str], *,
@@ -423,7 +474,8 @@ class OssRepository:
             try:
                 with zstandard.ZstdDecompressor().stream_writer(sink, closefd=False) as unpack:
                     self.s3.download_fileobj(self.bucket, self._file_key(key), unpack,
-                                             Config=self._transfer)
+                                             Config=self._transfer,
+                                             Callback=self.transferred.downloaded)
             except zstandard.ZstdError as exc:  # a damaged object: not a zstd stream
                 raise IntegrityError(f"file {key}: cannot decompress it: {exc}") from exc
             if sha256 is not None:  # before the rename: a bad copy never appears
