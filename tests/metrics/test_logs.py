@@ -74,8 +74,16 @@ def test_json_lines_with_the_sandbox_of_the_context(json_logs: Logs) -> None:
     assert "sandbox_id" not in after
 
 
-def test_sandbox_id_from_the_record_arguments(json_logs: Logs) -> None:
+def test_sandbox_id_from_the_record_arguments(json_logs: Logs,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     log = logging.getLogger("uvicorn.access")
+    # as the service runs it in json mode (uvicorn's log_config=None); a uvicorn server
+    # started by an earlier test in this process gave it its own handler and level
+    for logger in (log, logging.getLogger("uvicorn")):
+        for name, value in (("propagate", True), ("disabled", False), ("handlers", []),
+                            ("level", logging.NOTSET)):
+            monkeypatch.setattr(logger, name, value)
+    log.setLevel(logging.NOTSET)  # also clears the loggers' cached effective levels
     sid = ids.new_sandbox_id()
     log.info("sandbox %s: its VM exited on its own", sid)
     log.info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:5", "POST", f"/sandboxes/{sid}/pause",
