@@ -219,6 +219,17 @@ class SandboxRuntime(Protocol):
 
     async def delete_snapshot(self, snapshot_id: str) -> None: ...
 
+    # Handoffs (cluster): a paused sandbox's record, kept in the repository next to its
+    # snapshot so that another node sharing the repository can take the sandbox over.
+    # (Optional: a runtime without them serves a node that is not in a cluster.)
+    async def put_handoff(self, sandbox_id: str, doc: dict[str, Any]) -> None: ...
+
+    async def get_handoff(self, sandbox_id: str) -> dict[str, Any] | None:
+        """The document, or None when there is none (or it was deleted)."""
+        ...
+
+    async def delete_handoff(self, sandbox_id: str) -> None: ...
+
     async def console_log(self, sandbox_id: str, limit: int = 1000) -> list[str]:
         """The tail of the guest's serial console."""
         ...

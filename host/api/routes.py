@@ -17,13 +17,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from . import cluster, uploads
 from . import models as m
 from . import sandboxes as sb
 from . import snapshots as snap
 from . import template_models as tm
 from . import templates as tpl
 from . import terminal_links as term
-from . import uploads
 from .errors import response_for
 from .validation import read_body, read_headers, read_query
 
@@ -146,6 +146,11 @@ OPERATIONS: tuple[Operation, ...] = (
         body=m.SandboxPauseRequest, body_required=False, errors=(*_409, 503)),
     _op("POST", f"{SID}/resume", "resumeSandbox", sb.resume_v1, Reply(201, "Resumed", m.Sandbox),
         body=m.ResumedSandbox, body_required=False, errors=_409),
+    _op("POST", f"/cluster{SID}/adopt", "adoptSandbox", cluster.adopt,
+        Reply(201, "This node holds the paused sandbox now (aenv cluster extension)",
+              m.SandboxDetail), errors=(400, 401, 404, 500)),
+    _op("DELETE", f"/cluster{SID}", "forgetSandbox", cluster.forget, *NO_CONTENT,
+        errors=_409),
     _op("POST", f"{SID}/terminal", "createTerminalLink", term.create_link,
         Reply(201, "A signed link to the sandbox's web terminal (aenv extension)",
               term.TerminalLink), body=term.TerminalLinkRequest, body_required=False),

@@ -59,6 +59,7 @@ class Context:
     templates: TemplateStore
     files_dir: Path                   # uploaded COPY archives, one file per filesHash
     admission: Admission = dataclasses.field(default_factory=Admission)
+    handoff: bool = False             # in a cluster: pauses leave a handoff (handoff.py)
     metrics: Metrics = dataclasses.field(default_factory=Metrics)  # the service's (node.py)
     locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
     # One event per running incarnation that the proxy was routed to (made by

@@ -19,7 +19,7 @@ import logging
 from host.contract import NetworkConfig
 from host.metrics import bind_sandbox
 
-from . import ids, snapshots, templates
+from . import handoff, ids, snapshots, templates
 from .context import Context, observed
 from .errors import (
     IdempotencyMismatch,
@@ -222,3 +222,5 @@ async def kill_locked(ctx: Context, rec: SandboxRecord, op: str) -> None:
         raise OperationFailed(f"killing sandbox {rec.id} failed: {exc}") from exc
     await ctx.db(ctx.store.transition, rec.id, {S.KILLING}, S.KILLED,
                  end_at=ctx.clock(), runtime=with_runtime(rec, placement=None))
+    if rec.state is S.PAUSED:
+        await handoff.withdraw(ctx, rec.id)

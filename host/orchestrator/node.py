@@ -35,6 +35,7 @@ from . import (
     builtin_templates,
     forks,
     guest,
+    handoff,
     lifecycle,
     pausing,
     snapshots,
@@ -93,7 +94,7 @@ class NodeOrchestrator:
                  clock: Callable[[], float] = time.time,
                  files_dir: Path | None = None, builtin_cache: Path | None = None,
                  admission: AdmissionPolicy | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, handoff: bool = False) -> None:
         self.domain = domain
         # the host-side inputs of built-in templates (pip trees, archives): like the
         # kernel and image, reusable across state dirs
@@ -118,7 +119,7 @@ class NodeOrchestrator:
             default_timeout_s=default_timeout_s, max_timeout_s=max_timeout_s,
             templates=TemplateStore(store),
             files_dir=files_dir or self.state_dir / "template-files",
-            admission=Admission(admission), metrics=self.service_metrics)
+            admission=Admission(admission), metrics=self.service_metrics, handoff=handoff)
         self._runs = self._ctx.runs  # the proxy's run events (Context.end_run)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ttl: TtlLoop | None = None
@@ -241,6 +242,16 @@ class NodeOrchestrator:
         """Resume a paused sandbox (or extend a running one's TTL); `memory=False` resumes
         by a reboot of its disk."""
         return await pausing.connect(self._ctx, sandbox_id, timeout_s, memory=memory)
+
+    # ---- cluster handoffs (handoff.py) -------------------------------------------------
+
+    async def adopt(self, sandbox_id: str) -> SandboxInfo:
+        """Take over a paused sandbox another node left in the shared repository."""
+        return await self._ctx.shielded(handoff.adopt(self._ctx, sandbox_id))
+
+    async def forget(self, sandbox_id: str) -> bool:
+        """Drop the records of a paused sandbox another node took over."""
+        return await self._ctx.shielded(handoff.forget(self._ctx, sandbox_id))
 
     # ---- snapshots (snapshots.py), fork (forks.py) -------------------------------------
 

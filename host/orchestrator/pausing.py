@@ -8,7 +8,7 @@ its snapshot (same envd token, so SDK handles keep working) or extends a running
 
 from __future__ import annotations
 
-from . import ids
+from . import handoff, ids
 from .context import Context, observed
 from .errors import (
     GuestUnresponsive,
@@ -96,6 +96,7 @@ async def pause_locked(ctx: Context, rec: SandboxRecord, op: str, *,
                  snapshot_id=snap_id, end_at=None, ttl_left_s=ttl_left,
                  runtime=with_runtime(rec, pending=None, placement=None,
                                       pause_mode="full" if memory else "filesystem"))
+    await handoff.publish(ctx, sid)
 
 
 # ---- resume --------------------------------------------------------------------------
@@ -159,8 +160,10 @@ async def _resume_locked(ctx: Context, rec: SandboxRecord, timeout_s: int | None
         raise OperationFailed(f"initializing resumed sandbox {sid} failed: {exc}") from exc
     if timeout_s is None:
         timeout_s = int(rec.ttl_left_s) if rec.ttl_left_s else ctx.default_timeout_s
-    return await ctx.db(ctx.store.transition, sid, {S.RESUMING}, S.RUNNING,
-                        event={"op": "resumed", **({"reboot": True} if reboot else {})},
-                        end_at=ctx.clock() + timeout_s, ttl_left_s=None,
-                        runtime=with_runtime(rec, placement=placement_to_json(placement),
-                                             pause_mode=None))
+    rec = await ctx.db(ctx.store.transition, sid, {S.RESUMING}, S.RUNNING,
+                       event={"op": "resumed", **({"reboot": True} if reboot else {})},
+                       end_at=ctx.clock() + timeout_s, ttl_left_s=None,
+                       runtime=with_runtime(rec, placement=placement_to_json(placement),
+                                            pause_mode=None))
+    await handoff.withdraw(ctx, sid)  # running now: that pause may not be taken over
+    return rec

@@ -214,7 +214,10 @@ class Store:
             self._db.execute("COMMIT")
 
     # ---- sandboxes -------------------------------------------------------------------
-    def insert_sandbox(self, rec: SandboxRecord, *, event: dict[str, Any] | None = None) -> SandboxRecord:
+    def insert_sandbox(self, rec: SandboxRecord, *, event: dict[str, Any] | None = None,
+                       snapshot: SnapshotRecord | None = None) -> SandboxRecord:
+        """Insert `rec` (and `snapshot`, the one it resumes from, in the same transaction:
+        a sandbox taken over from another node, handoff.py)."""
         rec = replace(rec, updated_at=time.time())
         names = [f.name for f in fields(SandboxRecord)]
         with self._tx() as db:
@@ -222,6 +225,8 @@ class Store:
                 f"INSERT INTO sandboxes ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})",
                 [_encode(n, getattr(rec, n)) for n in names],
             )
+            if snapshot is not None:
+                self._insert_snapshot(db, snapshot)
             self._event(db, rec.id, rec.state.value, event or {})
         return rec
 
@@ -296,14 +301,18 @@ class Store:
 
     # ---- snapshots -------------------------------------------------------------------
     def insert_snapshot(self, snap: SnapshotRecord) -> SnapshotRecord:
-        names = [f.name for f in fields(SnapshotRecord)]
         with self._tx() as db:
-            db.execute(
-                f"INSERT OR REPLACE INTO snapshots ({', '.join(names)}) "
-                f"VALUES ({', '.join('?' * len(names))})",
-                [_encode(n, getattr(snap, n)) for n in names],
-            )
+            self._insert_snapshot(db, snap)
         return snap
+
+    @staticmethod
+    def _insert_snapshot(db: sqlite3.Connection, snap: SnapshotRecord) -> None:
+        names = [f.name for f in fields(SnapshotRecord)]
+        db.execute(
+            f"INSERT OR REPLACE INTO snapshots ({', '.join(names)}) "
+            f"VALUES ({', '.join('?' * len(names))})",
+            [_encode(n, getattr(snap, n)) for n in names],
+        )
 
     def get_snapshot(self, snapshot_id: str) -> SnapshotRecord:
         row = self._db.execute("SELECT * FROM snapshots WHERE id = ?", (snapshot_id,)).fetchone()

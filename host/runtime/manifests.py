@@ -17,6 +17,7 @@ from host.storage.repository import PosixFsRepository, open_repository
 from .errors import SnapshotNotFoundError
 
 PREFIX = "snapshot-"
+HANDOFF_PREFIX = "handoff-"  # a paused sandbox's record for another node (orchestrator/handoff.py)
 VERSION = 2  # 2: memory paths relative to memory/, plus the `files` to fetch
 
 
@@ -25,25 +26,37 @@ class ManifestStore:
         self.repo = open_repository(repository_spec)
 
     async def put(self, snapshot_id: str, manifest: dict[str, Any]) -> None:
-        await asyncio.to_thread(self.repo.put_manifest, PREFIX + snapshot_id, manifest)
+        await self.put_doc(PREFIX + snapshot_id, manifest)
 
     async def get(self, snapshot_id: str) -> dict[str, Any]:
-        try:
-            m = await asyncio.to_thread(self.repo.get_manifest, PREFIX + snapshot_id)
-        except (RepositoryError, ValueError) as exc:
-            raise SnapshotNotFoundError(f"snapshot {snapshot_id} not found: {exc}") from exc
-        if m.get("deleted"):
-            raise SnapshotNotFoundError(f"snapshot {snapshot_id} was deleted")
+        m = await self.get_doc(PREFIX + snapshot_id)
+        if m is None:
+            raise SnapshotNotFoundError(f"snapshot {snapshot_id} not found or deleted")
         return m
 
     async def delete(self, snapshot_id: str) -> None:
+        await self.delete_doc(PREFIX + snapshot_id)
+
+    # --- any JSON document of the repository's manifest space (snapshots, handoffs) ---
+
+    async def put_doc(self, name: str, doc: dict[str, Any]) -> None:
+        await asyncio.to_thread(self.repo.put_manifest, name, doc)
+
+    async def get_doc(self, name: str) -> dict[str, Any] | None:
+        """The document `name`; None when it is absent or deleted."""
+        try:
+            doc = await asyncio.to_thread(self.repo.get_manifest, name)
+        except (RepositoryError, ValueError):
+            return None
+        return None if doc.get("deleted") else doc
+
+    async def delete_doc(self, name: str) -> None:
         # The Repository protocol has no delete: unlink for posix_fs, a tombstone elsewhere.
         if isinstance(self.repo, PosixFsRepository):
-            path = Path(self.repo.root) / "manifests" / f"{PREFIX}{snapshot_id}.json"
+            path = Path(self.repo.root) / "manifests" / f"{name}.json"
             await asyncio.to_thread(path.unlink, missing_ok=True)
         else:
-            await asyncio.to_thread(self.repo.put_manifest, PREFIX + snapshot_id,
-                                    {"deleted": True})
+            await asyncio.to_thread(self.repo.put_manifest, name, {"deleted": True})
 
     async def all(self) -> dict[str, dict[str, Any]]:
         names = await asyncio.to_thread(self.repo.list_manifests)

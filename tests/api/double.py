@@ -176,6 +176,18 @@ class FakeOrchestrator:
             return self._set(info, state=SandboxState.RUNNING, pause_mode=None), True
         return info, False
 
+    async def adopt(self, sandbox_id: str) -> SandboxInfo:
+        self.calls.append(("adopt", (sandbox_id,)))
+        return self._get(sandbox_id)  # the double's "repository" is its dict
+
+    async def forget(self, sandbox_id: str) -> bool:
+        self.calls.append(("forget", (sandbox_id,)))
+        info = self._get(sandbox_id)
+        if info.state is not SandboxState.PAUSED:
+            return False
+        del self.sandboxes[sandbox_id]
+        return True
+
     async def snapshot(self, sandbox_id: str, name: str | None) -> SnapshotInfo:
         self._get(sandbox_id)
         self._clock += 1
