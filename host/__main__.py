@@ -89,6 +89,7 @@ async def serve(cfg: Config) -> None:
     store = Store(cfg.db_path)
     runtime = None
     orch = None
+    member = None  # this node in a cluster (--cluster-redis): its heartbeat into Redis
     metrics = Metrics()  # this service's registry: runtime, orchestrator, API, proxy
     try:
         runtime = await open_runtime(cfg, metrics)
@@ -101,6 +102,10 @@ async def serve(cfg: Config) -> None:
                                       reserve_mib=cfg.memory_reserve_mib),
             metrics=metrics)
         await orch.start(ttl_interval_s=cfg.ttl_interval_s)
+        if cfg.cluster_redis:
+            from host.cluster.node import ClusterMember
+            member = ClusterMember.from_config(cfg, orch)
+            member.start()
         keys = ApiKeys.load_or_create(cfg.keys_path)
         links = TerminalLinks.load_or_create(cfg.state_dir)
         api = build_api_app(orch, keys, domain=cfg.domain, state_dir=cfg.state_dir,
@@ -152,6 +157,8 @@ async def serve(cfg: Config) -> None:
         if not stop.is_set():
             raise SystemExit("aenv: a listener stopped unexpectedly (port in use?)")
     finally:
+        if member is not None:
+            await member.aclose()
         if orch is not None:
             await orch.aclose()
         if runtime is not None:

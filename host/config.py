@@ -33,6 +33,14 @@
                                                       with E2B's capacity error (429)
     AENV_MEMORY_RESERVE_MIB --memory-reserve-mib 1024 a start is refused (429) rather than leave
                                                       the host less MemAvailable than this
+    AENV_CLUSTER_REDIS --cluster-redis -              redis://... : join a cluster (host/cluster):
+                                                      heartbeat capacity and sandboxes into it
+    AENV_NODE_ID     --node-id      <host name>       this node's id in the cluster
+    AENV_ADVERTISE_URL --advertise-url http://<listen>:<api port>   the API as the gateway
+                                                      reaches it (set it when listening on 0.0.0.0)
+    AENV_ADVERTISE_PROXY_URL --advertise-proxy-url <advertise host>:<proxy port>
+    AENV_HEARTBEAT_S --heartbeat-interval 2.0         seconds between heartbeats; the node is
+    AENV_HEARTBEAT_MISSES --heartbeat-misses 3        dead after this many missed (6 s)
     AENV_TEMPLATE_UPLOAD_MIB --template-upload-mib 2048   largest COPY archive a template
                                                       build may upload (MiB)
     AENV_REGISTRY_MIRROR --registry-mirror -          serves docker.io image names for builds
@@ -49,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +104,12 @@ class Config:
     max_starts: int = 4
     max_sandboxes: int = 0
     memory_reserve_mib: int = 1024
+    cluster_redis: str | None = None
+    node_id: str | None = None
+    advertise_url: str | None = None
+    advertise_proxy_url: str | None = None
+    heartbeat_s: float = 2.0
+    heartbeat_misses: int = 3
     registry_mirror: str | None = None
     insecure_registries: tuple[str, ...] = ()
     log_level: str = "info"
@@ -177,6 +192,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="sandboxes holding a VM on this node (0: no fixed limit)")
     p.add_argument("--memory-reserve-mib", type=int,
                    help="refuse a start that would leave less available host memory")
+    p.add_argument("--cluster-redis", help="join the cluster whose store is this Redis URL")
+    p.add_argument("--node-id", help="this node's id in the cluster (default: host name)")
+    p.add_argument("--advertise-url", help="this node's API URL for the gateway")
+    p.add_argument("--advertise-proxy-url", help="this node's proxy URL for the gateway")
+    p.add_argument("--heartbeat-interval", type=float, dest="heartbeat_s")
+    p.add_argument("--heartbeat-misses", type=int, help="missed heartbeats before dead")
     p.add_argument("--ttl-interval", type=float, dest="ttl_interval_s")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     p.add_argument("--log-format", choices=LOG_FORMATS,
@@ -204,6 +225,10 @@ _ENV: dict[str, tuple[str, type]] = {
     "template_upload_mib": ("AENV_TEMPLATE_UPLOAD_MIB", int),
     "max_starts": ("AENV_MAX_STARTS", int), "max_sandboxes": ("AENV_MAX_SANDBOXES", int),
     "memory_reserve_mib": ("AENV_MEMORY_RESERVE_MIB", int),
+    "cluster_redis": ("AENV_CLUSTER_REDIS", str), "node_id": ("AENV_NODE_ID", str),
+    "advertise_url": ("AENV_ADVERTISE_URL", str),
+    "advertise_proxy_url": ("AENV_ADVERTISE_PROXY_URL", str),
+    "heartbeat_s": ("AENV_HEARTBEAT_S", float), "heartbeat_misses": ("AENV_HEARTBEAT_MISSES", int),
     "registry_mirror": ("AENV_REGISTRY_MIRROR", str),
     "insecure_registries": ("AENV_INSECURE_REGISTRIES", tuple),
     "log_level": ("AENV_LOG_LEVEL", str),
@@ -261,6 +286,7 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"template_upload_mib must be at least 1, got {cfg.template_upload_mib}")
     if cfg.max_starts < 1 or cfg.max_sandboxes < 0 or cfg.memory_reserve_mib < 0:
         raise ConfigError("max_starts >= 1, max_sandboxes >= 0, memory_reserve_mib >= 0")
+    _validate_cluster(cfg)
     if cfg.cache_mib < 64:
         raise ConfigError(f"cache_mib must be at least 64, got {cfg.cache_mib}")
     if cfg.repository and cfg.repository.startswith(("oss://", "s3://")):
@@ -271,3 +297,19 @@ def _validate(cfg: Config) -> None:
     if len(str(cfg.run_dir)) > 60:
         raise ConfigError(f"run_dir {cfg.run_dir} is too long for unix socket paths "
                           "(keep it under 60 characters)")
+
+
+def _validate_cluster(cfg: Config) -> None:
+    if cfg.cluster_redis and urlparse(cfg.cluster_redis).scheme not in ("redis", "rediss",
+                                                                        "unix"):
+        raise ConfigError(f"cluster_redis must be a redis:// URL, got {cfg.cluster_redis!r}")
+    for name in ("advertise_url", "advertise_proxy_url"):
+        url = getattr(cfg, name)
+        if url and urlparse(url).scheme not in ("http", "https"):
+            raise ConfigError(f"{name} must be an http(s) URL, got {url!r}")
+    if cfg.node_id is not None and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$",
+                                                cfg.node_id):
+        raise ConfigError(f"node_id must be letters, digits, '.', '_' or '-', got "
+                          f"{cfg.node_id!r}")
+    if cfg.heartbeat_s <= 0 or cfg.heartbeat_misses < 2:
+        raise ConfigError("heartbeat_s > 0 and heartbeat_misses >= 2")

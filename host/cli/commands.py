@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import click
 
-from . import auth, completion, guest, snapshots, templates
+from . import auth, completion, guest, nodes, snapshots, templates
 from .context import (
     API_KEY_ENV,
     API_URL_ENV,
@@ -201,7 +201,7 @@ def metrics(ctx: click.Context, sandbox_id: str, output: str) -> None:
 
 
 for _command in (*guest.COMMANDS, *snapshots.COMMANDS, *templates.COMMANDS, *auth.COMMANDS,
-                 *completion.COMMANDS):
+                 *completion.COMMANDS, nodes.nodes):
     cli.add_command(_command)
 
 

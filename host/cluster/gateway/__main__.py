@@ -1,0 +1,33 @@
+"""`python -m host.cluster.gateway`: serve the gateway (SIGTERM / SIGINT stop it)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+import uvicorn
+
+from ..config import ConfigError, parse_gateway
+from .app import build_gateway
+
+KEEP_ALIVE_S = 75  # as the nodes: SDK pools reuse connections past uvicorn's 5 s
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        cfg = parse_gateway(argv)
+    except ConfigError as exc:
+        print(f"aenv gateway: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    host, port = cfg.address
+    uvicorn.run(build_gateway(cfg), host=host, port=port, lifespan="on",
+                log_level=cfg.log_level, timeout_keep_alive=KEEP_ALIVE_S,
+                timeout_graceful_shutdown=10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""The gateway: the one endpoint of a cluster (ASGI, served on :8080 by __main__.py).
+
+Each request is either sandbox traffic or an API call:
+
+    Host `<port>-<id>.<domain>`        traffic, by host (E2B_DOMAIN mode)
+    an `E2b-Sandbox-Id` header         traffic, by headers (E2B_SANDBOX_URL mode); the
+                                       node's proxy gets Host `localhost` (so that it
+                                       routes by the headers too) unless the client's Host
+                                       already is a loopback name or an IP address
+    anything else (`api.<domain>`...)  the REST API, behind the API key (X-API-Key)
+
+Traffic goes to the proxy of the node holding the sandbox, streamed (HTTP) or relayed
+(WebSocket); the node's proxy does the rest (envd's blocked routes, traffic tokens,
+auto-resume). API calls: sandboxes.py (create, per-sandbox calls), listing.py,
+nodes.py.
+
+API keys: the gateway checks the client's X-API-Key against its own key file (constant
+time, host/api/auth.py) and calls nodes and the scheduler with the node key (default: the
+first key of that file), so in the simplest deployment one key file serves every machine,
+and client keys can be added or revoked at the gateway alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from host.api.auth import ApiKeyMiddleware, ApiKeys
+from host.api.errors import ApiError, error_response, response_for
+from host.proxy import responses
+from host.proxy.routing import BadTarget, Target, host_name, parse_target, routes_by_headers
+
+from ..config import GatewayConfig
+from ..errors import ClusterError, SandboxLost, SandboxStranded, SandboxUnknown, error_reply
+from ..registry import Registry
+from ..store import DEFAULT_PREFIX, ClusterStore
+from . import listing, nodes, sandboxes
+from .context import GatewayContext
+from .forward import NodeClient
+from .resolve import Resolver
+from .scheduling import SchedulerClient
+from .websocket import deny, relay_websocket
+
+_PORT_HOST = re.compile(r"^[0-9]+-[a-z0-9]+\.")
+_ANY = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"]
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for k, v in scope["headers"]:
+        if k == name:
+            return bytes(v).decode("latin-1")
+    return None
+
+
+def classify(scope: Scope, domain: str | None) -> tuple[Target, bool] | None:
+    """(target, routed by headers) for sandbox traffic; None for an API call. Raises
+    BadTarget for traffic that names no valid sandbox port (-> 400)."""
+    host = host_name(_header(scope, b"host") or "")
+    if domain and host == f"api.{domain}":
+        return None
+    if _PORT_HOST.match(host):
+        return parse_target(host, None, None, None), False
+    sandbox_id = _header(scope, b"e2b-sandbox-id")
+    if sandbox_id is None:
+        return None
+    return parse_target("localhost", sandbox_id, _header(scope, b"e2b-sandbox-port"), None), True
+
+
+async def health(request: Request) -> Response:
+    await request.app.state.gateway.store.ping()
+    return JSONResponse({"status": "ok"})
+
+
+async def unsupported(request: Request) -> Response:
+    return error_response(501, "templates are built and kept per node in this version: "
+                               "use a node's API for template builds (the cluster gateway "
+                               "serves sandboxes and snapshots)")
+
+
+async def _cluster_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ClusterError)
+    return error_reply(exc, method=request.method)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    return response_for(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return error_response(exc.status_code, str(exc.detail))
+
+
+ROUTES = [
+    Route("/health", health, methods=["GET"]),
+    Route("/nodes", nodes.list_nodes, methods=["GET"]),
+    Route("/nodes/{nodeID}", nodes.get_node, methods=["GET"]),
+    Route("/v2/sandboxes", sandboxes.create, methods=["POST"]),
+    Route("/v2/sandboxes", listing.list_v2, methods=["GET"]),
+    Route("/sandboxes", sandboxes.create, methods=["POST"]),
+    Route("/sandboxes", listing.list_v1, methods=["GET"]),
+    Route("/sandboxes/{sandboxID}", sandboxes.sandbox_call, methods=_ANY),
+    Route("/sandboxes/{sandboxID}/{rest:path}", sandboxes.sandbox_call, methods=_ANY),
+    Route("/v2/sandboxes/{sandboxID}/{rest:path}", sandboxes.sandbox_call, methods=_ANY),
+    Route("/snapshots", listing.list_snapshots, methods=["GET"]),
+    Route("/templates/tags", unsupported, methods=_ANY),
+    Route("/templates/{templateID:path}", sandboxes.delete_template, methods=["DELETE"]),
+    *[Route(f"{prefix}{{rest:path}}", unsupported, methods=_ANY)
+      for prefix in ("/templates", "/v2/templates", "/v3/templates", "/template-files")],
+]
+
+
+class Gateway:
+    """The gateway's ASGI app; serve with lifespan="on" (Redis, the node pool and the
+    scheduler client live in it)."""
+
+    def __init__(self, cfg: GatewayConfig, keys: ApiKeys, *, node_key: str | None = None,
+                 prefix: str = DEFAULT_PREFIX) -> None:
+        self.cfg = cfg
+        self.domain = cfg.domain.lower() if cfg.domain else None
+        key = node_key or cfg.node_key or keys.first
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app: Starlette) -> AsyncIterator[None]:
+            store = ClusterStore.from_url(cfg.redis, prefix=prefix)
+            registry = Registry(store)
+            client = NodeClient(key)
+            scheduler = SchedulerClient(cfg.scheduler, key)
+            app.state.gateway = GatewayContext(store, registry, client,
+                                               Resolver(registry, client), scheduler,
+                                               cfg.domain)
+            try:
+                yield
+            finally:
+                await scheduler.aclose()
+                await client.aclose()
+                await store.aclose()
+
+        self.api = Starlette(
+            routes=ROUTES, lifespan=lifespan,
+            middleware=[Middleware(ApiKeyMiddleware, keys=keys)],
+            exception_handlers={ClusterError: _cluster_error, ApiError: _api_error,
+                                HTTPException: _http_error})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.api(scope, receive, send)  # the lifespan
+            return
+        try:
+            found = classify(scope, self.domain)
+        except BadTarget as exc:
+            await self._deny(scope, receive, send, 400, str(exc))
+            return
+        if found is None:
+            await self.api(scope, receive, send)
+            return
+        target, by_headers = found
+        await self._traffic(scope, receive, send, target, by_headers)
+
+    async def _deny(self, scope: Scope, receive: Receive, send: Send, status: int,
+                    message: str, sandbox_id: str | None = None) -> None:
+        if scope["type"] == "websocket":
+            await deny(scope, receive, send, status, message, sandbox_id)
+        else:
+            await responses.send_json(send, status, message, sandbox_id=sandbox_id)
+
+    async def _traffic(self, scope: Scope, receive: Receive, send: Send, target: Target,
+                       by_headers: bool) -> None:
+        ctx: GatewayContext = self.api.state.gateway
+        sid = target.sandbox_id
+        try:
+            loc = await ctx.resolver.locate(sid)
+        except SandboxUnknown:
+            await self._deny(scope, receive, send, 502, responses.NOT_FOUND, sid)
+            return
+        except (SandboxLost, SandboxStranded) as exc:   # "was not found": the SDKs' not running
+            await self._deny(scope, receive, send, 502, f"{responses.NOT_FOUND}: {exc.message}",
+                             sid)
+            return
+        except ClusterError as exc:   # Redis down: not the sandbox's fault
+            await self._deny(scope, receive, send, exc.status, exc.message, sid)
+            return
+        if by_headers and not routes_by_headers(host_name(_header(scope, b"host") or ""),
+                                                 None):
+            scope = dict(scope)
+            scope["headers"] = [(k, v) for k, v in scope["headers"] if k != b"host"]
+            scope["headers"].append((b"host", b"localhost"))
+        try:
+            if scope["type"] == "websocket":
+                await relay_websocket(loc.node.proxy_address, scope, receive, send,
+                                      sandbox_id=sid)
+            else:
+                await ctx.nodes.relay(loc.node.proxy_address, scope, receive, send,
+                                      sandbox_id=sid)
+        except ClusterError as exc:   # a node address the gateway cannot use
+            await self._deny(scope, receive, send, 502, exc.message, sid)
+
+
+def build_gateway(cfg: GatewayConfig, *, keys: ApiKeys | None = None,
+                  node_key: str | None = None, prefix: str = DEFAULT_PREFIX) -> Gateway:
+    """The gateway for `cfg`; `keys` default to cfg.keys (created with one key if absent)."""
+    return Gateway(cfg, keys or ApiKeys.load_or_create(cfg.keys), node_key=node_key,
+                   prefix=prefix)

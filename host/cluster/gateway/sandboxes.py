@@ -1,0 +1,190 @@
+"""The gateway's sandbox endpoints: create through the scheduler, every call on one sandbox
+forwarded to the node holding it, and the index kept in step with what nodes answered.
+
+    POST /v2/sandboxes, /sandboxes   the scheduler places it; a node that refuses with the
+                                     capacity error (429), or cannot be reached before the
+                                     request went out, is excluded and the next one tried;
+                                     the created sandbox is bound to its node at once
+    /sandboxes/{id}/...              forwarded to its node (resolve.py); then
+        DELETE                       unbound (also when the node no longer knew it)
+        POST pause                   bound as paused
+        POST connect / resume        bound as running; a sandbox paused on a dead node is
+                                     resumed on another one (phase 2, see `resume_elsewhere`)
+        POST fork                    the children bound to the parent's node
+    DELETE /templates/{id}           a snapshot or template of any node (the first that has it)
+
+Requests that may have reached a node are never sent again (NodeUnreachable.sent); the
+index changes never fail a request (the next heartbeat repairs the index).
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ..errors import (
+    NodeUnreachable,
+    ResumeElsewhereUnsupported,
+    SandboxLost,
+    SandboxStranded,
+    SandboxUnknown,
+)
+from ..registry import BindingState
+from ..scheduler.service import Placement, PlacementRequest
+from .context import GatewayContext, ctx_of
+from .forward import NodeAnswer
+from .resolve import Located
+
+MAX_CREATE_ATTEMPTS = 8
+RESUME_FROM_HEADER = b"x-aenv-resume-from"   # the dead node a resumed sandbox was paused on
+
+
+def target(request: Request) -> str:
+    """The request's path (as sent, still percent-encoded) and query."""
+    raw: bytes = request.scope.get("raw_path") or request.scope["path"].encode()
+    query: bytes = request.scope.get("query_string", b"")
+    return (raw + (b"?" + query if query else b"")).decode("latin-1")
+
+
+def _action(method: str, rest: str) -> str | None:
+    rest = rest.strip("/")
+    if method == "DELETE" and not rest:
+        return "kill"
+    if method == "GET" and not rest:
+        return "get"
+    if method == "POST" and rest in ("connect", "resume", "pause", "fork"):
+        return rest
+    return None
+
+
+async def _release(ctx: GatewayContext, placement: Placement) -> None:
+    if placement.placement_id:
+        await ctx.quietly("releasing a placement",
+                          ctx.registry.release(placement.node_id, placement.placement_id))
+
+
+async def create(request: Request) -> Response:
+    ctx = ctx_of(request)
+    body = await request.body()
+    excluded: list[str] = []
+    for _ in range(MAX_CREATE_ATTEMPTS):
+        placement = await ctx.scheduler.place(PlacementRequest(exclude=tuple(excluded)))
+        try:
+            answer = await ctx.nodes.call(placement.address, "POST", target(request),
+                                          body=body, headers=request.scope["headers"])
+        except NodeUnreachable as exc:
+            await _release(ctx, placement)
+            if exc.sent:
+                raise
+            excluded.append(placement.node_id)
+            continue
+        if answer.status == 429:   # the node's own admission refused: nothing was created
+            await _release(ctx, placement)
+            excluded.append(placement.node_id)
+            continue
+        if answer.status == 201:
+            sid = str(answer.json().get("sandboxID", ""))
+            await ctx.quietly(f"binding sandbox {sid}", ctx.registry.bind(
+                sid, placement.node_id, BindingState.RUNNING,
+                placement_id=placement.placement_id, used_delta=1))
+        else:
+            await _release(ctx, placement)
+        return ctx.answer(answer, sandboxes=True)
+    raise NodeUnreachable(f"no node took the sandbox after {MAX_CREATE_ATTEMPTS} attempts "
+                          f"(tried {', '.join(excluded)})", sent=False)
+
+
+async def sandbox_call(request: Request) -> Response:
+    ctx = ctx_of(request)
+    sid = str(request.path_params["sandboxID"])
+    action = _action(request.method, str(request.path_params.get("rest", "")))
+    body = await request.body()
+    try:
+        loc = await ctx.resolver.locate(sid)
+    except SandboxStranded as exc:
+        if action in ("connect", "resume"):
+            return await resume_elsewhere(request, sid, exc.node_id, body)
+        raise
+    except SandboxLost as exc:
+        if action == "kill":   # as for any sandbox that is gone: the SDKs' kill() -> False
+            raise SandboxUnknown(f"{exc.message}; there is nothing left to kill") from exc
+        raise
+    answer = await ctx.nodes.call(loc.node.address, request.method, target(request), body=body,
+                                  headers=request.scope["headers"])
+    await _bookkeep(ctx, action, sid, loc, answer)
+    return ctx.answer(answer, sandboxes=action in ("get", "connect", "resume", "fork"))
+
+
+async def _bookkeep(ctx: GatewayContext, action: str | None, sid: str, loc: Located,
+                    answer: NodeAnswer) -> None:
+    node_id, status, reg = loc.node.node_id, answer.status, ctx.registry
+    if action == "kill" and status in (204, 404) or action == "get" and status == 404:
+        await ctx.quietly(f"unbinding sandbox {sid}", reg.unbind(sid, node_id))
+    elif action == "pause" and status == 204:
+        await ctx.quietly(f"marking {sid} paused",
+                          reg.set_state(sid, node_id, BindingState.PAUSED))
+    elif action in ("connect", "resume") and status in (200, 201):
+        if loc.binding.state is not BindingState.RUNNING:
+            await ctx.quietly(f"marking {sid} running",
+                              reg.set_state(sid, node_id, BindingState.RUNNING))
+    elif action == "get" and status == 200:
+        state = answer.json().get("state")
+        if state in ("running", "paused") and state != loc.binding.state.value:
+            await ctx.quietly(f"marking {sid} {state}",
+                              reg.set_state(sid, node_id, BindingState(state)))
+    elif action == "fork" and status == 201:
+        for entry in answer.json():
+            child = entry.get("sandbox") if isinstance(entry, dict) else None
+            if isinstance(child, dict) and child.get("sandboxID"):
+                await ctx.quietly(f"binding fork {child['sandboxID']}", reg.bind(
+                    str(child["sandboxID"]), node_id, BindingState.RUNNING, used_delta=1))
+
+
+async def resume_elsewhere(request: Request, sid: str, dead_node: str, body: bytes) -> Response:
+    """Resume a sandbox paused on a dead node on another node: the scheduler picks the
+    node, and the connect goes there with `X-Aenv-Resume-From: <dead node>`.
+
+    TODO(cluster phase 2): the node imports the sandbox's last pause snapshot from the
+    shared repository when it does not know the sandbox (nodes do not yet: they answer
+    404, which becomes a clear 501 here, and the sandbox stays paused where it was)."""
+    ctx = ctx_of(request)
+    placement = await ctx.scheduler.place(PlacementRequest(kind="resume", sandbox_id=sid))
+    headers = [*request.scope["headers"], (RESUME_FROM_HEADER, dead_node.encode())]
+    try:
+        answer = await ctx.nodes.call(placement.address, "POST", target(request), body=body,
+                                      headers=headers)
+    except BaseException:
+        await _release(ctx, placement)
+        raise
+    if answer.status in (200, 201):
+        await ctx.quietly(f"binding resumed sandbox {sid}", ctx.registry.bind(
+            sid, placement.node_id, BindingState.RUNNING,
+            placement_id=placement.placement_id, used_delta=1))
+        return ctx.answer(answer, sandboxes=True)
+    await _release(ctx, placement)
+    if answer.status == 404:
+        raise ResumeElsewhereUnsupported(
+            f"sandbox '{sid}' is paused on node {dead_node}, which stopped heartbeating; "
+            f"node {placement.node_id} cannot import it from the shared repository yet "
+            "(resuming a sandbox on another node is not implemented in this version)")
+    return answer.response()
+
+
+async def delete_template(request: Request) -> Response:
+    """DELETE /templates/{id} (also `Sandbox.delete_snapshot`): templates and snapshots
+    live on the node that made them, so each live node is asked until one has it."""
+    ctx = ctx_of(request)
+    last: NodeAnswer | None = None
+    for node in [n for n in await ctx.registry.nodes() if n.alive]:
+        try:
+            answer = await ctx.nodes.call(node.address, "DELETE", target(request),
+                                          headers=request.scope["headers"])
+        except NodeUnreachable:
+            continue
+        if answer.status != 404:
+            return answer.response()
+        last = answer
+    if last is None:
+        raise SandboxUnknown(f"template or snapshot '{request.path_params['templateID']}' "
+                             "not found (no node answered)")
+    return last.response()

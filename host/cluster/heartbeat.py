@@ -1,0 +1,150 @@
+"""A node's heartbeat into the cluster index: an owned asyncio task that publishes, every
+`interval_s`, the node's capacity and usage and the sandboxes it holds with their states.
+
+Liveness: each heartbeat sets the node's liveness key to expire after `misses` intervals,
+so the node counts as dead `misses * interval_s` after its last heartbeat (6 s with the
+defaults 2 s x 3). Stopping the task (service shutdown) does not remove the key: a node
+restarted within that time adopts its VMs and loses nothing.
+
+Sandboxes: the first heartbeat sends the full list; later ones send only what changed
+since the last one Redis accepted. Redis refuses a change list unless it holds this
+node's full list (a sync token, random per process): after a FLUSHALL, or once the node
+was declared dead, the very next heartbeat sends everything again, so a lost index is
+rebuilt within one interval. Every `full_every` heartbeats the full list goes anyway, to
+repair whatever else drifted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+
+from .registry import NodeState, Registry
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL_S = 2.0
+DEFAULT_MISSES = 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeReport:
+    """What one heartbeat publishes (besides the node's identity)."""
+
+    cpu_count: int
+    memory_mib: int
+    available_mib: int
+    max_sandboxes: int = 0
+    reserve_mib: int = 0
+    used_sandboxes: int = 0          # holding a VM
+    load: float = 0.0
+    sandboxes: Mapping[str, str] = field(default_factory=dict)   # id -> running | paused
+    draining: bool = False
+
+    def fields(self) -> dict[str, object]:
+        return {"state": (NodeState.DRAINING if self.draining else NodeState.READY).value,
+                "cpuCount": self.cpu_count, "memoryMiB": self.memory_mib,
+                "availableMiB": self.available_mib,
+                "usedMemoryMiB": max(0, self.memory_mib - self.available_mib),
+                "maxSandboxes": self.max_sandboxes, "reserveMiB": self.reserve_mib,
+                "usedSandboxes": self.used_sandboxes, "load": round(self.load, 3)}
+
+
+class Heartbeat:
+    """Call `start()`, then `await aclose()`; `beat()` is one heartbeat (tests)."""
+
+    def __init__(self, registry: Registry, *, node_id: str, address: str, proxy_address: str,
+                 report: Callable[[], Awaitable[NodeReport]],
+                 interval_s: float = DEFAULT_INTERVAL_S, misses: int = DEFAULT_MISSES,
+                 full_every: int = 30) -> None:
+        if interval_s <= 0 or misses < 1:
+            raise ValueError("interval_s > 0 and misses >= 1")
+        self.registry = registry
+        self.node_id = node_id
+        self.address = address
+        self.proxy_address = proxy_address
+        self.report = report
+        self.interval_s = interval_s
+        self.misses = misses
+        self.full_every = max(1, full_every)
+        self.beats = 0                   # heartbeats Redis accepted
+        self.draining = False            # set: the scheduler places nothing new here
+        self._token = secrets.token_hex(8)
+        self._published: dict[str, str] | None = None
+        self._started_ms = int(time.time() * 1000)
+        self._task: asyncio.Task[None] | None = None
+        self._failing = False
+
+    @property
+    def dead_after_s(self) -> float:
+        return self.interval_s * self.misses
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"heartbeat:{self.node_id}")
+
+    async def aclose(self) -> None:
+        task, self._task = self._task, None
+        if task is None:
+            return
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # we are being cancelled ourselves, not just the heartbeat
+
+    async def beat(self) -> None:
+        rep = await self.report()
+        current = dict(rep.sandboxes)
+        fields = {**rep.fields(), "address": self.address, "proxyAddress": self.proxy_address,
+                  "startedAtMs": self._started_ms}
+        if self.draining:
+            fields["state"] = NodeState.DRAINING.value
+        alive_ms = int(self.dead_after_s * 1000)
+        previous = self._published
+        full = previous is None or self.beats % self.full_every == 0
+        if previous is not None and not full:
+            upserts = {sid: st for sid, st in current.items() if previous.get(sid) != st}
+            removals = [sid for sid in previous if sid not in current]
+            full = not await self.registry.publish(
+                self.node_id, fields, alive_ms=alive_ms, full=False, token=self._token,
+                upserts=upserts, removals=removals)
+            if full:
+                log.info("cluster index lost node %s's sandboxes: sending all %d",
+                         self.node_id, len(current))
+        if full:
+            await self.registry.publish(self.node_id, fields, alive_ms=alive_ms, full=True,
+                                        token=self._token, upserts=current)
+        self._published = current
+        self.beats += 1
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            began = loop.time()
+            try:
+                async with asyncio.timeout(self.dead_after_s):
+                    await self.beat()
+            except asyncio.CancelledError:
+                raise
+            except TimeoutError:
+                self._failed("timed out")
+            except Exception as exc:  # noqa: BLE001 - Redis or the report failed: retry
+                self._failed(str(exc) or type(exc).__name__)
+            else:
+                if self._failing:
+                    log.info("heartbeat of node %s restored", self.node_id)
+                self._failing = False
+            await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - began)))
+
+    def _failed(self, why: str) -> None:
+        if not self._failing:
+            log.warning("heartbeat of node %s failed (retrying every %.1f s): %s",
+                        self.node_id, self.interval_s, why)
+        self._failing = True
