@@ -19,6 +19,7 @@ APT_PACKAGES=(
   nodejs npm                            # the JS e2b SDK in tests; xterm.js vendored for the web terminal
   chromium                              # tests/web: the web terminal in a real headless browser
   redis-server                          # cluster state (gateway, scheduler) and its tests
+  docker-compose                        # tests/deploy: `docker-compose config` validates deploy/compose without a daemon
 )
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
