@@ -100,7 +100,8 @@ async def serve(cfg: Config) -> None:
             admission=AdmissionPolicy(max_starts=cfg.max_starts,
                                       max_sandboxes=cfg.max_sandboxes,
                                       reserve_mib=cfg.memory_reserve_mib),
-            metrics=metrics)
+            # in a cluster, pauses leave handoffs so another node can take a sandbox over
+            metrics=metrics, handoff=bool(cfg.cluster_redis))
         await orch.start(ttl_interval_s=cfg.ttl_interval_s)
         if cfg.cluster_redis:
             from host.cluster.node import ClusterMember

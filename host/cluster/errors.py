@@ -7,7 +7,8 @@
       SandboxUnknown              no node holds the sandbox (404)
       SandboxLost                 its node died while it was running (410, sandbox_lost)
       SandboxStranded             it is paused on a node that is dead (503, sandbox_node_dead)
-      ResumeElsewhereUnsupported  the node picked to resume it cannot import it yet (501)
+      SandboxNotAdoptable         paused on a dead node that left no handoff (409)
+      SandboxMoving               being resumed on another node by another request (409, retry)
       NodeUnknown                 GET /nodes/{id} of a node the registry does not know (404)
       NodeUnreachable             a node did not answer (502; `sent`: the request may have
                                   reached it, so it must not be replayed)
@@ -80,9 +81,19 @@ class SandboxStranded(ClusterError):
         self.node_id = node_id
 
 
-class ResumeElsewhereUnsupported(ClusterError):
-    status = 501
-    error_code = "sandbox_import_unsupported"
+class SandboxNotAdoptable(ClusterError):
+    """Paused on a dead node that left no handoff in the shared repository."""
+
+    status = 409
+    error_code = "sandbox_not_adoptable"
+
+
+class SandboxMoving(ClusterError):
+    """Another request is resuming this sandbox on another node right now."""
+
+    status = 409
+    error_code = "sandbox_moving"
+    retryable = True
 
 
 class NodeUnknown(ClusterError):

@@ -60,7 +60,8 @@ class Heartbeat:
     def __init__(self, registry: Registry, *, node_id: str, address: str, proxy_address: str,
                  report: Callable[[], Awaitable[NodeReport]],
                  interval_s: float = DEFAULT_INTERVAL_S, misses: int = DEFAULT_MISSES,
-                 full_every: int = 30) -> None:
+                 full_every: int = 30,
+                 disown: Callable[[str], Awaitable[object]] | None = None) -> None:
         if interval_s <= 0 or misses < 1:
             raise ValueError("interval_s > 0 and misses >= 1")
         self.registry = registry
@@ -68,6 +69,9 @@ class Heartbeat:
         self.address = address
         self.proxy_address = proxy_address
         self.report = report
+        # drops this node's copy of a paused sandbox another node took over
+        # (orchestrator.forget); None: nothing to drop (tests)
+        self.disown = disown
         self.interval_s = interval_s
         self.misses = misses
         self.full_every = max(1, full_every)
@@ -109,18 +113,28 @@ class Heartbeat:
         alive_ms = int(self.dead_after_s * 1000)
         previous = self._published
         full = previous is None or self.beats % self.full_every == 0
+        disowned: tuple[str, ...] = ()
         if previous is not None and not full:
             upserts = {sid: st for sid, st in current.items() if previous.get(sid) != st}
             removals = [sid for sid in previous if sid not in current]
-            full = not await self.registry.publish(
+            answer = await self.registry.publish(
                 self.node_id, fields, alive_ms=alive_ms, full=False, token=self._token,
                 upserts=upserts, removals=removals)
+            full, disowned = not answer, answer.disowned
             if full:
                 log.info("cluster index lost node %s's sandboxes: sending all %d",
                          self.node_id, len(current))
         if full:
-            await self.registry.publish(self.node_id, fields, alive_ms=alive_ms, full=True,
-                                        token=self._token, upserts=current)
+            answer = await self.registry.publish(self.node_id, fields, alive_ms=alive_ms,
+                                                 full=True, token=self._token,
+                                                 upserts=current)
+            disowned = answer.disowned
+        for sid in disowned:
+            current.pop(sid, None)
+            log.info("sandbox %s is held by another node now (taken over while node %s was "
+                     "away): dropping this node's copy", sid, self.node_id)
+            if self.disown is not None:
+                await self.disown(sid)
         self._published = current
         self.beats += 1
 

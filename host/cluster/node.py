@@ -117,7 +117,7 @@ class ClusterMember:
                                      reserve_mib=cfg.memory_reserve_mib)
         beat = Heartbeat(Registry(store), node_id=node_id, address=api, proxy_address=proxy,
                          report=report, interval_s=cfg.heartbeat_s,
-                         misses=cfg.heartbeat_misses)
+                         misses=cfg.heartbeat_misses, disown=orch.forget)
         return cls(store, beat)
 
     def start(self) -> None:

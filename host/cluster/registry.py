@@ -94,6 +94,18 @@ class Binding:
     lost_at: float | None = None
 
 
+@dataclass(frozen=True)
+class Published:
+    """A heartbeat's answer: accepted (falsy: a delta was refused), and the paused
+    sandboxes it reported that another node holds now (the node forgets them)."""
+
+    accepted: bool
+    disowned: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return self.accepted
+
+
 class Registry:
     """Reads and changes of the cluster index (one per process; shares the store)."""
 
@@ -160,12 +172,12 @@ class Registry:
 
     async def publish(self, node_id: str, fields: Mapping[str, object], *, alive_ms: int,
                       full: bool, token: str, upserts: Mapping[str, str],
-                      removals: Sequence[str] = ()) -> bool:
-        """One heartbeat (scripts.HEARTBEAT); False: a delta was refused, send it all."""
+                      removals: Sequence[str] = ()) -> Published:
+        """One heartbeat (scripts.HEARTBEAT); falsy: a delta was refused, send it all."""
         done = await self.store.run("heartbeat", node_id, alive_ms,
                                     "full" if full else "delta", token, json.dumps(fields),
                                     json.dumps(dict(upserts)), json.dumps(list(removals)))
-        return bool(done)
+        return Published(bool(int(done[0])), tuple(str(x) for x in done[1:]))
 
     async def sweep(self, *, retention_ms: int) -> dict[str, int]:
         """Declare the nodes whose heartbeats stopped dead: {node id: sandboxes lost}."""
@@ -180,6 +192,19 @@ class Registry:
     async def release(self, node_id: str, placement_id: str) -> None:
         async with redis_errors("releasing a placement"):
             await self.store.redis.zrem(self.keys.placing(node_id), placement_id)
+
+    async def claim_move(self, sandbox_id: str, owner: str, *, ttl_ms: int) -> bool:
+        """Hold the right to move `sandbox_id` to another node (one mover at a time, for at
+        most `ttl_ms`: a gateway that dies while moving frees it by expiry)."""
+        async with redis_errors("claiming a sandbox move"):
+            return bool(await self.store.redis.set(self.keys.moving(sandbox_id), owner,
+                                                   nx=True, px=ttl_ms))
+
+    async def end_move(self, sandbox_id: str, owner: str) -> None:
+        async with redis_errors("ending a sandbox move"):
+            key = self.keys.moving(sandbox_id)
+            if await self.store.redis.get(key) == owner:
+                await self.store.redis.delete(key)
 
     async def next_turn(self) -> int:
         async with redis_errors("taking a round-robin turn"):

@@ -6,9 +6,11 @@ the gateway never compare clocks of different machines.
 
     heartbeat  a node's capacity, usage and liveness, and its sandboxes: `full` replaces the
                node's sandbox set with the list sent, `delta` applies changes since the
-               node's last accepted heartbeat, and is refused (0) unless the index holds
+               node's last accepted heartbeat, and is refused ({0}) unless the index holds
                that node's full list (its sync token): after a FLUSHALL, or once the node
-               was declared dead, the node sends everything again at once
+               was declared dead, the node sends everything again at once. Accepted: {1,
+               disowned ids...}: paused sandboxes the node reported that are bound to
+               another node (taken over while this one was dead); the node forgets them
     sweep      declares nodes whose liveness key expired dead (their running sandboxes
                become `lost`, everything of theirs expires after the retention time) and
                forgets nodes whose hash is gone; returns {node id, sandboxes lost} pairs
@@ -40,7 +42,7 @@ HEARTBEAT = _KEYS + """
 local id, mode, token = ARGV[2], ARGV[4], ARGV[5]
 local node, members = node_key(id), set_key(id)
 if mode == 'delta' and redis.call('HGET', node, 'syncToken') ~= token then
-  return 0
+  return {0}
 end
 local now = now_ms()
 local args = {}
@@ -65,14 +67,21 @@ if mode == 'full' then
   end
   redis.call('HSET', node, 'syncToken', token)
 end
+local disowned = {1}
 for sid, state in pairs(upserts) do
   local b = sandbox_key(sid)
   local old = redis.call('HGET', b, 'node')
-  if old and old ~= id then redis.call('SREM', set_key(old), sid) end
-  redis.call('HSET', b, 'node', id, 'state', state)
-  redis.call('HDEL', b, 'lostAtMs')
-  redis.call('PERSIST', b)
-  redis.call('SADD', members, sid)
+  if old and old ~= id and state == 'paused' then
+    -- bound to another node, which took it over: a paused copy never takes it back
+    disowned[#disowned + 1] = sid
+    redis.call('SREM', members, sid)
+  else
+    if old and old ~= id then redis.call('SREM', set_key(old), sid) end
+    redis.call('HSET', b, 'node', id, 'state', state)
+    redis.call('HDEL', b, 'lostAtMs')
+    redis.call('PERSIST', b)
+    redis.call('SADD', members, sid)
+  end
 end
 for _, sid in ipairs(cjson.decode(ARGV[8])) do
   if redis.call('HGET', sandbox_key(sid), 'node') == id then
@@ -81,7 +90,7 @@ for _, sid in ipairs(cjson.decode(ARGV[8])) do
   redis.call('SREM', members, sid)
 end
 redis.call('PERSIST', members)
-return 1
+return disowned
 """
 
 # ARGV: prefix, retention ms (dead nodes and lost sandboxes)

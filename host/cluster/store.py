@@ -60,6 +60,9 @@ class Keys:
     def sandbox(self, sandbox_id: str) -> str:
         return f"{self.prefix}sandbox:{sandbox_id}"
 
+    def moving(self, sandbox_id: str) -> str:
+        return f"{self.prefix}sandbox:{sandbox_id}:moving"
+
     @property
     def round_robin(self) -> str:
         return f"{self.prefix}rr"

@@ -19,6 +19,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
@@ -162,13 +163,23 @@ def echo_app(node_id: str):
     return app
 
 
+@dataclass
+class SharedRepository:
+    """What the nodes' repository holds, as the fake runtimes see it: snapshots and
+    handoff documents (one object for every node of a cluster, as one shared directory)."""
+
+    snapshots: dict[str, Any] = field(default_factory=dict)
+    handoffs: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
 class ClusterNode:
     """One node in its own thread and loop; `start()` / `stop()` (heartbeat cancelled,
     servers stopped, orchestrator closed: as a node process that ends)."""
 
     def __init__(self, node_id: str, state_dir: Path, redis_url: str, envd_port: int, *,
-                 max_sandboxes: int = 0) -> None:
+                 max_sandboxes: int = 0, repository: SharedRepository | None = None) -> None:
         self.node_id = node_id
+        self.repository = repository or SharedRepository()
         self.state_dir = state_dir
         self.redis_url = redis_url
         self.envd_port = envd_port
@@ -232,9 +243,12 @@ class ClusterNode:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         store = Store(self.state_dir / "state.db")
         runtime = LoopbackRuntime({49983: self.envd_port, USER_PORT: self.echo_port})
+        runtime.snapshots = self.repository.snapshots   # the nodes share one repository
+        runtime.handoffs = self.repository.handoffs
         orch = self.orch = NodeOrchestrator(
             store, runtime, domain=DOMAIN, envd=EnvdClient(transport=OpenEnvd().transport()),
-            admission=AdmissionPolicy(max_sandboxes=self.max_sandboxes, reserve_mib=0))
+            admission=AdmissionPolicy(max_sandboxes=self.max_sandboxes, reserve_mib=0),
+            handoff=True)
         await orch.start(ttl_interval_s=3600)
         api = build_api_app(orch, ApiKeys([API_KEY]), domain=DOMAIN)
         proxy = build_proxy_app(orch, DOMAIN)
@@ -254,7 +268,7 @@ class ClusterNode:
                 proxy_address=self.proxy_url,
                 report=orchestrator_report(orch, max_sandboxes=self.max_sandboxes,
                                            machine=fixed_machine),
-                interval_s=HEARTBEAT_S, misses=MISSES)
+                interval_s=HEARTBEAT_S, misses=MISSES, disown=orch.forget)
             self.heartbeat.start()
             self._ready.set()
             await self._stop.wait()
@@ -346,8 +360,10 @@ class Cluster:
         self.scheduler_port = self.gateway_port = 0   # known once started
         self.scheduler: Served | None = None
         self.gateway: Served | None = None
+        self.repository = SharedRepository()
         self.nodes = [ClusterNode(f"node{i}", root / f"node{i}", redis_url, envd_port,
-                                  max_sandboxes=max_sandboxes) for i in range(1, nodes + 1)]
+                                  max_sandboxes=max_sandboxes, repository=self.repository)
+                      for i in range(1, nodes + 1)]
 
     @property
     def url(self) -> str:

@@ -11,6 +11,7 @@ import httpx
 import redis
 
 from host.cluster.store import Keys
+from host.orchestrator.errors import SandboxNotFound
 
 from .harness import HEARTBEAT_S, MISSES, SWEEP_S, USER_PORT, Cluster
 from .test_gateway import api, create, where
@@ -26,6 +27,15 @@ def wait_for(what, check, timeout_s: float) -> float:
             raise AssertionError(f"{what} not within {timeout_s} s")
         time.sleep(0.05)
     return time.monotonic() - start
+
+
+def forgotten(node, sandbox_id: str) -> bool:
+    """Whether `node`'s orchestrator no longer knows the sandbox."""
+    try:
+        node.run(node.orch.get(sandbox_id))
+    except SandboxNotFound:
+        return True
+    return False
 
 
 def node_state(c: httpx.Client, node_id: str) -> str:
@@ -63,19 +73,36 @@ def test_dead_node_is_detected_and_its_sandboxes_lost(cluster: Cluster) -> None:
                                                   "E2b-Sandbox-Port": str(USER_PORT)})
         assert r.status_code == 502 and "was not found" in r.json()["message"]
 
-        # paused on the dead node: its snapshot would let another node resume it (phase 2)
+        # paused on the dead node: until a connect, it waits there (not resumed for a GET)
         r = c.get(f"/sandboxes/{paused}")
         assert r.status_code == 503 and r.json()["error_code"] == "sandbox_node_dead"
         assert r.headers["should-retry"] == "false"
-        r = c.post(f"/v2/sandboxes/{paused}/connect", json={})
-        assert r.status_code == 501, r.text
-        assert r.json()["error_code"] == "sandbox_import_unsupported"
 
         # the listing leaves the dead node out; new creates go to the others
         listed = {s["sandboxID"] for s in c.get("/v2/sandboxes").json()}
         assert listed == {i for i in ids if placed[i] != victim}
         new = [create(c)["sandboxID"] for _ in range(4)]
         assert victim not in {where(cluster, c)[i] for i in new}
+
+        # a connect resumes it on another node, from the handoff its node left at the pause
+        r = c.post(f"/v2/sandboxes/{paused}/connect", json={"timeout": 120})
+        assert r.status_code == 201, r.text
+        assert r.json()["sandboxID"] == paused
+        now = where(cluster, c)[paused]
+        assert now != victim
+        assert c.get(f"/sandboxes/{paused}").json()["state"] == "running"
+        r = httpx.get(f"{cluster.url}/", headers={"E2b-Sandbox-Id": paused,
+                                                  "E2b-Sandbox-Port": str(USER_PORT)})
+        assert r.status_code == 200 and r.json()["node"] == now   # traffic reaches it there
+        assert paused not in cluster.repository.handoffs  # running: withdrawn
+
+        # the dead node comes back: its stale paused copy is dropped, not re-bound
+        cluster.node(victim).start()
+        wait_for("ready", lambda: node_state(c, victim) == "ready", 5)
+        back = cluster.node(victim)
+        wait_for("forgotten", lambda: forgotten(back, paused), 5)
+        assert where(cluster, c)[paused] == now
+        assert c.get(f"/sandboxes/{paused}").json()["state"] == "running"
 
 
 def test_node_back_after_death_is_ready_again(cluster: Cluster) -> None:

@@ -50,6 +50,25 @@ async def test_heartbeat_full_then_delta(registry: Registry) -> None:
                                       upserts={})
 
 
+async def test_a_paused_copy_never_takes_a_sandbox_back(registry: Registry) -> None:
+    """A sandbox taken over by n2 while n1 was dead: n1's paused copy is disowned (n1
+    forgets it), in a full heartbeat as in a delta; a running claim still moves it."""
+    await registry.bind("moved", "n2", BindingState.RUNNING)
+    answer = await registry.publish("n1", fields(), alive_ms=2000, full=True, token="a",
+                                    upserts={"moved": "paused", "mine": "paused"})
+    assert answer and answer.disowned == ("moved",)
+    assert (await registry.binding("moved")).node_id == "n2"  # type: ignore[union-attr]
+    assert set(await registry.node_sandboxes("n1")) == {"mine"}
+    answer = await registry.publish("n1", fields(), alive_ms=2000, full=False, token="a",
+                                    upserts={"moved": "paused"})
+    assert answer.disowned == ("moved",)
+    answer = await registry.publish("n1", fields(), alive_ms=2000, full=False, token="a",
+                                    upserts={"moved": "running"})
+    assert answer and answer.disowned == ()
+    assert (await registry.binding("moved")).node_id == "n1"  # type: ignore[union-attr]
+    assert "moved" not in await registry.node_sandboxes("n2")
+
+
 async def test_full_heartbeat_drops_what_the_node_no_longer_has(registry: Registry) -> None:
     await registry.publish("n1", fields(), alive_ms=2000, full=True, token="a",
                            upserts={"s1": "running", "s2": "running"})

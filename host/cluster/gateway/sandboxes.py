@@ -9,7 +9,7 @@ forwarded to the node holding it, and the index kept in step with what nodes ans
         DELETE                       unbound (also when the node no longer knew it)
         POST pause                   bound as paused
         POST connect / resume        bound as running; a sandbox paused on a dead node is
-                                     resumed on another one (phase 2, see `resume_elsewhere`)
+                                     adopted and resumed by another one (`resume_elsewhere`)
         POST fork                    the children bound to the parent's node
     DELETE /templates/{id}           a snapshot or template of any node (the first that has it)
 
@@ -19,13 +19,17 @@ index changes never fail a request (the next heartbeat repairs the index).
 
 from __future__ import annotations
 
+import logging
+import secrets
+
 from starlette.requests import Request
 from starlette.responses import Response
 
 from ..errors import (
     NodeUnreachable,
-    ResumeElsewhereUnsupported,
     SandboxLost,
+    SandboxMoving,
+    SandboxNotAdoptable,
     SandboxStranded,
     SandboxUnknown,
 )
@@ -35,8 +39,10 @@ from .context import GatewayContext, ctx_of
 from .forward import NodeAnswer
 from .resolve import Located
 
+log = logging.getLogger(__name__)
+
 MAX_CREATE_ATTEMPTS = 8
-RESUME_FROM_HEADER = b"x-aenv-resume-from"   # the dead node a resumed sandbox was paused on
+MOVE_CLAIM_MS = 600_000   # the longest an adopt + resume may take (TCG restores under load)
 
 
 def target(request: Request) -> str:
@@ -141,32 +147,53 @@ async def _bookkeep(ctx: GatewayContext, action: str | None, sid: str, loc: Loca
 
 
 async def resume_elsewhere(request: Request, sid: str, dead_node: str, body: bytes) -> Response:
-    """Resume a sandbox paused on a dead node on another node: the scheduler picks the
-    node, and the connect goes there with `X-Aenv-Resume-From: <dead node>`.
-
-    TODO(cluster phase 2): the node imports the sandbox's last pause snapshot from the
-    shared repository when it does not know the sandbox (nodes do not yet: they answer
-    404, which becomes a clear 501 here, and the sandbox stays paused where it was)."""
+    """Resume a sandbox paused on a dead node on another node. The scheduler picks the
+    node; it adopts the sandbox from the shared repository (`POST /cluster/sandboxes/{id}/
+    adopt`: the records its old node left there when it paused, host/orchestrator/
+    handoff.py), then the client's connect resumes it there. One gateway moves a sandbox
+    at a time (a claim in Redis); a concurrent connect gets a retryable 409."""
     ctx = ctx_of(request)
-    placement = await ctx.scheduler.place(PlacementRequest(kind="resume", sandbox_id=sid))
-    headers = [*request.scope["headers"], (RESUME_FROM_HEADER, dead_node.encode())]
+    owner = secrets.token_hex(8)
+    if not await ctx.registry.claim_move(sid, owner, ttl_ms=MOVE_CLAIM_MS):
+        raise SandboxMoving(f"sandbox '{sid}' is being resumed on another node right now; "
+                            "retry in a moment")
     try:
+        return await _move_and_resume(request, ctx, sid, dead_node, body)
+    finally:
+        await ctx.quietly(f"ending the move of {sid}", ctx.registry.end_move(sid, owner))
+
+
+async def _move_and_resume(request: Request, ctx: GatewayContext, sid: str, dead_node: str,
+                           body: bytes) -> Response:
+    placement = await ctx.scheduler.place(PlacementRequest(kind="resume", sandbox_id=sid))
+    try:
+        adopted = await ctx.nodes.call(placement.address, "POST",
+                                       f"/cluster/sandboxes/{sid}/adopt")
+        if adopted.status != 201:
+            await _release(ctx, placement)
+            if adopted.status == 404:
+                raise SandboxNotAdoptable(
+                    f"sandbox '{sid}' is paused on node {dead_node}, which stopped "
+                    f"heartbeating, and that node left no handoff of it in the shared "
+                    "repository (it paused before the node joined the cluster, or the "
+                    "nodes do not share one repository): it can resume only there")
+            return adopted.response()
+        # node B holds the sandbox (paused) from here on, whatever the resume does
+        await ctx.quietly(f"binding adopted sandbox {sid}", ctx.registry.bind(
+            sid, placement.node_id, BindingState.PAUSED,
+            placement_id=placement.placement_id, used_delta=1))
         answer = await ctx.nodes.call(placement.address, "POST", target(request), body=body,
-                                      headers=headers)
+                                      headers=request.scope["headers"])
     except BaseException:
         await _release(ctx, placement)
         raise
     if answer.status in (200, 201):
-        await ctx.quietly(f"binding resumed sandbox {sid}", ctx.registry.bind(
-            sid, placement.node_id, BindingState.RUNNING,
-            placement_id=placement.placement_id, used_delta=1))
+        await ctx.quietly(f"marking {sid} running on {placement.node_id}",
+                          ctx.registry.set_state(sid, placement.node_id,
+                                                 BindingState.RUNNING))
+        log.info("sandbox %s: paused on dead node %s, resumed on node %s", sid, dead_node,
+                 placement.node_id)
         return ctx.answer(answer, sandboxes=True)
-    await _release(ctx, placement)
-    if answer.status == 404:
-        raise ResumeElsewhereUnsupported(
-            f"sandbox '{sid}' is paused on node {dead_node}, which stopped heartbeating; "
-            f"node {placement.node_id} cannot import it from the shared repository yet "
-            "(resuming a sandbox on another node is not implemented in this version)")
     return answer.response()
 
 
