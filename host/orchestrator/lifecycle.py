@@ -126,7 +126,10 @@ async def resolve_template(ctx: Context, template_id: str) -> SnapshotRecord:
             return await ctx.db(ctx.store.get_snapshot, tid)
         log.info("building template %r (first use)", tid)
         try:
-            ref = await ctx.runtime.build_template(tid, ctx.machine)
+            # its own runtime snapshot id: nodes sharing one repository each build theirs,
+            # and a pause's memory diff names the base it was taken on by that id
+            ref = await ctx.runtime.build_template(ids.new_runtime_snapshot_id("template"),
+                                                   ctx.machine)
         except Exception as exc:
             raise OperationFailed(f"building template '{tid}' failed: {exc}") from exc
         snap = SnapshotRecord(id=tid, kind="template", created_at=ref.created_at,
