@@ -6,9 +6,9 @@ A leaf package: it imports nothing from the rest of `host`, so every layer may t
 README.md maps its modules and lists every metric.
 """
 
-from .asgi import METRICS_PATH, ProxyMetrics, metrics_route
+from .asgi import METRICS_PATH, ExchangeMetrics, ProxyMetrics, metrics_route
 from .collectors import CacheUsage, StorageUsage, Transfer, pss_bytes
-from .instruments import OPERATIONS, Metrics
+from .instruments import OPERATIONS, Metrics, ServiceMetrics
 from .logs import (
     LOG_FORMATS,
     JsonFormatter,
@@ -19,7 +19,7 @@ from .logs import (
     setup_logging,
 )
 
-__all__ = ["LOG_FORMATS", "METRICS_PATH", "OPERATIONS", "CacheUsage", "JsonFormatter",
-           "Metrics", "ProxyMetrics", "SandboxIdFilter", "StorageUsage", "Transfer",
-           "bind_sandbox", "current_sandbox", "metrics_route", "pss_bytes",
-           "sandbox_context", "setup_logging"]
+__all__ = ["LOG_FORMATS", "METRICS_PATH", "OPERATIONS", "CacheUsage", "ExchangeMetrics",
+           "JsonFormatter", "Metrics", "ProxyMetrics", "SandboxIdFilter", "ServiceMetrics",
+           "StorageUsage", "Transfer", "bind_sandbox", "current_sandbox", "metrics_route",
+           "pss_bytes", "sandbox_context", "setup_logging"]

@@ -79,6 +79,29 @@ class SandboxStatesCollector(ScrapedCollector):
         return [family]
 
 
+class LabelCountsCollector(ScrapedCollector):
+    """A gauge with one label, `name{label}`, from `counts()` (label value -> number): e.g.
+    the cluster's nodes or sandboxes by state, counted in its Redis index."""
+
+    def __init__(self, name: str, documentation: str, label: str,
+                 counts: Callable[[], Awaitable[Mapping[str, int]]]) -> None:
+        super().__init__()
+        self._name, self._documentation, self._label = name, documentation, label
+        self._counts = counts
+
+    def families(self) -> list[Metric]:
+        return [self._new()]
+
+    def _new(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(self._name, self._documentation, labels=[self._label])
+
+    async def read(self) -> list[Metric]:
+        family = self._new()
+        for value, n in sorted((await self._counts()).items()):
+            family.add_metric([value], n)
+        return [family]
+
+
 # ---- VM memory ------------------------------------------------------------------------
 
 def pss_bytes(pid: int) -> int | None:

@@ -9,6 +9,10 @@ and errors (`operation()`, used by the orchestrator), proxy requests and bytes (
 State is read when Prometheus scrapes, by the collectors of collectors.py that the layers
 register (`track_*`): sandboxes by state from the store, VM memory from /proc, cache and
 repository counters from storage. `render()` refreshes those, then writes the text format.
+
+`ServiceMetrics` is the registry part alone (`add_scraped`, `track_counts`, `render`): the
+cluster gateway and scheduler build their own instruments on it (host/cluster), so their
+pages do not carry the node's families.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from contextvars import ContextVar
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from .collectors import (
+    LabelCountsCollector,
     SandboxStatesCollector,
     ScrapedCollector,
     StorageCollector,
@@ -42,11 +47,38 @@ OPERATION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 12
 _active: ContextVar[frozenset[str]] = ContextVar("aenv_operations", default=frozenset())
 
 
-class Metrics:
-    """The registry and instruments of one service instance."""
+class ServiceMetrics:
+    """One service instance's own registry, its scrape-time collectors and its page: the
+    base of each service's instruments (`Metrics`: a node's; the cluster gateway's and
+    scheduler's in host/cluster), so a service's page lists only its own metrics."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self._scraped: list[ScrapedCollector] = []
+
+    def add_scraped(self, collector: ScrapedCollector) -> None:
+        """Register a collector whose values `render()` refreshes before each scrape."""
+        self.registry.register(collector)
+        self._scraped.append(collector)
+
+    def track_counts(self, name: str, documentation: str, label: str,
+                     counts: Callable[[], Awaitable[Mapping[str, int]]]) -> None:
+        """A gauge `name{label}` from `counts()` (label value -> number) at each scrape;
+        left out of a scrape when `counts()` fails (bound its time in `counts`)."""
+        self.add_scraped(LabelCountsCollector(name, documentation, label, counts))
+
+    async def render(self) -> bytes:
+        """The registry in Prometheus text format, scrape-time collectors refreshed first
+        (a collector whose source fails is left out of this scrape and logged)."""
+        await asyncio.gather(*(c.refresh() for c in self._scraped))
+        return generate_latest(self.registry)
+
+
+class Metrics(ServiceMetrics):
+    """The registry and instruments of one node service instance."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        super().__init__(registry)
         r = self.registry
         self.operation_seconds = Histogram(
             "aenv_sandbox_operation_seconds",
@@ -71,7 +103,6 @@ class Metrics:
             self.operation_seconds.labels(op)
         for direction in ("in", "out"):
             self.proxy_bytes.labels(direction)
-        self._scraped: list[ScrapedCollector] = []
 
     # ---- events -------------------------------------------------------------------------
 
@@ -104,11 +135,6 @@ class Metrics:
 
     # ---- state read at scrape time ------------------------------------------------------
 
-    def add_scraped(self, collector: ScrapedCollector) -> None:
-        """Register a collector whose values `render()` refreshes before each scrape."""
-        self.registry.register(collector)
-        self._scraped.append(collector)
-
     def track_sandboxes(self, counts: Callable[[], Awaitable[Mapping[str, int]]]) -> None:
         """`aenv_sandboxes{state}` from `counts()` (state -> number) at each scrape."""
         self.add_scraped(SandboxStatesCollector(counts))
@@ -120,9 +146,3 @@ class Metrics:
     def track_storage(self, usage: Callable[[], Awaitable[StorageUsage]]) -> None:
         """Cache and repository metrics from `usage()` at each scrape."""
         self.add_scraped(StorageCollector(usage))
-
-    async def render(self) -> bytes:
-        """The registry in Prometheus text format, scrape-time collectors refreshed first
-        (a collector whose source fails is left out of this scrape and logged)."""
-        await asyncio.gather(*(c.refresh() for c in self._scraped))
-        return generate_latest(self.registry)

@@ -17,7 +17,13 @@ nodes.py.
 API keys: the gateway checks the client's X-API-Key against its own key file (constant
 time, host/api/auth.py) and calls nodes and the scheduler with the node key (default: the
 first key of that file), so in the simplest deployment one key file serves every machine,
-and client keys can be added or revoked at the gateway alone.
+and client keys can be added or revoked at the gateway alone. `GET /health` and `GET
+/metrics` (Prometheus text format, metrics.py) need no key (auth.py's open paths).
+
+Metrics: the API and the traffic are each wrapped in host/metrics' `ExchangeMetrics`
+(requests by kind and status class, traffic bytes); /health and /metrics themselves are
+not counted. The errors the gateway answers itself are counted by the exception
+handlers, the key check, the traffic's refusals and the relays (forward.py, websocket.py).
 """
 
 from __future__ import annotations
@@ -32,10 +38,11 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from host.api.auth import ApiKeyMiddleware, ApiKeys
 from host.api.errors import ApiError, error_response, response_for
+from host.metrics import METRICS_PATH, ExchangeMetrics, metrics_route
 from host.proxy import responses
 from host.proxy.routing import BadTarget, Target, host_name, parse_target, routes_by_headers
 
@@ -46,12 +53,15 @@ from ..store import DEFAULT_PREFIX, ClusterStore
 from . import listing, nodes, sandboxes
 from .context import GatewayContext
 from .forward import NodeClient
+from .metrics import GatewayMetrics, error_code
 from .resolve import Resolver
 from .scheduling import SchedulerClient
 from .websocket import deny, relay_websocket
 
 _PORT_HOST = re.compile(r"^[0-9]+-[a-z0-9]+\.")
 _ANY = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"]
+_PROBES = frozenset({"/health", METRICS_PATH})   # API paths not counted as requests
+_FOUND = "aenv.gateway.found"   # scope key: classify()'s answer for the traffic app
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -81,23 +91,52 @@ async def health(request: Request) -> Response:
 
 
 async def unsupported(request: Request) -> Response:
-    return error_response(501, "templates are built and kept per node in this version: "
-                               "use a node's API for template builds (the cluster gateway "
-                               "serves sandboxes and snapshots)")
+    raise ApiError(501, "templates are built and kept per node in this version: use a "
+                        "node's API for template builds (the cluster gateway serves "
+                        "sandboxes and snapshots)")
+
+
+def _metrics(request: Request) -> GatewayMetrics:
+    return request.app.state.metrics  # type: ignore[no-any-return]
 
 
 async def _cluster_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ClusterError)
+    _metrics(request).error(exc.status, exc.error_code)
     return error_reply(exc, method=request.method)
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    _metrics(request).error(exc.status, exc.error_code)
     return response_for(exc)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
+    _metrics(request).error(exc.status_code)
     return error_response(exc.status_code, str(exc.detail))
+
+
+class _KeyCheck:
+    """host/api/auth.py's key check, its refusals (401) counted as errors."""
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.keys = keys
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        passed = False
+
+        async def inner(scope: Scope, receive: Receive, send: Send) -> None:
+            nonlocal passed
+            passed = True
+            await self.app(scope, receive, send)
+
+        await ApiKeyMiddleware(inner, self.keys)(scope, receive, send)
+        if not passed:
+            self.metrics.error(401)
 
 
 ROUTES = [
@@ -124,20 +163,21 @@ class Gateway:
     scheduler client live in it)."""
 
     def __init__(self, cfg: GatewayConfig, keys: ApiKeys, *, node_key: str | None = None,
-                 prefix: str = DEFAULT_PREFIX) -> None:
+                 prefix: str = DEFAULT_PREFIX, metrics: GatewayMetrics | None = None) -> None:
         self.cfg = cfg
         self.domain = cfg.domain.lower() if cfg.domain else None
+        self.metrics = metrics = metrics if metrics is not None else GatewayMetrics()
         key = node_key or cfg.node_key or keys.first
 
         @contextlib.asynccontextmanager
         async def lifespan(app: Starlette) -> AsyncIterator[None]:
             store = ClusterStore.from_url(cfg.redis, prefix=prefix)
             registry = Registry(store)
-            client = NodeClient(key)
+            client = NodeClient(key, metrics=metrics)
             scheduler = SchedulerClient(cfg.scheduler, key)
             app.state.gateway = GatewayContext(store, registry, client,
                                                Resolver(registry, client), scheduler,
-                                               cfg.domain)
+                                               cfg.domain, metrics)
             try:
                 yield
             finally:
@@ -146,28 +186,48 @@ class Gateway:
                 await store.aclose()
 
         self.api = Starlette(
-            routes=ROUTES, lifespan=lifespan,
-            middleware=[Middleware(ApiKeyMiddleware, keys=keys)],
+            routes=[metrics_route(metrics), *ROUTES], lifespan=lifespan,
+            middleware=[Middleware(_KeyCheck, keys=keys, metrics=metrics)],
             exception_handlers={ClusterError: _cluster_error, ApiError: _api_error,
                                 HTTPException: _http_error})
+        self.api.state.metrics = metrics
+        # the index by state at each scrape, once the lifespan opened Redis
+        metrics.track_cluster(lambda: self.api.state.gateway.registry)
+        self._counted_api = ExchangeMetrics(self.api, metrics.requests,
+                                            kinds={"http": "api", "websocket": "api"})
+        self._counted_traffic = ExchangeMetrics(self._serve_traffic, metrics.requests,
+                                                metrics.sandbox_bytes,
+                                                kinds={"http": "sandbox-http"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             await self.api(scope, receive, send)  # the lifespan
             return
         try:
-            found = classify(scope, self.domain)
+            found: tuple[Target, bool] | BadTarget | None = classify(scope, self.domain)
         except BadTarget as exc:
-            await self._deny(scope, receive, send, 400, str(exc))
-            return
-        if found is None:
+            found = exc
+        if found is not None:
+            scope[_FOUND] = found
+            await self._counted_traffic(scope, receive, send)
+        elif scope["path"] in _PROBES:
             await self.api(scope, receive, send)
+        else:
+            await self._counted_api(scope, receive, send)
+
+    async def _serve_traffic(self, scope: Scope, receive: Receive, send: Send) -> None:
+        found = scope[_FOUND]
+        if isinstance(found, BadTarget):
+            await self._deny(scope, receive, send, 400, str(found))
             return
         target, by_headers = found
         await self._traffic(scope, receive, send, target, by_headers)
 
     async def _deny(self, scope: Scope, receive: Receive, send: Send, status: int,
-                    message: str, sandbox_id: str | None = None) -> None:
+                    message: str, sandbox_id: str | None = None, *,
+                    code: str | None = None) -> None:
+        """Refuse sandbox traffic (counted as an error: `code`, else the status's name)."""
+        self.metrics.error(status, code)
         if scope["type"] == "websocket":
             await deny(scope, receive, send, status, message, sandbox_id)
         else:
@@ -179,15 +239,17 @@ class Gateway:
         sid = target.sandbox_id
         try:
             loc = await ctx.resolver.locate(sid)
-        except SandboxUnknown:
-            await self._deny(scope, receive, send, 502, responses.NOT_FOUND, sid)
+        except SandboxUnknown as exc:
+            await self._deny(scope, receive, send, 502, responses.NOT_FOUND, sid,
+                             code=error_code(exc.status, exc.error_code))
             return
         except (SandboxLost, SandboxStranded) as exc:   # "was not found": the SDKs' not running
             await self._deny(scope, receive, send, 502, f"{responses.NOT_FOUND}: {exc.message}",
-                             sid)
+                             sid, code=error_code(exc.status, exc.error_code))
             return
         except ClusterError as exc:   # Redis down: not the sandbox's fault
-            await self._deny(scope, receive, send, exc.status, exc.message, sid)
+            await self._deny(scope, receive, send, exc.status, exc.message, sid,
+                             code=error_code(exc.status, exc.error_code))
             return
         if by_headers and not routes_by_headers(host_name(_header(scope, b"host") or ""),
                                                  None):
@@ -197,16 +259,19 @@ class Gateway:
         try:
             if scope["type"] == "websocket":
                 await relay_websocket(loc.node.proxy_address, scope, receive, send,
-                                      sandbox_id=sid)
+                                      sandbox_id=sid, metrics=self.metrics)
             else:
                 await ctx.nodes.relay(loc.node.proxy_address, scope, receive, send,
                                       sandbox_id=sid)
         except ClusterError as exc:   # a node address the gateway cannot use
-            await self._deny(scope, receive, send, 502, exc.message, sid)
+            await self._deny(scope, receive, send, 502, exc.message, sid,
+                             code=error_code(exc.status, exc.error_code))
 
 
 def build_gateway(cfg: GatewayConfig, *, keys: ApiKeys | None = None,
-                  node_key: str | None = None, prefix: str = DEFAULT_PREFIX) -> Gateway:
-    """The gateway for `cfg`; `keys` default to cfg.keys (created with one key if absent)."""
+                  node_key: str | None = None, prefix: str = DEFAULT_PREFIX,
+                  metrics: GatewayMetrics | None = None) -> Gateway:
+    """The gateway for `cfg`; `keys` default to cfg.keys (created with one key if absent);
+    `metrics`: its registry (default: a new one), served at GET /metrics."""
     return Gateway(cfg, keys or ApiKeys.load_or_create(cfg.keys), node_key=node_key,
-                   prefix=prefix)
+                   prefix=prefix, metrics=metrics)

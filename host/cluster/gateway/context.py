@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -15,6 +15,7 @@ from ..errors import ClusterError
 from ..registry import Registry
 from ..store import ClusterStore
 from .forward import NodeAnswer, NodeClient
+from .metrics import GatewayMetrics
 from .resolve import Resolver
 from .scheduling import SchedulerClient
 
@@ -29,6 +30,7 @@ class GatewayContext:
     resolver: Resolver
     scheduler: SchedulerClient
     domain: str | None = None     # rewritten into Sandbox answers when set
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
 
     def answer(self, answer: NodeAnswer, *, sandboxes: bool = False) -> Response:
         """A node's answer for the client; `sandboxes`: it carries Sandbox objects (one,

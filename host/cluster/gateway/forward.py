@@ -19,9 +19,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from starlette.responses import Response
@@ -31,6 +32,9 @@ from host.proxy import responses
 from host.proxy.upstream import Pool, UpstreamError, UpstreamUnreachable
 
 from ..errors import NodeUnreachable
+
+if TYPE_CHECKING:
+    from .metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
@@ -83,21 +87,27 @@ async def _once(body: bytes) -> AsyncIterator[bytes]:
 
 
 class NodeClient:
-    """Calls into nodes with the cluster's node key. `aclose()` closes the pool."""
+    """Calls into nodes with the cluster's node key. `aclose()` closes the pool.
+    `metrics`: API calls that got an answer are timed there by operation group, and a
+    node the traffic relay could not reach is counted as an error."""
 
-    def __init__(self, node_key: str, *, pool: Pool | None = None) -> None:
+    def __init__(self, node_key: str, *, pool: Pool | None = None,
+                 metrics: GatewayMetrics | None = None) -> None:
         self.node_key = node_key
         self.pool = pool or Pool(connect_timeout_s=5.0)
+        self.metrics = metrics
 
     async def aclose(self) -> None:
         await self.pool.aclose()
 
     async def call(self, address: str, method: str, target: str, *, body: bytes = b"",
                    headers: Sequence[tuple[bytes, bytes]] = (),
-                   timeout_s: float | None = None) -> NodeAnswer:
+                   timeout_s: float | None = None, operation: str = "other") -> NodeAnswer:
         """One API call into the node at `address`; `headers`: the client's (hop-by-hop,
-        Host, X-API-Key and Content-Length are replaced)."""
+        Host, X-API-Key and Content-Length are replaced); `operation`: its group in the
+        metrics (metrics.OPERATIONS)."""
         host, port = host_port(address)
+        t0 = time.perf_counter()
         out = [(k, v) for k, v in headers if k.lower() not in _RESET]
         out += [(b"host", f"{host}:{port}".encode()), (b"x-api-key", self.node_key.encode())]
         if body or method in ("POST", "PUT", "PATCH"):
@@ -122,6 +132,8 @@ class NodeClient:
         except TimeoutError as exc:
             raise NodeUnreachable(f"node at {address} did not answer within {timeout_s} s",
                                   sent=True) from exc
+        if self.metrics is not None:
+            self.metrics.node_call(operation, time.perf_counter() - t0)
         return NodeAnswer(resp.status, resp.headers, b"".join(chunks))
 
     # --- sandbox traffic ---------------------------------------------------------------
@@ -179,6 +191,8 @@ class NodeClient:
         try:
             upstream = await self.pool.request(host, port, method, target, headers, content)
         except UpstreamError as exc:
+            if self.metrics is not None:
+                self.metrics.error(502, NodeUnreachable.error_code)
             await responses.send_json(send, 502, f"The sandbox's node is unreachable: {exc}",
                                       sandbox_id=sandbox_id)
             return

@@ -73,7 +73,7 @@ async def _get(nodes: NodeClient, node: NodeRecord, path: str, params: dict[str,
     target = path + ("?" + urlencode(params) if params else "")
     try:
         answer = await nodes.call(node.address, "GET", target, headers=request.scope["headers"],
-                                  timeout_s=LIST_TIMEOUT_S)
+                                  timeout_s=LIST_TIMEOUT_S, operation="list")
     except NodeUnreachable as exc:
         raise _Unreachable(node.node_id) from exc
     if answer.status != 200:

@@ -37,6 +37,7 @@ from ..registry import BindingState
 from ..scheduler.service import Placement, PlacementRequest
 from .context import GatewayContext, ctx_of
 from .forward import NodeAnswer
+from .metrics import Stopwatch
 from .resolve import Located
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,10 @@ def _action(method: str, rest: str) -> str | None:
     return None
 
 
+# the operation group of a node call in the metrics (metrics.OPERATIONS), by action
+_OPERATION = {"kill": "kill", "pause": "pause", "connect": "connect", "resume": "connect"}
+
+
 async def _release(ctx: GatewayContext, placement: Placement) -> None:
     if placement.placement_id:
         await ctx.quietly("releasing a placement",
@@ -72,12 +77,23 @@ async def _release(ctx: GatewayContext, placement: Placement) -> None:
 async def create(request: Request) -> Response:
     ctx = ctx_of(request)
     body = await request.body()
+    asked = Stopwatch()   # the time spent asking the scheduler, every attempt
+    try:
+        return await _create(ctx, request, body, asked)
+    finally:
+        ctx.metrics.placed("create", asked.seconds)
+
+
+async def _create(ctx: GatewayContext, request: Request, body: bytes,
+                  asked: Stopwatch) -> Response:
     excluded: list[str] = []
     for _ in range(MAX_CREATE_ATTEMPTS):
-        placement = await ctx.scheduler.place(PlacementRequest(exclude=tuple(excluded)))
+        with asked.running():
+            placement = await ctx.scheduler.place(PlacementRequest(exclude=tuple(excluded)))
         try:
             answer = await ctx.nodes.call(placement.address, "POST", target(request),
-                                          body=body, headers=request.scope["headers"])
+                                          body=body, headers=request.scope["headers"],
+                                          operation="create")
         except NodeUnreachable as exc:
             await _release(ctx, placement)
             if exc.sent:
@@ -116,7 +132,8 @@ async def sandbox_call(request: Request) -> Response:
             raise SandboxUnknown(f"{exc.message}; there is nothing left to kill") from exc
         raise
     answer = await ctx.nodes.call(loc.node.address, request.method, target(request), body=body,
-                                  headers=request.scope["headers"])
+                                  headers=request.scope["headers"],
+                                  operation=_OPERATION.get(action or "", "other"))
     await _bookkeep(ctx, action, sid, loc, answer)
     return ctx.answer(answer, sandboxes=action in ("get", "connect", "resume", "fork"))
 
@@ -165,10 +182,16 @@ async def resume_elsewhere(request: Request, sid: str, dead_node: str, body: byt
 
 async def _move_and_resume(request: Request, ctx: GatewayContext, sid: str, dead_node: str,
                            body: bytes) -> Response:
-    placement = await ctx.scheduler.place(PlacementRequest(kind="resume", sandbox_id=sid))
+    asked = Stopwatch()
+    try:
+        with asked.running():
+            placement = await ctx.scheduler.place(PlacementRequest(kind="resume",
+                                                                   sandbox_id=sid))
+    finally:
+        ctx.metrics.placed("resume", asked.seconds)
     try:
         adopted = await ctx.nodes.call(placement.address, "POST",
-                                       f"/cluster/sandboxes/{sid}/adopt")
+                                       f"/cluster/sandboxes/{sid}/adopt", operation="connect")
         if adopted.status != 201:
             await _release(ctx, placement)
             if adopted.status == 404:
@@ -183,7 +206,7 @@ async def _move_and_resume(request: Request, ctx: GatewayContext, sid: str, dead
             sid, placement.node_id, BindingState.PAUSED,
             placement_id=placement.placement_id, used_delta=1))
         answer = await ctx.nodes.call(placement.address, "POST", target(request), body=body,
-                                      headers=request.scope["headers"])
+                                      headers=request.scope["headers"], operation="connect")
     except BaseException:
         await _release(ctx, placement)
         raise

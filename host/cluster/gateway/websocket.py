@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import websockets
 from starlette.types import Receive, Scope, Send
@@ -16,7 +16,11 @@ from websockets.asyncio.client import connect as ws_connect
 
 from host.proxy import responses
 
+from ..errors import NodeUnreachable
 from .forward import HOP, host_port
+
+if TYPE_CHECKING:
+    from .metrics import GatewayMetrics
 
 _HANDSHAKE = frozenset({b"host", b"upgrade", b"connection", b"sec-websocket-key",
                         b"sec-websocket-version", b"sec-websocket-extensions",
@@ -40,7 +44,10 @@ async def deny(scope: Scope, receive: Receive, send: Send, status: int, message:
 
 
 async def relay_websocket(address: str, scope: Scope, receive: Receive, send: Send, *,
-                          sandbox_id: str, open_timeout_s: float = 10.0) -> None:
+                          sandbox_id: str, open_timeout_s: float = 10.0,
+                          metrics: GatewayMetrics | None = None) -> None:
+    """Relay one WebSocket session to the node proxy at `address` (`metrics`: a node that
+    cannot be reached is counted as an error; the node's own refusal is its answer)."""
     host, port = host_port(address)
     raw_path = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
     query = scope.get("query_string", b"").decode("latin-1")
@@ -61,6 +68,8 @@ async def relay_websocket(address: str, scope: Scope, receive: Receive, send: Se
                    f"the node refused the WebSocket: {exc}", sandbox_id)
         return
     except (OSError, TimeoutError, websockets.InvalidHandshake, websockets.InvalidURI) as exc:
+        if metrics is not None:
+            metrics.error(502, NodeUnreachable.error_code)
         await deny(scope, receive, send, 502, f"The sandbox's node is unreachable: {exc}",
                    sandbox_id)
         return

@@ -2,7 +2,9 @@
 nodes that stopped heartbeating dead (see README.md)."""
 
 from .app import build_scheduler_app
+from .metrics import SchedulerMetrics
 from .monitor import Sweeper
 from .service import Placement, PlacementRequest, Scheduler
 
-__all__ = ["Placement", "PlacementRequest", "Scheduler", "Sweeper", "build_scheduler_app"]
+__all__ = ["Placement", "PlacementRequest", "Scheduler", "SchedulerMetrics", "Sweeper",
+           "build_scheduler_app"]

@@ -1,13 +1,15 @@
 """The scheduler's HTTP API (starlette; served on :9090 by __main__.py).
 
     GET  /health       200 {"status": "ok"} while Redis answers, else 503
+    GET  /metrics      Prometheus text format (metrics.py), no key needed
     POST /placements   {"kind": "create" | "fork" | "resume", "sandboxID"?, "exclude"?: [node
                        ids], "memoryMiB"?} -> 201 {"nodeID", "address", "proxyAddress",
                        "placementID"}; 429 (E2B's capacity error) when no node fits, 404 /
                        410 for a fork or resume of an unknown or lost sandbox
 
 Stateless: everything it knows is in Redis, so replicas may run side by side. With a key
-file, every route but /health wants one of its keys in X-API-Key.
+file, every route but /health and /metrics (host/api/auth.py's open paths) wants one of
+its keys in X-API-Key.
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ from starlette.routing import Route
 
 from host.api.auth import ApiKeyMiddleware, ApiKeys
 from host.api.errors import error_response
+from host.metrics import metrics_route
 
 from ..config import SchedulerConfig
 from ..errors import ClusterError, error_reply
 from ..placement import Demand
 from ..registry import Registry
 from ..store import DEFAULT_PREFIX, ClusterStore
+from .metrics import SchedulerMetrics, node_counts, track_nodes
 from .monitor import Sweeper
 from .service import KINDS, PlacementRequest, Scheduler
 
@@ -90,19 +94,23 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def build_scheduler_app(cfg: SchedulerConfig, *, prefix: str = DEFAULT_PREFIX,
-                        placement_ttl_s: float = 60.0) -> Starlette:
+                        placement_ttl_s: float = 60.0,
+                        metrics: SchedulerMetrics | None = None) -> Starlette:
     """The scheduler; its Redis client and sweeper live in the ASGI lifespan (serve it
-    with lifespan="on")."""
+    with lifespan="on"). `metrics`: its registry (default: a new one), at GET /metrics."""
+    metrics = metrics if metrics is not None else SchedulerMetrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         store = ClusterStore.from_url(cfg.redis, prefix=prefix)
         registry = Registry(store)
-        sweeper = Sweeper(registry, interval_s=cfg.sweep_s, retention_s=cfg.retention_s)
+        sweeper = Sweeper(registry, interval_s=cfg.sweep_s, retention_s=cfg.retention_s,
+                          metrics=metrics)
         app.state.store = store
+        app.state.registry = registry
         app.state.scheduler = Scheduler(registry, strategy=cfg.strategy,
                                         demand=Demand(cfg.sandbox_mib),
-                                        placement_ttl_s=placement_ttl_s)
+                                        placement_ttl_s=placement_ttl_s, metrics=metrics)
         app.state.sweeper = sweeper
         sweeper.start()
         try:
@@ -114,9 +122,17 @@ def build_scheduler_app(cfg: SchedulerConfig, *, prefix: str = DEFAULT_PREFIX,
                 await store.aclose()
 
     middleware = []
-    if cfg.keys is not None:
+    if cfg.keys is not None:   # /metrics is one of its open paths, as /health
         middleware.append(Middleware(ApiKeyMiddleware, keys=ApiKeys.load_or_create(cfg.keys)))
-    return Starlette(routes=[Route("/health", health, methods=["GET"]),
-                             Route("/placements", place, methods=["POST"])],
-                     middleware=middleware, lifespan=lifespan,
-                     exception_handlers={HTTPException: _http_error})
+    app = Starlette(routes=[Route("/health", health, methods=["GET"]),
+                            Route("/placements", place, methods=["POST"]),
+                            metrics_route(metrics)],
+                    middleware=middleware, lifespan=lifespan,
+                    exception_handlers={HTTPException: _http_error})
+    app.state.metrics = metrics
+
+    async def nodes_by_state() -> dict[str, int]:
+        return await node_counts(app.state.registry)   # set by the lifespan
+
+    track_nodes(metrics, nodes_by_state)
+    return app

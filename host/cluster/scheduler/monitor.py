@@ -11,16 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from ..registry import Registry
+
+if TYPE_CHECKING:
+    from .metrics import SchedulerMetrics
 
 log = logging.getLogger(__name__)
 
 
 class Sweeper:
     def __init__(self, registry: Registry, *, interval_s: float = 1.0,
-                 retention_s: float = 86400.0) -> None:
+                 retention_s: float = 86400.0, metrics: SchedulerMetrics | None = None) -> None:
         self.registry = registry
+        self.metrics = metrics
         self.interval_s = interval_s
         self.retention_ms = int(retention_s * 1000)
         self._task: asyncio.Task[None] | None = None
@@ -45,6 +50,8 @@ class Sweeper:
     async def sweep(self) -> dict[str, int]:
         """One sweep: {node id: sandboxes lost} of the nodes declared dead now."""
         dead = await self.registry.sweep(retention_ms=self.retention_ms)
+        if self.metrics is not None:
+            self.metrics.swept(dead)
         for node_id, lost in dead.items():
             log.warning("node %s missed its heartbeats: declared dead, %d running "
                         "sandbox(es) lost", node_id, lost)

@@ -19,11 +19,14 @@ import asyncio
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import NoCapacity, SandboxLost, SandboxUnknown
 from ..placement import Demand, Strategy, rank, refusal_message
 from ..registry import BindingState, NodeRecord, Registry
+
+if TYPE_CHECKING:
+    from .metrics import SchedulerMetrics
 
 KINDS = ("create", "resume", "fork")
 
@@ -70,8 +73,9 @@ class Placement:
 class Scheduler:
     def __init__(self, registry: Registry, *, strategy: Strategy = Strategy.LEAST_LOADED,
                  demand: Demand | None = None, placement_ttl_s: float = 60.0,
-                 attempts: int = 3) -> None:
+                 attempts: int = 3, metrics: SchedulerMetrics | None = None) -> None:
         self.registry = registry
+        self.metrics = metrics
         self.strategy = strategy
         self.demand = demand or Demand()
         self.placement_ttl_ms = int(placement_ttl_s * 1000)
@@ -79,6 +83,13 @@ class Scheduler:
         self._lock = asyncio.Lock()
 
     async def place(self, req: PlacementRequest) -> Placement:
+        """The node for `req` (counted and timed in `metrics` by kind and outcome)."""
+        if self.metrics is None:
+            return await self._place(req)
+        with self.metrics.placement(req.kind):
+            return await self._place(req)
+
+    async def _place(self, req: PlacementRequest) -> Placement:
         if req.kind == "create":
             return await self._create(req)
         if req.sandbox_id is None:
