@@ -1,4 +1,4 @@
-# aenv: make setup | gen | envd | kernel | image | web | run | test | bench | lint
+# aenv: make setup | gen | envd | kernel | image | web | run | cluster | test | bench | lint
 # Everything runs from the repo's virtualenv (.venv), made by `make setup`.
 
 PY        ?= .venv/bin/python
@@ -6,7 +6,7 @@ PY        ?= .venv/bin/python
 AENV_CACHE ?= /var/cache/aenv
 export AENV_CACHE
 
-.PHONY: setup gen envd kernel image web run test test-fast bench lint clean
+.PHONY: setup gen envd kernel image web run cluster test test-fast bench lint clean
 
 setup:            ## install system packages, the venv and the JS SDK for tests
 	scripts/setup.sh
@@ -28,6 +28,9 @@ web:              ## vendor xterm.js (npm, pinned) for the web terminal page: ho
 
 run: web          ## run the host service on this machine's defaults
 	$(PY) -m host
+
+cluster: web      ## Redis, scheduler, gateway and 3 nodes on this machine (Ctrl+C stops them all)
+	$(PY) -m host.cluster.local --nodes $(or $(NODES),3)
 
 test: web         ## the full test suite (what .ci/run runs)
 	$(PY) -m pytest -q -ra
