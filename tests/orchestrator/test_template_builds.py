@@ -155,7 +155,9 @@ async def test_build_runs_the_spec_and_records_the_template(orch, rt, store):
     assert st.status == "ready" and st.reason is None
     assert rt.builds == 1  # the default template, built on first use as the source
     (spec,) = rt.build_specs
-    assert spec.from_snapshot == "tmpl-base" and spec.from_image is None
+    # the default template's runtime snapshot (its own id per build: lifecycle.py)
+    assert re.fullmatch(r"tmpl-t[a-z0-9]{20}", spec.from_snapshot or "")
+    assert spec.from_image is None
     assert [(s.type, s.args, s.files_hash, s.force) for s in spec.steps] == [
         ("RUN", ("echo hi",), None, False), ("COPY", ("a.txt", "/app/", "", ""), h, True),
         ("ENV", ("A", "1"), None, False), ("WORKDIR", ("/app",), None, False),
