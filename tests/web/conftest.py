@@ -60,8 +60,10 @@ def site(orch: FakeOrchestrator, tmp_path: Path) -> Iterator[Site]:  # noqa: F81
             yield Site(orch, links, api.url, proxy.url)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def browser() -> Iterator[object]:
+    """Chromium, per test: Playwright's sync API runs an event loop in this thread while it
+    is open, and every asyncio.run() / async test after it in the session would fail."""
     from playwright.sync_api import sync_playwright
 
     path = require_browser()
