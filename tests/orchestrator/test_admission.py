@@ -90,6 +90,10 @@ async def test_starts_at_once_are_bounded(store, rt, envd):
         await o.create(CreateRequest())            # the template is built first
         gate = rt.gates["start"] = asyncio.Event()
         creates = [asyncio.create_task(o.create(CreateRequest())) for _ in range(6)]
+        # wait (no wall-clock bound) until two starts hold the slots, then give the other
+        # four every chance to pass: they must still be waiting
+        while o._ctx.admission.in_flight < 2:
+            await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)
         assert o._ctx.admission.in_flight == 2     # the others wait for a slot
         gate.set()
