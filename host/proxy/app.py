@@ -30,7 +30,6 @@ from typing import Any
 
 import websockets
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 
 from host.api.auth import ApiKeys
@@ -44,6 +43,7 @@ from . import responses
 from .routing import ENVD_PORT, BadTarget, Target, host_name, parse_target, routes_by_headers
 from .signed import SignedFileRequest
 from .upstream import Pool, UpstreamError, UpstreamUnreachable
+from .wspump import pump_down, pump_up
 
 log = logging.getLogger(__name__)
 
@@ -459,8 +459,8 @@ class ProxyApp:
             if (await receive())["type"] != "websocket.connect":
                 return
             await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
-            down = asyncio.create_task(self._ws_down(upstream, send))
-            up = asyncio.create_task(self._ws_up(receive, upstream))
+            down = asyncio.create_task(pump_down(upstream, send))
+            up = asyncio.create_task(pump_up(receive, upstream))
             tasks: set[asyncio.Task[Any]] = {down, up}
             ended: asyncio.Task[Any] | None = None
             gone_first = False
@@ -484,38 +484,6 @@ class ProxyApp:
                     async with asyncio.timeout(_END_GRACE_S):
                         await send({"type": "websocket.close", "code": 1001,
                                     "reason": reason[:120]})
-
-    @staticmethod
-    async def _ws_up(receive: Receive, upstream: ClientConnection) -> None:
-        with contextlib.suppress(websockets.ConnectionClosed):
-            await ProxyApp._ws_up_loop(receive, upstream)
-
-    @staticmethod
-    async def _ws_up_loop(receive: Receive, upstream: ClientConnection) -> None:
-        while True:
-            msg = await receive()
-            if msg["type"] == "websocket.receive":
-                data = msg.get("bytes")
-                await upstream.send(data if data is not None else msg.get("text", ""))
-            elif msg["type"] == "websocket.disconnect":
-                code = msg.get("code") or 1000
-                await upstream.close(code=1000 if code in (1005, 1006, 1015) else code)
-                return
-
-    @staticmethod
-    async def _ws_down(upstream: ClientConnection, send: Send) -> None:
-        with contextlib.suppress(websockets.ConnectionClosed):
-            async for data in upstream:
-                if isinstance(data, bytes):
-                    await send({"type": "websocket.send", "bytes": data})
-                else:
-                    await send({"type": "websocket.send", "text": data})
-        code = upstream.close_code or 1000
-        if code in (1005, 1006, 1015):  # reserved: may not be sent in a close frame
-            code = 1000
-        with contextlib.suppress(Exception):
-            await send({"type": "websocket.close", "code": code,
-                        "reason": upstream.close_reason or ""})
 
 
 def build_proxy_app(orchestrator: Orchestrator, domain: str | None, *,

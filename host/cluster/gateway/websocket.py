@@ -6,15 +6,14 @@ headers, so it resolves the same sandbox port the gateway did.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import TYPE_CHECKING, Any
 
 import websockets
 from starlette.types import Receive, Scope, Send
-from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 
 from host.proxy import responses
+from host.proxy.wspump import pump_down, pump_up
 
 from ..errors import NodeUnreachable
 from .forward import HOP, host_port
@@ -25,7 +24,6 @@ if TYPE_CHECKING:
 _HANDSHAKE = frozenset({b"host", b"upgrade", b"connection", b"sec-websocket-key",
                         b"sec-websocket-version", b"sec-websocket-extensions",
                         b"sec-websocket-protocol", b"content-length"})
-_RESERVED = (1005, 1006, 1015)   # close codes that may not be sent in a close frame
 
 
 async def deny(scope: Scope, receive: Receive, send: Send, status: int, message: str,
@@ -77,37 +75,11 @@ async def relay_websocket(address: str, scope: Scope, receive: Receive, send: Se
         if (await receive())["type"] != "websocket.connect":
             return
         await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
-        tasks: set[asyncio.Task[Any]] = {asyncio.create_task(_down(upstream, send)),
-                                         asyncio.create_task(_up(receive, upstream))}
+        tasks: set[asyncio.Task[Any]] = {asyncio.create_task(pump_down(upstream, send)),
+                                         asyncio.create_task(pump_up(receive, upstream))}
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _up(receive: Receive, upstream: ClientConnection) -> None:
-    with contextlib.suppress(websockets.ConnectionClosed):
-        while True:
-            msg = await receive()
-            if msg["type"] == "websocket.receive":
-                data = msg.get("bytes")
-                await upstream.send(data if data is not None else msg.get("text", ""))
-            elif msg["type"] == "websocket.disconnect":
-                code = msg.get("code") or 1000
-                await upstream.close(code=1000 if code in _RESERVED else code)
-                return
-
-
-async def _down(upstream: ClientConnection, send: Send) -> None:
-    with contextlib.suppress(websockets.ConnectionClosed):
-        async for data in upstream:
-            if isinstance(data, bytes):
-                await send({"type": "websocket.send", "bytes": data})
-            else:
-                await send({"type": "websocket.send", "text": data})
-    code = upstream.close_code or 1000
-    with contextlib.suppress(Exception):
-        await send({"type": "websocket.close", "code": 1000 if code in _RESERVED else code,
-                    "reason": upstream.close_reason or ""})

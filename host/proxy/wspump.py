@@ -1,0 +1,47 @@
+"""The two pumps of a relayed WebSocket, between an ASGI client side and a `websockets`
+upstream connection: used by the sandbox proxy (app.py) and the cluster gateway.
+
+Messages go through one by one (bytes stay bytes, text stays text); a close on one side
+is passed on to the other with its code, except the codes that may not be sent in a
+close frame (RFC 6455 §7.4.1), which become 1000.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import websockets
+from starlette.types import Receive, Send
+from websockets.asyncio.client import ClientConnection
+
+RESERVED_CLOSE_CODES = (1005, 1006, 1015)
+
+
+def _sendable(code: int) -> int:
+    return 1000 if code in RESERVED_CLOSE_CODES else code
+
+
+async def pump_up(receive: Receive, upstream: ClientConnection) -> None:
+    """Client -> upstream, until the client disconnects or the upstream closes."""
+    with contextlib.suppress(websockets.ConnectionClosed):
+        while True:
+            msg = await receive()
+            if msg["type"] == "websocket.receive":
+                data = msg.get("bytes")
+                await upstream.send(data if data is not None else msg.get("text", ""))
+            elif msg["type"] == "websocket.disconnect":
+                await upstream.close(code=_sendable(msg.get("code") or 1000))
+                return
+
+
+async def pump_down(upstream: ClientConnection, send: Send) -> None:
+    """Upstream -> client, then the upstream's close (the client may be gone already)."""
+    with contextlib.suppress(websockets.ConnectionClosed):
+        async for data in upstream:
+            if isinstance(data, bytes):
+                await send({"type": "websocket.send", "bytes": data})
+            else:
+                await send({"type": "websocket.send", "text": data})
+    with contextlib.suppress(Exception):
+        await send({"type": "websocket.close", "code": _sendable(upstream.close_code or 1000),
+                    "reason": upstream.close_reason or ""})
