@@ -1,14 +1,13 @@
-"""`envd` entry point: serve the app with uvicorn."""
+"""`envd` entry point: serve the app with uvicorn (without its idle tick: server.py)."""
 
 from __future__ import annotations
 
 import logging
 import sys
 
-import uvicorn
-
 from .app import build_app
 from .config import EnvdConfig
+from .server import serve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     # envd's own loggers (envd.rpc, envd.process): errors the RPC layer mapped to INTERNAL.
     logging.basicConfig(level=logging.WARNING,
                         format="envd %(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(
+    serve(
         build_app(config),
         host=config.host,
         port=config.port,
