@@ -27,7 +27,7 @@ from .accel import DEFAULT_QEMU, detect_accel, host_tsc_khz
 from .driver import BootTimeouts, TapNet, UserNet, VmSpec, VmState
 from .errors import VmmError, VmmStartError, VmmStateError, VmmTimeout
 from .identity import VmmIdentity, binary_version, host_cpu_model
-from .qemu_cmdline import QemuRunFiles, build_argv, config_digest, cpu_model
+from .qemu_cmdline import TCG_TB_MIB, QemuRunFiles, build_argv, config_digest, cpu_model
 
 if TYPE_CHECKING:
     from .memsnap import BaseImage, MemSnapshot
@@ -68,10 +68,14 @@ class QemuDriver(DriverBase["QemuVm"]):
         accel: str | None = None,
         run_dir: Path | None = None,
         die_with_parent: bool = True,
+        tcg_tb_mib: int | None = None,
     ) -> None:
         super().__init__(run_dir=run_dir or default_run_dir(), die_with_parent=die_with_parent)
         self.qemu = qemu
         self._accel = accel
+        # $AENV_TCG_TB_MIB: the TCG code buffer per VM (0: QEMU's default, 1 GiB)
+        self.tcg_tb_mib = (tcg_tb_mib if tcg_tb_mib is not None
+                           else int(os.environ.get("AENV_TCG_TB_MIB", TCG_TB_MIB)))
 
     async def accel(self) -> tuple[str, int | None]:
         """(accelerator, host TSC kHz); detection is blocking and cached, so run it off-loop."""
@@ -91,7 +95,8 @@ class QemuDriver(DriverBase["QemuVm"]):
 
     def config_digest(self, spec: VmSpec) -> str:
         accel = self._accel or detect_accel(self.qemu).name  # cached after the first call
-        return config_digest(spec, accel=accel, tsc_khz=host_tsc_khz(), qemu=self.qemu)
+        return config_digest(spec, accel=accel, tsc_khz=host_tsc_khz(), qemu=self.qemu,
+                             tcg_tb_mib=self.tcg_tb_mib)
 
     def identity(self) -> VmmIdentity:
         accel = self._accel or detect_accel(self.qemu).name  # cached after the first call
@@ -215,7 +220,9 @@ class QemuVm(VmBase):
                 self._host_port = net.host_port or procs.free_port(net.host_addr)
             self.argv = build_argv(self._spec, files=self.files, accel=self.accel,
                                    tsc_khz=tsc_khz, host_port=self._host_port,
-                                   incoming=incoming, qemu=self._driver.qemu)
+                                   incoming=incoming, qemu=self._driver.qemu,
+                                   tcg_tb_mib=self._driver.tcg_tb_mib)
+            procs.no_huge_pages_for_children()
             await self._spawn()
             try:
                 await self._connect_qmp()

@@ -44,6 +44,11 @@ def guest_cmdline(base: str, *, accel: str, tsc_khz: int | None) -> str:
       once, so boot failures are reported in milliseconds, not at the boot deadline.
     - tsc_early_khz under TCG: microvm has no other clocksource and the kernel sometimes
       fails to calibrate the TSC under emulation and hangs (measured on this host type).
+    - tsc=reliable under TCG: the clocksource watchdog compares the TSC with jiffies,
+      which an emulated guest on a busy host loses; it then marks the TSC unstable and
+      falls back to jiffies. Without a high-resolution clocksource the guest can never
+      stop its tick (tick_handle_periodic, 250 interrupts a second while idle, each one
+      emulated). QEMU's TCG TSC follows the host's monotonic clock, so it is reliable.
     """
     extra: list[str] = []
     if not _has_param(base, "console"):
@@ -52,6 +57,8 @@ def guest_cmdline(base: str, *, accel: str, tsc_khz: int | None) -> str:
         extra.append("panic=-1")
     if accel == "tcg" and tsc_khz and not _has_param(base, "tsc_early_khz"):
         extra.append(f"tsc_early_khz={tsc_khz}")
+    if accel == "tcg" and not _has_param(base, "tsc"):
+        extra.append("tsc=reliable")
     return " ".join([*extra, base.strip()]).strip()
 
 
@@ -62,6 +69,15 @@ def cpu_model(accel: str) -> str:
 
 
 NBD_RECONNECT_DELAY_S = 60
+# TCG's translated-code buffer. QEMU 7.2 reserves 1 GiB and madvises it for huge pages:
+# a guest that ran a few commands kept 536 MiB of it resident (2 MiB pages, each touched
+# by a little code), more than its whole RAM. A guest's hot code (kernel, bash, envd)
+# fits in a few MiB; when the buffer fills, QEMU flushes it and translates again.
+TCG_TB_MIB = 64
+
+
+def accel_option(accel: str, tcg_tb_mib: int = TCG_TB_MIB) -> str:
+    return f"tcg,tb-size={tcg_tb_mib}" if accel == "tcg" and tcg_tb_mib else accel
 
 
 def _disk_args(index: int, disk: FileDisk | NbdDisk) -> list[str]:
@@ -95,6 +111,7 @@ def build_argv(
     host_port: int | None = None,
     incoming: bool = False,
     qemu: str = "qemu-system-x86_64",
+    tcg_tb_mib: int = TCG_TB_MIB,
 ) -> list[str]:
     """The full argv (including an `ip netns exec` prefix for a TAP in a netns).
 
@@ -108,7 +125,7 @@ def build_argv(
         qemu,
         "-name", qopt(spec.name),
         "-M", machine,
-        "-accel", accel,
+        "-accel", accel_option(accel, tcg_tb_mib),
         "-cpu", cpu_model(accel),
         "-smp", str(spec.vcpus),
         "-m", f"{spec.mem_mib}M",
@@ -152,7 +169,8 @@ def build_argv(
     return argv
 
 
-def config_digest(spec: VmSpec, *, accel: str, tsc_khz: int | None, qemu: str) -> str:
+def config_digest(spec: VmSpec, *, accel: str, tsc_khz: int | None, qemu: str,
+                  tcg_tb_mib: int = TCG_TB_MIB) -> str:
     """Hex sha256 of the argv of `spec` with per-instance parts normalised (paths,
     sockets, ports, namespace, share=, -incoming): VMs with the same digest can restore
     each other's memory snapshots."""
@@ -166,7 +184,8 @@ def config_digest(spec: VmSpec, *, accel: str, tsc_khz: int | None, qemu: str) -
         memory=MemoryBacking(path=Path("/MEM"), shared=False) if mem is not None else None,
         name="vm")
     argv = build_argv(canon, files=QemuRunFiles.in_dir(Path("/WORK")), accel=accel,
-                      tsc_khz=tsc_khz, host_port=0, incoming=True, qemu=qemu)
+                      tsc_khz=tsc_khz, host_port=0, incoming=True, qemu=qemu,
+                      tcg_tb_mib=tcg_tb_mib)
     out: list[str] = []
     for a in argv:
         if a.startswith("file.driver=nbd") or "file.export=" in a:
@@ -175,5 +194,7 @@ def config_digest(spec: VmSpec, *, accel: str, tsc_khz: int | None, qemu: str) -
                 "file.export=", "file.server.path=", "file.reconnect-delay=")))
         if a.startswith("user,id=net0"):
             a = "user,id=net0"
+        if a.startswith("tcg,"):
+            a = "tcg"  # the code buffer's size is the host's business
         out.append(a)
     return hashlib.sha256("\0".join(out).encode()).hexdigest()

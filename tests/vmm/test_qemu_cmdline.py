@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 
 from host.vmm import FileDisk, MemoryBacking, NbdDisk, TapNet, UserNet, VmSpec
-from host.vmm.qemu_cmdline import QemuRunFiles, build_argv, guest_cmdline, qopt
+from host.vmm.qemu_cmdline import (
+    TCG_TB_MIB,
+    QemuRunFiles,
+    build_argv,
+    config_digest,
+    guest_cmdline,
+    qopt,
+)
 
 FILES = QemuRunFiles.in_dir(Path("/w"))
 
@@ -21,14 +28,15 @@ def test_basic_tcg_argv() -> None:
     argv = build_argv(spec, files=FILES, accel="tcg", tsc_khz=2596118, host_port=4321)
     assert argv[0] == "qemu-system-x86_64"
     assert _opt(argv, "-M") == ["microvm"]
-    assert _opt(argv, "-accel") == ["tcg"]
+    assert _opt(argv, "-accel") == [f"tcg,tb-size={TCG_TB_MIB}"]
     assert _opt(argv, "-cpu") == ["max"]
     assert _opt(argv, "-smp") == ["2"] and _opt(argv, "-m") == ["768M"]
     for flag in ("-nodefaults", "-no-reboot"):
         assert flag in argv
     assert _opt(argv, "-display") == ["none"]
     assert _opt(argv, "-kernel") == ["/k/vmlinux"]
-    assert _opt(argv, "-append") == ["console=ttyS0 panic=-1 tsc_early_khz=2596118 root=/dev/vda"]
+    assert _opt(argv, "-append") == [
+        "console=ttyS0 panic=-1 tsc_early_khz=2596118 tsc=reliable root=/dev/vda"]
     assert _opt(argv, "-chardev") == ["file,id=ser0,path=/w/serial.log"]
     assert _opt(argv, "-serial") == ["chardev:ser0"]
     assert _opt(argv, "-qmp") == ["unix:/w/qmp.sock,server=on,wait=off"]
@@ -41,7 +49,9 @@ def test_kvm_uses_host_cpu_and_no_tsc_hint() -> None:
     spec = VmSpec(kernel=Path("/k"), network=None)
     argv = build_argv(spec, files=FILES, accel="kvm", tsc_khz=2596118)
     assert _opt(argv, "-cpu") == ["host"]
+    assert _opt(argv, "-accel") == ["kvm"]  # no TCG code buffer to size
     assert "tsc_early_khz" not in _opt(argv, "-append")[0]
+    assert "tsc=" not in _opt(argv, "-append")[0]  # kvm-clock is the clocksource
     assert "-netdev" not in argv
 
 
@@ -93,12 +103,25 @@ def test_user_net_needs_concrete_port() -> None:
 
 
 @pytest.mark.parametrize(("base", "expected"), [
-    ("", "console=ttyS0 panic=-1 tsc_early_khz=1000"),
-    ("console=hvc0 panic=5 quiet", "tsc_early_khz=1000 console=hvc0 panic=5 quiet"),
-    ("tsc_early_khz=7 init=/sbin/init", "console=ttyS0 panic=-1 tsc_early_khz=7 init=/sbin/init"),
+    ("", "console=ttyS0 panic=-1 tsc_early_khz=1000 tsc=reliable"),
+    ("console=hvc0 panic=5 quiet", "tsc_early_khz=1000 tsc=reliable console=hvc0 panic=5 quiet"),
+    ("tsc_early_khz=7 init=/sbin/init",
+     "console=ttyS0 panic=-1 tsc=reliable tsc_early_khz=7 init=/sbin/init"),
+    ("tsc=unstable", "console=ttyS0 panic=-1 tsc_early_khz=1000 tsc=unstable"),
 ])
 def test_guest_cmdline_adds_only_missing(base: str, expected: str) -> None:
     assert guest_cmdline(base, accel="tcg", tsc_khz=1000) == expected
+
+
+def test_tcg_code_buffer_is_bounded_and_not_part_of_the_digest() -> None:
+    spec = VmSpec(kernel=Path("/k"), network=None)
+    assert _opt(build_argv(spec, files=FILES, accel="tcg", tsc_khz=None, tcg_tb_mib=16),
+                "-accel") == ["tcg,tb-size=16"]
+    assert _opt(build_argv(spec, files=FILES, accel="tcg", tsc_khz=None, tcg_tb_mib=0),
+                "-accel") == ["tcg"]  # 0: QEMU's own default
+    # a VM restores another's memory whatever the host gives TCG for translated code
+    assert config_digest(spec, accel="tcg", tsc_khz=None, qemu="q", tcg_tb_mib=16) == \
+        config_digest(spec, accel="tcg", tsc_khz=None, qemu="q", tcg_tb_mib=256)
 
 
 def test_qopt_escapes_commas() -> None:

@@ -62,6 +62,8 @@ async def test_start_pause_resume_kill(run_dir: Path) -> None:
         pid, work = vm.pid, vm.work_dir
         assert pid is not None and (work / "qmp.sock").exists()
         assert os.getpgid(pid) == pid  # own session: the group is killable as one
+        # no huge pages: QEMU's TCG code buffer would keep 2 MiB per page it touched
+        assert "THP_enabled:\t0" in Path(f"/proc/{pid}/status").read_text()
         host, port = vm.envd_address
         assert host == "127.0.0.1" and port > 0
         assert f"hostfwd=tcp:127.0.0.1:{port}-:49983" in " ".join(vm.argv)
