@@ -96,6 +96,15 @@ customize_base() {  # $1 = root dir
          "$R"/usr/share/lintian "$R"/tmp/* "$R"/root/.cache
   find "$R/usr/share/locale" -mindepth 1 -maxdepth 1 ! -name 'locale.alias' -exec rm -rf {} +
   mkdir -p "$R/home/user" && chroot "$R" /bin/chown -R user:user /home/user
+  # Every command the SDKs start is `bash -l -c CMD`, so the login profiles run each time.
+  # Debian's /etc/profile asks `$(id -u)`: a fork and an exec, 80 of the 145 ms a
+  # `bash -l -c true` took in a TCG guest. bash knows its EUID; other shells still ask id.
+  sed -i 's/"$(id -u)"/"${EUID:-$(id -u)}"/g' "$R/etc/profile"
+  grep -q 'EUID:-$(id -u)' "$R/etc/profile" || { echo "etc/profile: id -u not found" >&2; exit 1; }
+  # root's ~/.profile runs `mesg n` (another exec) in every login shell; only a terminal
+  # has a message permission to turn off
+  sed -i 's/^mesg n 2> \/dev\/null || true$/if [ -t 0 ]; then mesg n 2> \/dev\/null || true; fi/' \
+    "$R/root/.profile"
 }
 # END BASE RECIPE
 
@@ -167,6 +176,7 @@ else
   strip "$W/aenv-init"
   install -m 0755 "$W/aenv-init" "$W/files/usr/sbin/aenv-init"
   ln -s aenv-init "$W/files/usr/sbin/init"
+  ln -s aenv-init "$W/files/usr/sbin/aenv-exec"  # envd's credential switch (init.c)
   install -m 0755 "$ENVD_BIN" "$W/files/usr/bin/envd"
   ENVD_VERSION="$(sed -n 's/^__version__ = "\(.*\)".*/\1/p' envd/__init__.py)"
   GIT_REV="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
@@ -182,6 +192,8 @@ rm init
 rm aenv-init
 write $W/files/usr/sbin/aenv-init aenv-init
 symlink init aenv-init
+rm aenv-exec
+symlink aenv-exec aenv-init
 cd /usr/bin
 rm envd
 write $W/files/usr/bin/envd envd

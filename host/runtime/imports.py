@@ -42,6 +42,7 @@ from .parts import NodeParts
 
 BLANK_MIB = 4096
 INIT = "/usr/sbin/aenv-init"
+EXEC_HELPER = "/usr/sbin/aenv-exec"  # envd's credential switch: a name of aenv-init
 _MNT = "/mnt/aenv-target"
 
 
@@ -234,6 +235,7 @@ class _Importer:
             f"{t}/run {t}/tmp {t}/home {t}/root"),
             f"chmod 1777 {t}/tmp",
             f"cp -a {INIT} {t}{INIT}",
+            f"ln -sfn aenv-init {t}{EXEC_HELPER}",
             f"rm -f {t}/usr/bin/envd && cp -a /usr/bin/envd {t}/usr/bin/envd",
             f"cp -a /etc/aenv/release {t}/etc/aenv/release 2>/dev/null || true",
             f"[ -e {t}/etc/passwd ] || echo 'root:x:0:0:root:/root:/bin/sh' > {t}/etc/passwd",

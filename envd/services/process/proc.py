@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...users import User
+from . import switch
 from .fanout import Fanout, Subscription
 
 log = logging.getLogger("envd.process")
@@ -85,29 +86,12 @@ def _acquire_controlling_tty() -> None:  # runs in the child, after setsid()
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
-def _credentials(user: User) -> dict[str, Any]:
-    """Popen arguments that switch to `user` (setgid, initgroups, setuid).
-
-    Empty when we already run with exactly those credentials: asking Popen for a switch
-    rules out its vfork fast path.
-    """
-    groups = os.getgrouplist(user.name, user.gid)
-    if (user.uid, user.gid) == (os.geteuid(), os.getegid()) and \
-            sorted(set(groups)) == sorted(set(os.getgroups()) | {os.getegid()}):
-        return {}
-    if os.geteuid() == 0:
-        return {"user": user.uid, "group": user.gid, "extra_groups": groups}
-    if user.uid != os.geteuid():
-        raise PermissionError(errno.EPERM, f"envd is not root, cannot run as {user.name!r}")
-    return {}
-
-
 def _popen(spec: SpawnSpec, stdio: dict[str, Any], creds: dict[str, Any],
            ) -> subprocess.Popen[bytes]:
     # Own session (setsid): the process group can be signalled as a whole, and a PTY
     # child can take its terminal as controlling tty.
-    return subprocess.Popen(spec.argv, env=spec.env, cwd=spec.cwd, start_new_session=True,
-                            close_fds=True, **stdio, **creds)
+    return switch.popen(spec.argv, creds, env=spec.env, cwd=spec.cwd,
+                        start_new_session=True, close_fds=True, **stdio)
 
 
 def _close_all(fds: list[int]) -> None:
@@ -159,7 +143,7 @@ class Proc:
 
         `on_exit` runs once the process was reaped and its end value published.
         """
-        creds = _credentials(spec.user)
+        creds = switch.credentials(spec.user)
         parent_fds: list[int] = []
         child_fds: list[int] = []
         try:
