@@ -52,3 +52,24 @@ async def test_wait_ends_at_first_answer() -> None:
 
 async def test_wait_returns_when_not_alive() -> None:
     await asyncio.wait_for(wait_for_health("http://127.0.0.1:9", alive=lambda: False), 1)
+
+
+async def test_only_a_2xx_health_answer_counts() -> None:
+    answers = iter([b"HTTP/1.1 503 Service Unavailable\r\n\r\n", b"garbage\r\n",
+                    b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"])
+    seen: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(next(answers))
+        await writer.drain()
+        writer.close()
+
+    server, url = await _server(handler)
+    async with server:
+        assert await probe_health(url) is False
+        assert await probe_health(url) is False
+        assert await probe_health(url) is True
+    assert seen[0].startswith(b"GET /health HTTP/1.1\r\n")
+    assert f"Host: {url.removeprefix('http://')}".encode() in seen[0]
+    assert await probe_health(url) is False  # nothing listens any more
