@@ -26,6 +26,7 @@ from .errors import NodeRuntimeError, SandboxNotFoundError, SnapshotNotFoundErro
 from .manifests import VERSION
 from .parts import NodeParts
 from .sandbox import RunningSandbox, boot_of
+from .starts import stages
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,9 @@ async def _snapshot(p: NodeParts, sb: RunningSandbox, snapshot_id: str, *, stop:
         await _after_failure(p, sb, stop=stop)
         raise
     p.last_timings = timings
+    log.info("sandbox %s: snapshot %s (%s) in %.0f ms: %s; %d memory pages", sb.sandbox_id,
+             snapshot_id, "pause" if stop else "live", timings["total_s"] * 1e3,
+             stages(timings), int(timings.get("diff_pages", 0)))
     if stop:
         await release(p, sb)
     else:

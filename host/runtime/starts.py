@@ -12,6 +12,7 @@ back.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -28,6 +29,14 @@ from .errors import (
 )
 from .parts import NodeParts
 from .sandbox import RunningSandbox, boot_of, policy_of
+
+log = logging.getLogger(__name__)
+
+
+def stages(timings: dict[str, float]) -> str:
+    """`a 12ms, b 3ms, ...` of the `*_s` timings (log lines an operator can read)."""
+    return ", ".join(f"{k[:-2]} {v * 1e3:.0f}ms" for k, v in timings.items()
+                     if k.endswith("_s") and k != "total_s")
 
 
 async def start(p: NodeParts, sandbox_id: str, snapshot: SnapshotRef, network: NetworkConfig,
@@ -51,6 +60,9 @@ async def start(p: NodeParts, sandbox_id: str, snapshot: SnapshotRef, network: N
                 sb = await _boot(p, sandbox_id, snapshot.snapshot_id, m, network)
             p.sandboxes[sandbox_id] = sb
         p.last_timings = sb.timings
+        log.info("sandbox %s %s from %s in %.0f ms: %s", sandbox_id,
+                 "restored" if sb.base_dir is not None else "booted", snapshot.snapshot_id,
+                 sb.timings.get("total_s", 0.0) * 1e3, stages(sb.timings))
     finally:
         p.busy.discard(sandbox_id)
     await p.trim_memory()
