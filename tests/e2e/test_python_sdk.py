@@ -348,6 +348,49 @@ def test_fork_three(env: E2EService) -> None:
             s.kill()
 
 
+def test_fork_sixteen_children_each_with_their_own_data(env: E2EService) -> None:
+    """The largest fork: every child sees the parent's files, writes its own and reads it
+    back, and no child sees another's."""
+    from e2b import Sandbox
+
+    parent = Sandbox.create(timeout=600)
+    kids: list = []
+    try:
+        parent.files.write("/home/user/parent.txt", "from-parent")
+        res = parent.fork(count=16, timeout=600)
+        kids = [k for k in res if isinstance(k, Sandbox)]
+        assert len(kids) == 16, res
+        assert len({k.sandbox_id for k in kids}) == 16
+        for i, k in enumerate(kids):
+            k.files.write("/home/user/mine.txt", f"child-{i}")
+        for i, k in enumerate(kids):
+            out = k.commands.run("cat /home/user/parent.txt; echo; cat /home/user/mine.txt")
+            assert out.stdout.split() == ["from-parent", f"child-{i}"]
+        assert parent.commands.run("ls /home/user").stdout.split() == ["parent.txt"]
+    finally:
+        for s in [parent, *kids]:
+            s.kill()
+
+
+def test_pause_right_after_heavy_writes_keeps_every_byte(env: E2EService) -> None:
+    """Files written just before a pause (still dirty in the guest's page cache) come
+    back byte for byte, and a process started before it still runs."""
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(timeout=600)
+    try:
+        written = sbx.commands.run(
+            "dd if=/dev/urandom of=/home/user/big bs=1M count=128 status=none && "
+            "sha256sum /home/user/big", timeout=300).stdout.split()[0]
+        bg = sbx.commands.run("sleep 3600", background=True)
+        assert sbx.pause() is True
+        again = Sandbox.connect(sbx.sandbox_id, timeout=600)
+        assert again.commands.run("sha256sum /home/user/big").stdout.split()[0] == written
+        assert bg.pid in [p.pid for p in again.commands.list()]
+    finally:
+        sbx.kill()
+
+
 def test_metrics_kill_and_not_found(env: E2EService) -> None:
     from e2b import Sandbox, SandboxNotFoundException
 
