@@ -24,6 +24,7 @@ from host.contract import MachineSpec
 from host.metrics import Metrics, ProxyMetrics, setup_logging
 from host.orchestrator import NodeOrchestrator, Store
 from host.orchestrator.admission import AdmissionPolicy
+from host.orchestrator.pressure import PressurePolicy
 from host.proxy import build_proxy_app
 from host.web.links import TerminalLinks
 
@@ -100,6 +101,9 @@ async def serve(cfg: Config) -> None:
             admission=AdmissionPolicy(max_starts=cfg.max_starts,
                                       max_sandboxes=cfg.max_sandboxes,
                                       reserve_mib=cfg.memory_reserve_mib),
+            pressure=(PressurePolicy(low_mib=cfg.memory_pressure_mib,
+                                     high_mib=2 * cfg.memory_pressure_mib)
+                      if cfg.memory_pressure_mib else None),
             # in a cluster, pauses leave handoffs so another node can take a sandbox over
             metrics=metrics, handoff=bool(cfg.cluster_redis))
         await orch.start(ttl_interval_s=cfg.ttl_interval_s)

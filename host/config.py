@@ -33,6 +33,10 @@
                                                       with E2B's capacity error (429)
     AENV_MEMORY_RESERVE_MIB --memory-reserve-mib 1024 a start is refused (429) rather than leave
                                                       the host less MemAvailable than this
+    AENV_MEMORY_PRESSURE_MIB --memory-pressure-mib 768 below this much available memory (host
+                                                      or memory cgroup) the coldest running
+                                                      sandboxes are paused until twice it is
+                                                      available (0: never)
     AENV_CLUSTER_REDIS --cluster-redis -              redis://... : join a cluster (host/cluster):
                                                       heartbeat capacity and sandboxes into it
     AENV_NODE_ID     --node-id      <host name>       this node's id in the cluster
@@ -104,6 +108,7 @@ class Config:
     max_starts: int = 4
     max_sandboxes: int = 0
     memory_reserve_mib: int = 1024
+    memory_pressure_mib: int = 768
     cluster_redis: str | None = None
     node_id: str | None = None
     advertise_url: str | None = None
@@ -192,6 +197,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="sandboxes holding a VM on this node (0: no fixed limit)")
     p.add_argument("--memory-reserve-mib", type=int,
                    help="refuse a start that would leave less available host memory")
+    p.add_argument("--memory-pressure-mib", type=int,
+                   help="pause the coldest sandboxes below this much available memory "
+                        "(0: never)")
     p.add_argument("--cluster-redis", help="join the cluster whose store is this Redis URL")
     p.add_argument("--node-id", help="this node's id in the cluster (default: host name)")
     p.add_argument("--advertise-url", help="this node's API URL for the gateway")
@@ -225,6 +233,7 @@ _ENV: dict[str, tuple[str, type]] = {
     "template_upload_mib": ("AENV_TEMPLATE_UPLOAD_MIB", int),
     "max_starts": ("AENV_MAX_STARTS", int), "max_sandboxes": ("AENV_MAX_SANDBOXES", int),
     "memory_reserve_mib": ("AENV_MEMORY_RESERVE_MIB", int),
+    "memory_pressure_mib": ("AENV_MEMORY_PRESSURE_MIB", int),
     "cluster_redis": ("AENV_CLUSTER_REDIS", str), "node_id": ("AENV_NODE_ID", str),
     "advertise_url": ("AENV_ADVERTISE_URL", str),
     "advertise_proxy_url": ("AENV_ADVERTISE_PROXY_URL", str),
@@ -284,8 +293,10 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("cpu_count >= 1, memory_mb >= 128, disk_mb >= 0")
     if cfg.template_upload_mib < 1:
         raise ConfigError(f"template_upload_mib must be at least 1, got {cfg.template_upload_mib}")
-    if cfg.max_starts < 1 or cfg.max_sandboxes < 0 or cfg.memory_reserve_mib < 0:
-        raise ConfigError("max_starts >= 1, max_sandboxes >= 0, memory_reserve_mib >= 0")
+    if cfg.max_starts < 1 or cfg.max_sandboxes < 0 or cfg.memory_reserve_mib < 0 or \
+            cfg.memory_pressure_mib < 0:
+        raise ConfigError("max_starts >= 1, max_sandboxes >= 0, memory_reserve_mib >= 0, "
+                          "memory_pressure_mib >= 0")
     _validate_cluster(cfg)
     if cfg.cache_mib < 64:
         raise ConfigError(f"cache_mib must be at least 64, got {cfg.cache_mib}")

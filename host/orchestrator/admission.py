@@ -4,8 +4,8 @@ refused with E2B's capacity error before they could exhaust the node.
 - At most `max_starts` VM starts run at once; the others wait their turn (a start is
   the node's costliest operation: QEMU spawn, memory restore, network, envd).
 - A start is refused (429, `error_code: sandbox_capacity_unavailable`, `Retry-After`)
-  when the node already runs `max_sandboxes` (0: no fixed limit), or when the host's
-  available memory (MemAvailable) is below `reserve_mib` plus what the new sandbox
+  when the node already runs `max_sandboxes` (0: no fixed limit), or when the node's
+  available memory (MemAvailable, or its memory cgroup's room: hostmem.py) is below `reserve_mib` plus what the new sandbox
   needs at first (`first_touch_mib`, its memory is otherwise overcommitted: a restored
   guest maps its snapshot's pages copy-on-write and touches few of them). The check is
   made when the start gets its turn, against the memory the node really has then.
@@ -20,22 +20,15 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from .errors import CapacityExceeded
+from .hostmem import node_available_mib
 from .states import SandboxState as S
 
 # states in which a sandbox holds (or is about to hold) a VM
 HOLDS_VM = frozenset({S.CREATING, S.RUNNING, S.RESUMING, S.PAUSING, S.SNAPSHOTTING,
                       S.FORKING, S.KILLING})
 RETRY_AFTER_S = 5
-
-
-def mem_available_mib(meminfo: Path = Path("/proc/meminfo")) -> int:
-    for line in meminfo.read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) // 1024
-    raise RuntimeError(f"no MemAvailable in {meminfo}")
 
 
 @dataclass(frozen=True)
@@ -48,7 +41,7 @@ class AdmissionPolicy:
 
 class Admission:
     def __init__(self, policy: AdmissionPolicy | None = None, *,
-                 available_mib: Callable[[], int] = mem_available_mib) -> None:
+                 available_mib: Callable[[], int] = node_available_mib) -> None:
         self.policy = policy or AdmissionPolicy()
         self._slots = asyncio.Semaphore(max(1, self.policy.max_starts))
         self._available_mib = available_mib

@@ -65,6 +65,8 @@ class Context:
     # One event per running incarnation that the proxy was routed to (made by
     # guest.route), set and dropped when that incarnation ends: see end_run.
     runs: dict[str, RunEnded] = dataclasses.field(default_factory=dict)
+    # when the proxy last routed a request to each sandbox (its coldness, pressure.py)
+    activity: dict[str, float] = dataclasses.field(default_factory=dict)
     # lifecycle.py's: one lock per template built on first use, in-flight idempotent creates
     template_locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
     idempotent: dict[str, asyncio.Task[SandboxInfo]] = dataclasses.field(default_factory=dict)

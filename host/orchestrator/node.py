@@ -63,6 +63,7 @@ from .model import (
     TemplateInfo,
     TemplateTag,
 )
+from .pressure import PressureGuard, PressurePolicy
 from .records import expand_states, sandbox_info
 from .recovery import recover as run_recovery
 from .states import SandboxState
@@ -94,6 +95,7 @@ class NodeOrchestrator:
                  clock: Callable[[], float] = time.time,
                  files_dir: Path | None = None, builtin_cache: Path | None = None,
                  admission: AdmissionPolicy | None = None,
+                 pressure: PressurePolicy | None = None,
                  metrics: Metrics | None = None, handoff: bool = False) -> None:
         self.domain = domain
         # the host-side inputs of built-in templates (pip trees, archives): like the
@@ -123,6 +125,8 @@ class NodeOrchestrator:
         self._runs = self._ctx.runs  # the proxy's run events (Context.end_run)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ttl: TtlLoop | None = None
+        self._pressure_policy = pressure
+        self.pressure: PressureGuard | None = None
         self._closed = False
 
     # ---- lifecycle of the orchestrator -------------------------------------------------
@@ -134,6 +138,9 @@ class NodeOrchestrator:
             await builds.recover(self._ctx)
         self._ttl = TtlLoop(self, interval_s=ttl_interval_s)
         self._ttl.start()
+        if self._pressure_policy is not None:
+            self.pressure = PressureGuard(self, self._pressure_policy)
+            self.pressure.start()
 
     async def aclose(self, *, grace_s: float = 30.0) -> None:
         """Stop the TTL loop, let in-flight operations finish (up to `grace_s`), cancel the
@@ -143,6 +150,8 @@ class NodeOrchestrator:
         self._closed = True
         if self._ttl is not None:
             await self._ttl.aclose()
+        if self.pressure is not None:
+            await self.pressure.aclose()
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=grace_s)
             for task in pending:
@@ -228,6 +237,19 @@ class NodeOrchestrator:
         "killed" or None (not expired any more)."""
         return await timeouts.expire(self._ctx, sandbox_id)
 
+    # ---- memory pressure (pressure.py) -------------------------------------------------
+
+    async def coldest_running(self) -> builtins.list[str]:
+        """Running sandboxes, longest without a request through the proxy first."""
+        running = await self._ctx.db(self.store.list_sandboxes, {SandboxState.RUNNING})
+        activity = self._ctx.activity
+        for gone in set(activity) - {r.id for r in running}:
+            activity.pop(gone, None)
+        return [r.id for r in sorted(running, key=lambda r: activity.get(r.id, r.started_at))]
+
+    async def pause_for_memory(self, sandbox_id: str) -> None:
+        await pausing.pause(self._ctx, sandbox_id, memory=True)
+
     # ---- pause / resume (pausing.py) ---------------------------------------------------
 
     async def pause(self, sandbox_id: str, *, memory: bool = True,
@@ -284,6 +306,7 @@ class NodeOrchestrator:
         await guest.update_network(self._ctx, sandbox_id, network)
 
     async def route(self, sandbox_id: str, port: int, *, resume: bool) -> Route:
+        self._ctx.activity[sandbox_id] = self.clock()  # its coldness (pressure.py)
         return await guest.route(self._ctx, sandbox_id, port, resume=resume)
 
     # ---- templates (builds.py, templates.py, template_files.py) ------------------------

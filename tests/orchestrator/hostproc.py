@@ -37,6 +37,7 @@ class HostService:
         self.state = root / "state"
         self.run = Path(f"/tmp/{tag}{os.getpid()}")
         self.extra = list(extra or [])  # more `python -m host` flags
+        self.wrapper: list[str] = []  # argv before `python -m host` (it must exec it)
         self.scheme = "https" if "--tls" in self.extra else "http"
         self.prefix = prefix
         self.pool = pool
@@ -67,7 +68,7 @@ class HostService:
     def start(self, timeout_s: float = 120.0) -> None:
         self.starts += 1
         log = open(self.root / f"service-{self.starts}.log", "wb")  # noqa: SIM115
-        argv = [sys.executable, "-m", "host", "--state-dir", str(self.state),
+        argv = [*self.wrapper, sys.executable, "-m", "host", "--state-dir", str(self.state),
                 "--run-dir", str(self.run), "--api-port", str(self.api_port),
                 "--proxy-port", str(self.proxy_port), "--memory-mb", str(self.memory_mb),
                 "--network-prefix", self.prefix, "--network-pool", self.pool,

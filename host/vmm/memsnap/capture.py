@@ -7,9 +7,12 @@ buffer so the caller can ``cont`` the guest before writing any file (downtime = 
 from __future__ import annotations
 
 import mmap
+import os
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .errors import MemSnapError
 from .pagemap import PAGE_SIZE, Vma, scan_private
@@ -56,12 +59,33 @@ def alloc_buffer(n_pages: int, *, populate: bool = True) -> mmap.mmap:
     return mmap.mmap(-1, max(1, n_pages) * PAGE_SIZE, flags=flags)
 
 
+def file_buffer(path: Path, n_pages: int) -> mmap.mmap:
+    """A shared mapping of a new, already unlinked file of ``n_pages`` pages under ``path``.
+
+    For a VM that stays stopped (a pause), the copy need not be quick, but it must not
+    need memory: a pause is what frees memory, and the guard of memory pressure pauses
+    the biggest guests last, when the node has least to spare. Pages copied here are page
+    cache the kernel can write back and drop, where an anonymous buffer the size of the
+    guest's dirty memory could only be OOM-killed. Unlinked at once: nothing is left
+    behind, whatever happens."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.unlink(path)
+        size = max(1, n_pages) * PAGE_SIZE
+        os.ftruncate(fd, size)
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+
+
 def capture_private(pid: int, vma: Vma, *, method: str = "auto",
-                    buffer: mmap.mmap | None = None, owned: bool = True) -> Capture:
+                    buffer: mmap.mmap | None = None, owned: bool = True,
+                    grow: Callable[[int], mmap.mmap] | None = None) -> Capture:
     """Scan ``vma`` of ``pid`` for private pages and copy them out with process_vm_readv.
 
-    The pages land in ``buffer`` if it is large enough, else in a new anonymous mapping.
-    ``owned``: the Capture takes ``buffer`` over (closes it). Call ``Capture.close()``."""
+    The pages land in ``buffer`` if it is large enough, else in a new mapping from
+    ``grow(n_pages)`` (default: anonymous memory). ``owned``: the Capture takes
+    ``buffer`` over (closes it). Call ``Capture.close()``."""
     if vma.shared:
         raise MemSnapError(
             f"{vma.path} is mapped shared (share=on) in pid {pid}: its pages are not copy-on-write "
@@ -74,7 +98,7 @@ def capture_private(pid: int, vma: Vma, *, method: str = "auto",
     if buffer is None or len(buffer) < n * PAGE_SIZE:
         if buffer is not None and owned:
             buffer.close()
-        buffer, owned = alloc_buffer(n, populate=False), True
+        buffer, owned = (grow(n) if grow is not None else alloc_buffer(n, populate=False)), True
     addr, holder = buffer_address(buffer)
     segments = []
     off = 0

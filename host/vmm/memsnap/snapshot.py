@@ -32,7 +32,7 @@ from .base import (
     hash_file,
     verify_base,
 )
-from .capture import Capture, CaptureBuffer, alloc_buffer, capture_private
+from .capture import Capture, CaptureBuffer, alloc_buffer, capture_private, file_buffer
 from .chain import DiffChain, write_delta
 from .devstate import load_device_state, qmp_execute, save_device_state, splice, write_atomic
 from .diff import DiffKind, write_diff
@@ -140,15 +140,22 @@ async def snapshot_incremental(
     xen = d / ".devices.xen"
     vma = find_vma(pid, mem_path)
 
+    stays_stopped = not (resume and was_running)
+    spill = d / ".capture"
+
     def _prepare() -> mmap.mmap:
         # Pre-fault the copy buffer while the guest still runs (sized from a scan now, with
         # slack for pages dirtied until the stop): allocation must not count as downtime.
+        # A guest that stays stopped copies into page cache instead (file_buffer).
         n0 = sum(c for _, c in scan_private(pid, vma, method=scan_method))
         need = n0 + max(1024, n0 // 8)
+        if stays_stopped:
+            return file_buffer(spill, need)
         return buffer.reserve(need) if buffer is not None else alloc_buffer(need)
 
     buf: mmap.mmap | None = await asyncio.to_thread(_prepare)
-    owned = buffer is None
+    owned = buffer is None or stays_stopped
+    grow = (lambda n: file_buffer(spill, n)) if stays_stopped else None
     cap: Capture | None = None
     t0 = time.perf_counter()
     resumed = False
@@ -157,7 +164,8 @@ async def snapshot_incremental(
         t_stop = time.perf_counter()
         await save_device_state(qmp, xen)
         t_dev = time.perf_counter()
-        captured = capture_private(pid, vma, method=scan_method, buffer=buf, owned=owned)
+        captured = capture_private(pid, vma, method=scan_method, buffer=buf, owned=owned,
+                                   grow=grow)
         cap, buf = captured, None
         t_cap = time.perf_counter()
         if while_stopped is not None:

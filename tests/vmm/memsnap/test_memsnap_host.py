@@ -19,6 +19,7 @@ from host.vmm.memsnap import (
     scan_private_pagemap,
     write_diff,
 )
+from host.vmm.memsnap.capture import file_buffer
 from host.vmm.memsnap.pagemap import runs_to_indexes
 
 from .memsnap_helpers import PAGE, Child, page_pattern
@@ -68,6 +69,14 @@ def test_capture_matches_what_was_written(base_file: Path, children: list[Child]
         assert cap.mem_pages == 1024
         for n, p in enumerate(written):
             assert cap.data[n * PAGE : (n + 1) * PAGE] == page_pattern("cap", p)
+    # into page cache (a pause's copy): a file nobody can see, too small at first
+    spill = base_file.parent / "spill"
+    cap = capture_private(c.pid, find_vma(c.pid, base_file), buffer=file_buffer(spill, 10),
+                          grow=lambda n: file_buffer(spill, n))
+    assert not spill.exists() and list(cap.indexes) == written
+    assert all(cap.data[n * PAGE : (n + 1) * PAGE] == page_pattern("cap", p)
+               for n, p in enumerate(written))
+    cap.close()
 
 
 def test_inject_into_another_process_reproduces_the_content(base_file: Path, children: list[Child],

@@ -158,8 +158,13 @@ async def test_incremental_snapshot_restore_and_two_level_chain(family: Family, 
         await b.sh("dd if=/dev/urandom of=/data/k bs=4k count=64 seek=100 conv=notrunc 2>/dev/null")
         sums_b = md5s(await b.sh("md5sum /data/k /data/k2 /data/base"))
         assert sums_b["/data/k"] != sums_a["/data/k"]
+        # a pause: the guest stays stopped and the copy goes through page cache (an
+        # unlinked file), not an anonymous buffer; nothing of it is left
         s2 = await snapshot_incremental(b.qmp, b.pid, b.mem_path, family.base, tmp_path / "s2",
-                                        config_sha256=family.cfg, parent=s1)
+                                        config_sha256=family.cfg, parent=s1, resume=False)
+        assert (await qmp_execute(b.qmp, "query-status"))["status"] == "paused"
+        assert sorted(f.name for f in (tmp_path / "s2").iterdir()) == [
+            "devstate.bin", "mem.diff", "snapshot.json"]
         assert len(s2.diffs) == 2 and s2.diffs[0] == s1.diff
         delta_mib = s2.stats["diff_pages"] * 4096 / MIB
         assert 4 <= delta_mib <= 4 + 8, s2.stats  # the content delta, not the cumulative set
