@@ -55,7 +55,7 @@ class MemoryCgroup:
 
     def oom_kills(self) -> int:
         text = (self.dir / ("memory.events" if self.v2 else "memory.oom_control")).read_text()
-        m = re.search(r"^oom_kill (\d+)$", text, re.M)
+        m = re.search(r"^oom_kill (\d+)$", text, re.MULTILINE)
         return int(m.group(1)) if m else 0
 
     def remove(self) -> None:

@@ -33,8 +33,8 @@ def test_cgroup_v1_limit_with_unmapped_cache(tmp_path: Path) -> None:
                           "memory.stat": "total_cache 0\n"})
     _cg(root / "memory/svc", {"memory.limit_in_bytes": str(2048 * MIB),
                               "memory.usage_in_bytes": str(1800 * MIB),
-                              "memory.stat": "total_cache %d\ntotal_mapped_file %d\n"
-                                             % (300 * MIB, 200 * MIB)})
+                              "memory.stat": f"total_cache {300 * MIB}\n"
+                                             f"total_mapped_file {200 * MIB}\n"})
     proc = tmp_path / "cgroup"
     proc.write_text("5:cpu:/\n4:memory:/svc\n0::/\n")
     # the page cache no process maps is free to take; the mapped part (VM RAM files) not
