@@ -21,8 +21,9 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+from host.hostmem import node_available_mib
+
 from .errors import CapacityExceeded
-from .hostmem import node_available_mib
 from .states import SandboxState as S
 
 # states in which a sandbox holds (or is about to hold) a VM

@@ -4,7 +4,7 @@ Sandboxes overcommit memory: a restored guest maps its snapshot copy-on-write an
 few of its pages, so a node promises far more guest RAM than it has. When guests do touch
 their memory the node would run out, and the kernel's OOM killer would pick a VM (or the
 service) at random. Instead, every tick the guard reads what the node has left
-(`hostmem.node_available_mib`: the host's MemAvailable, or what the service's memory
+(`host.hostmem.node_available_mib`: the host's MemAvailable, or what the service's memory
 cgroup leaves, whichever is less); below `low_mib` it pauses running sandboxes, coldest first
 (longest since a request reached them through the proxy, or since they started), one at
 a time until `high_mib` is available again. A paused sandbox keeps everything (memory
@@ -23,8 +23,9 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from host.hostmem import node_available_mib
+
 from .errors import OrchestratorError
-from .hostmem import node_available_mib
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

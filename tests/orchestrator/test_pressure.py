@@ -1,4 +1,4 @@
-"""Memory pressure (host/orchestrator/pressure.py, hostmem.py): what the node has left is
+"""Memory pressure (host/orchestrator/pressure.py, host/hostmem.py): what the node has left is
 the smaller of MemAvailable and its memory cgroup's room (v1 or v2, any ancestor); below
 the low mark the coldest running sandboxes are paused, one at a time, until the high
 mark is available again; the fake runtime stands in for VMs (the real thing is
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from host.hostmem import cgroup_available_mib
 from host.orchestrator import NodeOrchestrator
 from host.orchestrator.envd import EnvdClient
-from host.orchestrator.hostmem import cgroup_available_mib
 from host.orchestrator.model import CreateRequest
 from host.orchestrator.pressure import PressureGuard, PressurePolicy
 from host.orchestrator.states import SandboxState as S

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+from host.hostmem import node_available_mib
+
 from .base import (
     BASE_MANIFEST,
     FROZEN_MODE,
@@ -38,7 +40,7 @@ from .devstate import load_device_state, qmp_execute, save_device_state, splice,
 from .diff import DiffKind, write_diff
 from .errors import CorruptSnapshotError, MemSnapError, SnapshotMismatchError
 from .inject import inject_chain
-from .pagemap import find_vma, scan_private
+from .pagemap import PAGE_SIZE, find_vma, scan_private
 
 SNAPSHOT_MANIFEST = "snapshot.json"
 
@@ -119,6 +121,7 @@ async def snapshot_incremental(
     scan_method: str = "auto",
     buffer: CaptureBuffer | None = None,
     while_stopped: Callable[[], Awaitable[None]] | None = None,
+    spill_over: int | None = None,
 ) -> MemSnapshot:
     """Snapshot the child VM ``pid`` (QMP ``qmp``) whose RAM maps ``mem_path`` (= the base file).
 
@@ -129,6 +132,10 @@ async def snapshot_incremental(
     copy buffer of earlier snapshots of this VM (else one is allocated and freed per call).
     ``while_stopped`` runs after the capture, before ``cont``: what must be cut at the same
     instant as memory (e.g. sealing the disk); the diff is written after the guest resumed.
+    ``spill_over``: when the guest stays stopped (a pause) and its copy would be larger
+    than this many bytes (default: half the memory the node has available, host or
+    cgroup), it goes to page cache instead of anonymous memory (file_buffer): slower, but
+    a pause under memory pressure then needs no memory it cannot give back.
     """
     d = Path(dest_dir)
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -142,20 +149,25 @@ async def snapshot_incremental(
 
     stays_stopped = not (resume and was_running)
     spill = d / ".capture"
+    spilling = False
 
     def _prepare() -> mmap.mmap:
         # Pre-fault the copy buffer while the guest still runs (sized from a scan now, with
         # slack for pages dirtied until the stop): allocation must not count as downtime.
-        # A guest that stays stopped copies into page cache instead (file_buffer).
+        nonlocal spilling
         n0 = sum(c for _, c in scan_private(pid, vma, method=scan_method))
         need = n0 + max(1024, n0 // 8)
-        if stays_stopped:
+        limit = spill_over
+        if stays_stopped and limit is None:
+            limit = node_available_mib() * 1024 * 1024 // 2
+        spilling = stays_stopped and limit is not None and need * PAGE_SIZE > limit
+        if spilling:
             return file_buffer(spill, need)
         return buffer.reserve(need) if buffer is not None else alloc_buffer(need)
 
     buf: mmap.mmap | None = await asyncio.to_thread(_prepare)
-    owned = buffer is None or stays_stopped
-    grow = (lambda n: file_buffer(spill, n)) if stays_stopped else None
+    owned = buffer is None or spilling
+    grow = (lambda n: file_buffer(spill, n)) if spilling else None
     cap: Capture | None = None
     t0 = time.perf_counter()
     resumed = False
@@ -220,7 +232,7 @@ async def snapshot_incremental(
             "scan_ms": captured.timings_ms["scan"],
             "readv_ms": captured.timings_ms["readv"],
             "captured_pages": captured.count, "diff_pages": count, "runs": captured.n_runs,
-            "chain_len": len(chain_paths) + 1,
+            "chain_len": len(chain_paths) + 1, "spilled": float(spilling),
         },
     )
     await asyncio.to_thread(write_atomic, d / SNAPSHOT_MANIFEST, snap._manifest(), fsync=fsync)

@@ -161,8 +161,10 @@ async def test_incremental_snapshot_restore_and_two_level_chain(family: Family, 
         # a pause: the guest stays stopped and the copy goes through page cache (an
         # unlinked file), not an anonymous buffer; nothing of it is left
         s2 = await snapshot_incremental(b.qmp, b.pid, b.mem_path, family.base, tmp_path / "s2",
-                                        config_sha256=family.cfg, parent=s1, resume=False)
+                                        config_sha256=family.cfg, parent=s1, resume=False,
+                                        spill_over=0)
         assert (await qmp_execute(b.qmp, "query-status"))["status"] == "paused"
+        assert s2.stats["spilled"] == 1.0
         assert sorted(f.name for f in (tmp_path / "s2").iterdir()) == [
             "devstate.bin", "mem.diff", "snapshot.json"]
         assert len(s2.diffs) == 2 and s2.diffs[0] == s1.diff
