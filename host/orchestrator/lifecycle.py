@@ -23,6 +23,7 @@ from . import handoff, ids, snapshots, templates
 from .context import Context, observed
 from .errors import (
     IdempotencyMismatch,
+    IncompatibleSnapshot,
     OperationFailed,
     OrchestratorError,
     SnapshotNotFound,
@@ -100,12 +101,21 @@ async def _create(ctx: Context, req: CreateRequest) -> SandboxInfo:
         return info
     source = await resolve_template(ctx, req.template_id)
     is_default = source.id == ctx.default_template
-    return await new_sandbox(
-        ctx, source, template_id=source.id, alias=ctx.default_template if is_default else None,
-        timeout_s=req.timeout_s, auto_pause=req.auto_pause, auto_resume=req.auto_resume,
-        metadata=req.metadata, env_vars=req.env_vars, network=req.network,
-        secure=req.secure, parent_id=None, op="created",
-        auto_pause_memory=req.auto_pause_memory)
+
+    async def create_from(src: SnapshotRecord) -> SandboxInfo:
+        return await new_sandbox(
+            ctx, src, template_id=src.id, alias=ctx.default_template if is_default else None,
+            timeout_s=req.timeout_s, auto_pause=req.auto_pause, auto_resume=req.auto_resume,
+            metadata=req.metadata, env_vars=req.env_vars, network=req.network,
+            secure=req.secure, parent_id=None, op="created",
+            auto_pause_memory=req.auto_pause_memory)
+
+    try:
+        return await create_from(source)
+    except IncompatibleSnapshot:
+        if not is_default:
+            raise
+        return await create_from(await rebuild_stale_default(ctx, source))
 
 
 async def resolve_template(ctx: Context, template_id: str) -> SnapshotRecord:
@@ -125,17 +135,36 @@ async def resolve_template(ctx: Context, template_id: str) -> SnapshotRecord:
         with contextlib.suppress(SnapshotNotFound):
             return await ctx.db(ctx.store.get_snapshot, tid)
         log.info("building template %r (first use)", tid)
-        try:
-            # its own runtime snapshot id: nodes sharing one repository each build theirs,
-            # and a pause's memory diff names the base it was taken on by that id
-            ref = await ctx.runtime.build_template(ids.new_runtime_snapshot_id("template"),
-                                                   ctx.machine)
-        except Exception as exc:
-            raise OperationFailed(f"building template '{tid}' failed: {exc}") from exc
-        snap = SnapshotRecord(id=tid, kind="template", created_at=ref.created_at,
-                              parent_id=ref.parent_id,
-                              spec={"ref": ref_to_json(ref), "envd_token": None})
-        return await ctx.db(ctx.store.insert_snapshot, snap)
+        return await _build_default(ctx, tid)
+
+
+async def rebuild_stale_default(ctx: Context, stale: SnapshotRecord) -> SnapshotRecord:
+    """The default template's memory was saved under a VMM configuration this node no
+    longer runs (an upgrade changed QEMU, its flags or the guest's command line): build
+    it again, once even when many creates find it stale at the same time. Sandboxes
+    paused on the old one keep their own snapshots (they resume with a reboot)."""
+    lock = ctx.template_locks.setdefault(stale.id, asyncio.Lock())
+    async with lock:
+        current = await ctx.db(ctx.store.get_snapshot, stale.id)
+        if current.spec != stale.spec:  # another create rebuilt it meanwhile
+            return current
+        log.warning("template %r was built for another VMM configuration: rebuilding it",
+                    stale.id)
+        return await _build_default(ctx, stale.id)
+
+
+async def _build_default(ctx: Context, tid: str) -> SnapshotRecord:
+    try:
+        # its own runtime snapshot id: nodes sharing one repository each build theirs,
+        # and a pause's memory diff names the base it was taken on by that id
+        ref = await ctx.runtime.build_template(ids.new_runtime_snapshot_id("template"),
+                                               ctx.machine)
+    except Exception as exc:
+        raise OperationFailed(f"building template '{tid}' failed: {exc}") from exc
+    snap = SnapshotRecord(id=tid, kind="template", created_at=ref.created_at,
+                          parent_id=ref.parent_id,
+                          spec={"ref": ref_to_json(ref), "envd_token": None})
+    return await ctx.db(ctx.store.insert_snapshot, snap)
 
 
 async def new_sandbox(ctx: Context, source: SnapshotRecord, *, template_id: str,

@@ -31,10 +31,13 @@ async def svc(tmp_path: Path) -> AsyncIterator[NodeService]:
     runtime: Any = s.runtime
     real_start = runtime.start
     runtime.upgraded = False
+    runtime.old = set()  # the snapshots saved before the upgrade
 
     async def start(sandbox_id: str, snapshot: SnapshotRef, network: NetworkConfig, *,
                     reboot: bool = False) -> Placement:
-        if runtime.upgraded and not reboot:  # every memory was saved by the old QEMU
+        if runtime.upgraded and not runtime.old:
+            runtime.old = set(runtime.snapshots)
+        if snapshot.snapshot_id in runtime.old and not reboot:  # saved by the old QEMU
             kind = "template" if snapshot.snapshot_id.startswith("tmpl-") else "snapshot"
             check_vmm(snapshot.snapshot_id, {"vmm": OLD.to_json(), "kind": kind}, NEW)
         return await real_start(sandbox_id, snapshot, network, reboot=reboot)
@@ -75,10 +78,20 @@ async def test_resume_of_an_incompatible_pause_is_a_409_naming_both(
     assert svc.runtime.reboots == [sid]
 
 
-async def test_create_from_an_incompatible_template_is_a_409(
+async def test_a_stale_default_template_is_rebuilt_and_a_stale_snapshot_is_a_409(
         svc: NodeService, api: httpx.AsyncClient) -> None:
-    assert (await api.post("/sandboxes", json={"templateID": "base"})).status_code == 201
-    svc.runtime.upgraded = True  # type: ignore[attr-defined]
     r = await api.post("/sandboxes", json={"templateID": "base"})
+    assert r.status_code == 201, r.text
+    r = await api.post(f"/sandboxes/{r.json()['sandboxID']}/snapshots", json={})
+    assert r.status_code == 201, r.text
+    named = r.json()["snapshotID"]
+    builds = svc.runtime.builds  # type: ignore[attr-defined]
+    svc.runtime.upgraded = True  # type: ignore[attr-defined]
+    # the default template is the node's own: rebuilt once for the new VMM, then used
+    made = [await api.post("/sandboxes", json={"templateID": "base"}) for _ in range(2)]
+    assert [m.status_code for m in made] == [201, 201], made[0].text
+    assert svc.runtime.builds == builds + 1  # type: ignore[attr-defined]
+    # a user's snapshot cannot be rebuilt: a 409 that says what to do
+    r = await api.post("/sandboxes", json={"templateID": named})
     assert r.status_code == 409, r.text
-    assert "8.2.2" in r.json()["message"] and "rebuild the template" in r.json()["message"]
+    assert "8.2.2" in r.json()["message"] and "reboot" in r.json()["message"]
