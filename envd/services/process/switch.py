@@ -50,8 +50,11 @@ def popen(argv: list[str], creds: dict[str, Any], **kw: Any) -> subprocess.Popen
         return subprocess.Popen(argv, **kw, **creds)
     env = kw.get("env") or os.environ
     exe = argv[0]
-    if "/" not in exe:  # Popen's lookup: the child's PATH
-        exe = shutil.which(exe, path=env.get("PATH", os.defpath)) or exe
+    if "/" not in exe:  # Popen's lookup: the child's PATH (never a relative exec)
+        found = shutil.which(exe, path=env.get("PATH", os.defpath))
+        if found is None:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), exe)
+        exe = found
     groups = ",".join(str(g) for g in creds.get("extra_groups", ()))
     r, w = os.pipe()
     try:
