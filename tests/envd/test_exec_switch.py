@@ -52,7 +52,16 @@ def test_runs_as_the_user_through_the_helper(use_helper: Path) -> None:
     assert set(out[2].split()) == {"1000", "27"}
 
 
-def test_exec_errors_are_popens_errors(use_helper: Path, tmp_path: Path) -> None:
+def test_exec_errors_are_popens_errors(use_helper: Path, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    spawned: list[subprocess.Popen[bytes]] = []
+    real = subprocess.Popen
+
+    def spy(*args: object, **kw: object) -> subprocess.Popen[bytes]:
+        spawned.append(real(*args, **kw))  # type: ignore[call-overload]
+        return spawned[-1]
+
+    monkeypatch.setattr(switch.subprocess, "Popen", spy)
     before = _open_fds()
     with pytest.raises(FileNotFoundError):
         switch.popen(["no-such-program-here"], CREDS, env={"PATH": "/usr/bin:/bin"})
@@ -64,9 +73,8 @@ def test_exec_errors_are_popens_errors(use_helper: Path, tmp_path: Path) -> None
     with pytest.raises(PermissionError):
         switch.popen([str(script)], CREDS)
     assert _open_fds() == before
-    # each failed helper was reaped: nothing left for us to wait for
-    with pytest.raises(ChildProcessError):
-        os.waitpid(-1, os.WNOHANG)
+    # not on PATH: refused before anything is spawned; the other two helpers were reaped
+    assert len(spawned) == 2 and all(p.returncode == 127 for p in spawned)
 
 
 def test_without_the_helper_popen_switches_itself(monkeypatch: pytest.MonkeyPatch) -> None:
