@@ -23,6 +23,8 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
+from host.tasks import cancel_and_wait
+
 from .registry import NodeState, Registry
 
 log = logging.getLogger(__name__)
@@ -93,15 +95,7 @@ class Heartbeat:
 
     async def aclose(self) -> None:
         task, self._task = self._task, None
-        if task is None:
-            return
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if current is not None and current.cancelling():
-                raise  # we are being cancelled ourselves, not just the heartbeat
+        await cancel_and_wait(task)
 
     async def beat(self) -> None:
         rep = await self.report()

@@ -17,13 +17,13 @@ The guard is owned by the orchestrator (`NodeOrchestrator.start()` / `aclose()`)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from host.hostmem import node_available_mib
+from host.tasks import cancel_and_wait, run_every
 
 from .errors import OrchestratorError
 
@@ -67,20 +67,11 @@ class PressureGuard:
 
     async def aclose(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     async def _run(self) -> None:
-        while True:
-            try:
-                await self.tick()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("memory pressure check failed")
-            await asyncio.sleep(self.policy.interval_s)
+        await run_every(self.policy.interval_s, self.tick, log=log,
+                        failed="memory pressure check failed")
 
     async def tick(self) -> list[str]:
         """Pause the coldest running sandboxes while less than `low_mib` (then `high_mib`)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Protocol, TypeVar
 
 from host.contract import SandboxRuntime
+from host.tasks import cancel_and_wait, run_every
 
 from .errors import OrchestratorError
 
@@ -63,23 +64,10 @@ class TtlLoop:
 
     async def aclose(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                if (cur := asyncio.current_task()) is not None and cur.cancelling():
-                    raise
+        await cancel_and_wait(task)
 
     async def _run(self) -> None:
-        while True:
-            try:
-                await self.tick()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("TTL loop tick failed")
-            await asyncio.sleep(self.interval_s)
+        await run_every(self.interval_s, self.tick, log=log, failed="TTL loop tick failed")
 
     async def tick(self) -> None:
         """Start an expiry for every running sandbox past its deadline (once each), and

@@ -13,6 +13,8 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from host.tasks import cancel_and_wait
+
 from ..registry import Registry
 
 if TYPE_CHECKING:
@@ -37,15 +39,7 @@ class Sweeper:
 
     async def aclose(self) -> None:
         task, self._task = self._task, None
-        if task is None:
-            return
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if current is not None and current.cancelling():
-                raise
+        await cancel_and_wait(task)
 
     async def sweep(self) -> dict[str, int]:
         """One sweep: {node id: sandboxes lost} of the nodes declared dead now."""
