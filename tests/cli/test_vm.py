@@ -5,16 +5,13 @@ The console script runs as a subprocess: start -> exec -> terminal --cmd -> kill
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import E2EService, build_template, need_vm
+from tests.e2e.conftest import E2EService, private_service
 
 from .conftest import REPO_ROOT
 
@@ -23,17 +20,8 @@ pytestmark = [pytest.mark.vm, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def service() -> Iterator[E2EService]:
-    need_vm()
-    # not under pytest's basetemp: concurrent pytest runs rotate (delete) old basetemps
-    root = Path(tempfile.mkdtemp(prefix="aenv-cli-vm-", dir="/var/tmp"))
-    s = E2EService(root, prefix="acli-", pool="10.217.0.0/20", tag="acli")
-    try:
-        s.start()
-        build_template(s)
+    with private_service("acli", prefix="acli-", pool="10.217.0.0/20") as s:
         yield s
-    finally:
-        s.cleanup()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def _aenv(svc: E2EService, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:

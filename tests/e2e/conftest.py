@@ -6,6 +6,7 @@ by the first create, once. Tests drive it through the unmodified e2b SDKs in mod
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -48,6 +49,36 @@ def need_vm() -> None:
         pytest.skip("qemu-system-x86_64 not installed")
 
 
+def use_sdk(s: E2EService, mp: pytest.MonkeyPatch) -> None:
+    """Point the in-process Python SDK at `s` (mode B env, the sandbox domain)."""
+    for k, v in s.sdk_env().items():
+        mp.setenv(k, v)
+    mp.setenv("E2B_DOMAIN", "sbx.localhost")
+
+
+@contextlib.contextmanager
+def private_service(tag: str, *, prefix: str, pool: str, extra: list[str] | None = None,
+                    memory_mb: int | None = None,
+                    wrapper: list[str] | None = None) -> Iterator[E2EService]:
+    """A service of its own (namespace `prefix`, address `pool`, more `python -m host`
+    flags, guest RAM, an argv `wrapper`), its template built; everything it started is
+    stopped and its dirs removed afterwards. Its root is under /var/tmp, not pytest's
+    basetemp: concurrent pytest runs rotate (delete) old basetemps."""
+    need_vm()
+    root = Path(tempfile.mkdtemp(prefix=f"aenv-{tag}-", dir="/var/tmp"))
+    s = E2EService(root, prefix=prefix, pool=pool, extra=extra, tag=tag)
+    if memory_mb is not None:
+        s.memory_mb = memory_mb
+    s.wrapper = list(wrapper or [])
+    try:
+        s.start()
+        s.template_build_s = build_template(s)  # type: ignore[attr-defined]
+        yield s
+    finally:
+        s.cleanup()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def build_template(s: E2EService) -> float:
     """First create builds the template; returns its wall time (cold boot + build)."""
     with s.client() as c:
@@ -61,35 +92,22 @@ def build_template(s: E2EService) -> float:
 
 @pytest.fixture(scope="session")
 def service() -> Iterator[E2EService]:
-    need_vm()
-    # not under pytest's basetemp: concurrent pytest runs rotate (delete) old basetemps
-    root = Path(tempfile.mkdtemp(prefix="aenv-e2e-", dir="/var/tmp"))
-    s = E2EService(root)
-    try:
-        s.start()
-        s.template_build_s = build_template(s)  # type: ignore[attr-defined]
+    with private_service("ae2e", prefix=PREFIX, pool=POOL) as s:
         print(f"\ne2e: first create (template build + cold boot): "
               f"{s.template_build_s:.1f}s")  # type: ignore[attr-defined]
         yield s
-    finally:
-        s.cleanup()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
 def env(service: E2EService) -> Iterator[E2EService]:
     """The service, with the in-process Python SDK's mode B env set for the module."""
     with pytest.MonkeyPatch.context() as mp:
-        for k, v in service.sdk_env().items():
-            mp.setenv(k, v)
-        mp.setenv("E2B_DOMAIN", "sbx.localhost")
+        use_sdk(service, mp)
         yield service
 
 
 @pytest.fixture
 def sdk(service: E2EService, monkeypatch: pytest.MonkeyPatch) -> E2EService:
     """Mode B env for the in-process Python SDK."""
-    for k, v in service.sdk_env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("E2B_DOMAIN", "sbx.localhost")
+    use_sdk(service, monkeypatch)
     return service

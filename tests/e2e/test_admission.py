@@ -6,40 +6,27 @@ the session one must not be limited."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from .conftest import E2EService, build_template, need_vm
+from .conftest import E2EService, private_service, use_sdk
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def limited() -> Iterator[E2EService]:
-    need_vm()
-    root = Path(tempfile.mkdtemp(prefix="aenv-e2e-adm-", dir="/var/tmp"))
-    s = E2EService(root, prefix="aeadm-", pool="10.216.80.0/20", tag="aeadm",
-                   extra=["--max-sandboxes", "1"])
-    try:
-        s.start()
-        build_template(s)
+    with private_service("aeadm", prefix="aeadm-", pool="10.216.80.0/20",
+                         extra=["--max-sandboxes", "1"]) as s:
         yield s
-    finally:
-        s.cleanup()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_capacity_error_then_admitted_after_a_kill(limited: E2EService,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from e2b import RateLimitException, Sandbox
 
-    for k, v in limited.sdk_env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("E2B_DOMAIN", "sbx.localhost")
+    use_sdk(limited, monkeypatch)
     first = Sandbox.create(timeout=120)
     try:
         with limited.client() as c:

@@ -20,7 +20,7 @@ import pytest
 
 from tests.orchestrator.hostproc import REPO
 
-from .conftest import E2EService
+from .conftest import E2EService, use_sdk
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow]
 
@@ -41,9 +41,7 @@ def ci(service: E2EService) -> Iterator[E2EService]:
         c.delete(f"/sandboxes/{r.json()['sandboxID']}")
     print(f"\ncode-interpreter-v1: first create (build on first use + start) {took:.1f}s")
     with pytest.MonkeyPatch.context() as mp:
-        for k, v in service.sdk_env().items():
-            mp.setenv(k, v)
-        mp.setenv("E2B_DOMAIN", "sbx.localhost")
+        use_sdk(service, mp)
         yield service
 
 

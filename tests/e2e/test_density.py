@@ -6,15 +6,13 @@ available, and every sandbox still answers."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import E2EService, build_template, need_vm
+from tests.e2e.conftest import E2EService, private_service, use_sdk
 
 N = 40
 MEM_MIB = 512
@@ -36,27 +34,16 @@ def _available_mib() -> int:
 
 @pytest.fixture
 def service512() -> Iterator[E2EService]:
-    need_vm()
-    root = Path(tempfile.mkdtemp(prefix="aenv-density-", dir="/var/tmp"))
-    s = E2EService(root, pool="10.216.96.0/20", prefix="aeds-", tag="aeds",
-                   extra=["--max-starts", "2"])
-    s.memory_mb = MEM_MIB
-    try:
-        s.start()
-        build_template(s)
+    with private_service("aeds", prefix="aeds-", pool="10.216.96.0/20",
+                         extra=["--max-starts", "2"], memory_mb=MEM_MIB) as s:
         yield s
-    finally:
-        s.cleanup()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_forty_idle_sandboxes_fit_with_room_to_spare(service512: E2EService,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from e2b import Sandbox
 
-    for k, v in service512.sdk_env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("E2B_DOMAIN", "sbx.localhost")
+    use_sdk(service512, monkeypatch)
     total_mib = int(Path("/proc/meminfo").read_text().split()[1]) // 1024
     boxes: list = []
     try:

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import E2EService
+from .conftest import E2EService, use_sdk
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow]
 
@@ -144,9 +144,7 @@ def test_envd_malformed_connect_and_files_bodies(service: E2EService) -> None:
             assert ok.status_code in (200, 204), ok.text
         from e2b import Sandbox
         with pytest.MonkeyPatch.context() as mp:
-            for k, v in service.sdk_env().items():
-                mp.setenv(k, v)
-            mp.setenv("E2B_DOMAIN", "sbx.localhost")
+            use_sdk(service, mp)
             assert Sandbox.connect(sid).commands.run("echo alive").stdout == "alive\n"
     finally:
         with service.client() as c:

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import E2EService, build_template, need_vm
+from tests.e2e.conftest import E2EService, need_vm, private_service, use_sdk
 
 MIB = 1024 * 1024
 V1 = Path("/sys/fs/cgroup/memory")
@@ -71,18 +69,13 @@ class MemoryCgroup:
 def squeezed() -> Iterator[tuple[E2EService, MemoryCgroup]]:
     need_vm()
     cg = MemoryCgroup(f"aenv-pressure-{os.getpid()}")
-    root = Path(tempfile.mkdtemp(prefix="aenv-pressure-", dir="/var/tmp"))
-    s = E2EService(root, pool="10.216.80.0/20", prefix="aepr-", tag="aepr",
-                   extra=["--memory-pressure-mib", "256", "--memory-reserve-mib", "64"])
-    s.memory_mb = 768
-    s.wrapper = cg.wrapper
     try:
-        s.start()
-        build_template(s)
-        yield s, cg
+        with private_service("aepr", prefix="aepr-", pool="10.216.80.0/20",
+                             extra=["--memory-pressure-mib", "256",
+                                    "--memory-reserve-mib", "64"],
+                             memory_mb=768, wrapper=cg.wrapper) as s:
+            yield s, cg
     finally:
-        s.cleanup()
-        shutil.rmtree(root, ignore_errors=True)
         cg.remove()
 
 
@@ -91,9 +84,7 @@ def test_the_coldest_sandboxes_are_paused_instead_of_an_oom_kill(
     from e2b import Sandbox
 
     svc, cg = squeezed
-    for k, v in svc.sdk_env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("E2B_DOMAIN", "sbx.localhost")
+    use_sdk(svc, monkeypatch)
     a, b, c = (Sandbox.create(timeout=600) for _ in range(3))
     # requests reach b, then c, then a: b is the coldest, a the hottest
     for sbx in (b, c, a):

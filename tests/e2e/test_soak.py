@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import psutil
 import pytest
 
-from .conftest import E2EService
+from .conftest import E2EService, use_sdk
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow]
 
@@ -99,9 +99,7 @@ def settled(svc: E2EService, base: Usage) -> Usage:
 def test_soak_resources_stay_flat(service: E2EService) -> None:
     n = int(os.environ.get("AENV_SOAK_N", "30"))
     with pytest.MonkeyPatch.context() as mp:
-        for k, v in service.sdk_env().items():
-            mp.setenv(k, v)
-        mp.setenv("E2B_DOMAIN", "sbx.localhost")
+        use_sdk(service, mp)
         warm_s = run_round(PARALLEL, 0)
         base = settled(service, usage(service))
         took = run_round(n, PARALLEL)

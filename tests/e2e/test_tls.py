@@ -20,7 +20,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import pytest
 
 from tests.orchestrator.hostproc import REPO
 
-from .conftest import TLS_POOL, E2EService, build_template, need_vm
+from .conftest import TLS_POOL, E2EService, private_service
 from .domain_net import DomainNet
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow]
@@ -39,17 +38,9 @@ DOMAIN = "sbx.localhost"
 
 @pytest.fixture(scope="module")
 def tls_service() -> Iterator[E2EService]:
-    need_vm()
-    root = Path(tempfile.mkdtemp(prefix="aenv-e2e-tls-", dir="/var/tmp"))
-    s = E2EService(root, prefix="ae2et-", pool=TLS_POOL, tag="ae2et",
-                   extra=["--tls", "--domain", DOMAIN])
-    try:
-        s.start()
-        build_template(s)
+    with private_service("ae2et", prefix="ae2et-", pool=TLS_POOL,
+                         extra=["--tls", "--domain", DOMAIN]) as s:
         yield s
-    finally:
-        s.cleanup()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

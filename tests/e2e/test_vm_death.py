@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from .conftest import E2EService
+from .conftest import E2EService, use_sdk
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow]
 
@@ -19,9 +19,7 @@ pytestmark = [pytest.mark.vm, pytest.mark.slow]
 def test_vm_death_keeps_the_disk(service: E2EService, monkeypatch: pytest.MonkeyPatch) -> None:
     from e2b import Sandbox
 
-    for k, v in service.sdk_env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("E2B_DOMAIN", "sbx.localhost")
+    use_sdk(service, monkeypatch)
     sbx = Sandbox.create(timeout=300)
     sid = sbx.sandbox_id
     try:
