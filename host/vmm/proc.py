@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
+import functools
 import os
 import signal
 import socket
@@ -71,35 +72,31 @@ class AdoptedProcess:
         return rc
 
 
-def die_with_parent() -> None:
-    """preexec_fn: SIGKILL the child when the process that spawned it dies, so a crashed
-    host service or test run never leaves VMs behind. No-op where prctl is missing."""
+def _prctl(option: int, arg: int) -> None:
+    """prctl(2) on this process; a no-op where prctl is missing."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0)
     except (OSError, AttributeError):
         pass
 
 
+def die_with_parent() -> None:
+    """preexec_fn: SIGKILL the child when the process that spawned it dies, so a crashed
+    host service or test run never leaves VMs behind."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 _PR_SET_THP_DISABLE = 41
-_thp_disabled = False
 
 
+@functools.cache
 def no_huge_pages_for_children() -> None:
     """Turn transparent huge pages off for this process, and so for every VMM it spawns
     from now on (the flag is inherited through fork and kept across exec). QEMU madvises
     its TCG code buffer for huge pages: each 2 MiB page a little code touches stays
     resident. Guest RAM is unaffected: it is a file mapping, copied on write by 4 KiB
     page. Set on ourselves rather than in a preexec_fn, which would rule out vfork."""
-    global _thp_disabled
-    if _thp_disabled:
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_THP_DISABLE, 1, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-    _thp_disabled = True
+    _prctl(_PR_SET_THP_DISABLE, 1)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
