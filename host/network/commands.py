@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import json
 import os
 import shutil
@@ -123,7 +124,7 @@ def netns_preexec(netns: str) -> Callable[[], None]:
     mount namespace (`ip netns exec` unshares it to remount /sys). Note that preexec_fn is
     not safe in processes that run threads while forking (see subprocess docs)."""
     path = netns_path(netns)
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = _libc()
 
     def enter() -> None:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -143,7 +144,54 @@ def have_binaries(*names: str) -> list[str]:
 
 
 NETNS_DIR = "/run/netns"
+MNT_DETACH = 2
 
 
 def netns_path(name: str) -> str:
     return os.path.join(NETNS_DIR, name)
+
+
+def netns_inode(name: str) -> int | None:
+    """The inode of a named network namespace (None: no such name), for `pids_in_netns`."""
+    try:
+        return os.stat(netns_path(name)).st_ino
+    except FileNotFoundError:
+        return None
+
+
+def remove_netns(name: str) -> None:
+    """What `ip netns del NAME` does, without a process per call (that spawn was most of
+    a pause's network teardown): detach the bind mount that pins the namespace and remove
+    its file. A missing name is not an error."""
+    path = netns_path(name)
+    if not os.path.exists(path):
+        return
+    if _libc().umount2(path.encode(), MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        if err != 22:  # EINVAL: not a mount point (a half-made namespace): just unlink
+            raise NetworkCommandError(["umount2", path], None, os.strerror(err))
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise NetworkCommandError(["unlink", path], None, str(exc)) from exc
+
+
+def pids_in_netns(ino: int) -> list[str]:
+    """Processes still in the network namespace with inode `ino` (it lives while they do)."""
+    want = f"net:[{ino}]"
+    pids = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if os.readlink(f"/proc/{pid}/ns/net") == want:
+                    pids.append(pid)
+            except OSError:  # gone meanwhile, or a kernel thread
+                continue
+    return pids
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Self
 
-from .commands import Namespace, netns_path, run
+from .commands import Namespace, netns_inode, netns_path, pids_in_netns, remove_netns, run
 from .errors import (
     NetworkCleanupError,
     NetworkError,
@@ -371,19 +371,22 @@ class NetworkManager:
         return out
 
     async def _teardown(self, netns: str | None, host_ifname: str | None) -> None:
-        """Delete the host veth and the namespace, then check both are gone."""
-        pids: list[str] = []
-        if netns and os.path.exists(netns_path(netns)):
-            res = await run(["ip", "netns", "pids", netns], check=False)
-            pids = res.stdout.split()
+        """Delete the host veth (which takes its peer along) and the namespace, then check
+        both are gone. One process at most: the namespace goes in-process."""
+        link_left = False
         if host_ifname:
-            await self.host.ip("link", "del", host_ifname, check=False)
+            res = await self.host.ip("link", "del", host_ifname, check=False)
+            # "Cannot find device": gone already; any other failure: look again below
+            link_left = res.returncode != 0 and "Cannot find device" not in res.stderr
+        ino = netns_inode(netns) if netns else None
+        # before the name goes: a freed namespace's inode number can be reused
+        pids = pids_in_netns(ino) if ino is not None else []
         if netns:
-            await run(["ip", "netns", "del", netns], check=False)
+            remove_netns(netns)
         left: list[str] = []
         if netns and os.path.exists(netns_path(netns)):
             left.append(f"namespace {netns}")
-        if host_ifname and host_ifname in await self._host_links():
+        if link_left and host_ifname in await self._host_links():
             left.append(f"host link {host_ifname}")
         if pids:
             left.append(f"processes {', '.join(pids)} still in {netns} (it lives until they exit)")
