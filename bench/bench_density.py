@@ -126,27 +126,39 @@ def tcg_code_kib(pid: int) -> int:
     return kib
 
 
-STAGE = re.compile(r"sandbox (\S+) (restored|booted) from \S+ in [\d.]+ ms: (.*)$|"
-                   r"sandbox (\S+): snapshot \S+ \((pause|live)\) in [\d.]+ ms: (.*?);")
+STAGE = re.compile(r"sandbox \S+ (?:restored|booted)(?P<held> \(held\))? from \S+ in [\d.]+ ms: "
+                   r"(?P<start>.*)$|"
+                   r"sandbox \S+ continued from \S+ \(held\) in (?P<cont>[\d.]+) ms|"
+                   r"sandbox \S+: snapshot \S+ \((?P<kind>pause|live)\) in [\d.]+ ms: (?P<snap>.*?);")
 
 
 def stage_breakdown(log: str) -> dict[str, dict[str, float]]:
-    """p50 per stage of the service's start and snapshot log lines (runtime/starts.py)."""
+    """p50 per stage of the service's start and snapshot log lines (runtime/starts.py):
+    starts (restores for creates without a warm VM, resumes, forks), warm VMs restored
+    for the pool (held), creates that continued one, snapshots."""
     samples: dict[str, dict[str, list[float]]] = {}
     for line in log.splitlines():
         m = STAGE.search(line)
         if not m:
             continue
-        kind = "start" if m.group(2) else f"snapshot ({m.group(5)})"
-        for part in (m.group(3) or m.group(6)).split(", "):
+        if m["cont"]:
+            samples.setdefault("continue held", {}).setdefault("total", []).append(
+                float(m["cont"]))
+            continue
+        kind = (("start (held)" if m["held"] else "start") if m["start"] is not None
+                else f"snapshot ({m['kind']})")
+        for part in (m["start"] if m["start"] is not None else m["snap"]).split(", "):
             name, _, ms = part.rpartition(" ")
             if ms.endswith("ms"):
                 samples.setdefault(kind, {}).setdefault(name, []).append(float(ms[:-2]))
     return {k: {n: statistics.median(v) for n, v in st.items()} for k, st in samples.items()}
 
 
-def vmm_pids(svc: E2EService) -> list[int]:
-    return sorted(svc.qemu_pids())
+def vmm_pids(svc: E2EService, sandbox_ids: set[str] | None = None) -> list[int]:
+    """The QEMU processes of `sandbox_ids` (None: every one, warm VMs too)."""
+    return sorted(pid for pid, cmd in svc.qemu_pids().items()
+                  if sandbox_ids is None or any(f"{svc.run}/vms/{sid}/" in cmd
+                                                for sid in sandbox_ids))
 
 
 class Bench:
@@ -246,7 +258,7 @@ class Bench:
                 if (i + 1) % 10 == 0 or i + 1 == n:
                     print(f"  idle: {i + 1}/{n} created", flush=True)
             time.sleep(self.args.settle)
-            pids = vmm_pids(self.svc)
+            pids = vmm_pids(self.svc, {b.sandbox_id for b in boxes})
             cpu0 = {pid: proc_cpu_s(pid) for pid in pids}
             t0 = time.perf_counter()
             time.sleep(self.args.window)
@@ -346,6 +358,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=15.0, help="length of each run loop")
     ap.add_argument("--anchors", type=int, default=3, help="cold boots (0: none)")
     ap.add_argument("--only", default="lifecycle,fork,density")
+    ap.add_argument("--warm-pool", type=int, default=1,
+                    help="the service's --warm-pool (1, its default; 0: every create restores)")
     ap.add_argument("--json", type=Path, default=REPO / "out/bench/density.json")
     args = ap.parse_args()
     only = set(args.only.split(","))
@@ -357,6 +371,7 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="aenv-bench-density-", dir="/var/tmp"))
     svc = E2EService(root, pool="10.216.48.0/20", tag="adens")
     svc.memory_mb = args.mem_mib
+    svc.warm_pool = args.warm_pool
     try:
         svc.start()
         print(f"  template build + first create: {build_template(svc):6.2f} s", flush=True)

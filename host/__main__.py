@@ -105,7 +105,7 @@ async def serve(cfg: Config) -> None:
                                      high_mib=2 * cfg.memory_pressure_mib)
                       if cfg.memory_pressure_mib else None),
             # in a cluster, pauses leave handoffs so another node can take a sandbox over
-            metrics=metrics, handoff=bool(cfg.cluster_redis))
+            metrics=metrics, handoff=bool(cfg.cluster_redis), warm_pool=cfg.warm_pool)
         await orch.start(ttl_interval_s=cfg.ttl_interval_s)
         if cfg.cluster_redis:
             from host.cluster.node import ClusterMember

@@ -37,6 +37,9 @@
                                                       or memory cgroup) the coldest running
                                                       sandboxes are paused until twice it is
                                                       available (0: never)
+    AENV_WARM_POOL   --warm-pool    1                 VMs of the template creates came from last
+                                                      kept restored (stopped) for the next creates
+                                                      (0: none)
     AENV_CLUSTER_REDIS --cluster-redis -              redis://... : join a cluster (host/cluster):
                                                       heartbeat capacity and sandboxes into it
     AENV_NODE_ID     --node-id      <host name>       this node's id in the cluster
@@ -109,6 +112,7 @@ class Config:
     max_sandboxes: int = 0
     memory_reserve_mib: int = 1024
     memory_pressure_mib: int = 768
+    warm_pool: int = 1
     cluster_redis: str | None = None
     node_id: str | None = None
     advertise_url: str | None = None
@@ -200,6 +204,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-pressure-mib", type=int,
                    help="pause the coldest sandboxes below this much available memory "
                         "(0: never)")
+    p.add_argument("--warm-pool", type=int,
+                   help="VMs kept restored for the next creates from a template (0: none)")
     p.add_argument("--cluster-redis", help="join the cluster whose store is this Redis URL")
     p.add_argument("--node-id", help="this node's id in the cluster (default: host name)")
     p.add_argument("--advertise-url", help="this node's API URL for the gateway")
@@ -234,6 +240,7 @@ _ENV: dict[str, tuple[str, type]] = {
     "max_starts": ("AENV_MAX_STARTS", int), "max_sandboxes": ("AENV_MAX_SANDBOXES", int),
     "memory_reserve_mib": ("AENV_MEMORY_RESERVE_MIB", int),
     "memory_pressure_mib": ("AENV_MEMORY_PRESSURE_MIB", int),
+    "warm_pool": ("AENV_WARM_POOL", int),
     "cluster_redis": ("AENV_CLUSTER_REDIS", str), "node_id": ("AENV_NODE_ID", str),
     "advertise_url": ("AENV_ADVERTISE_URL", str),
     "advertise_proxy_url": ("AENV_ADVERTISE_PROXY_URL", str),
@@ -294,9 +301,9 @@ def _validate(cfg: Config) -> None:
     if cfg.template_upload_mib < 1:
         raise ConfigError(f"template_upload_mib must be at least 1, got {cfg.template_upload_mib}")
     if cfg.max_starts < 1 or cfg.max_sandboxes < 0 or cfg.memory_reserve_mib < 0 or \
-            cfg.memory_pressure_mib < 0:
+            cfg.memory_pressure_mib < 0 or cfg.warm_pool < 0:
         raise ConfigError("max_starts >= 1, max_sandboxes >= 0, memory_reserve_mib >= 0, "
-                          "memory_pressure_mib >= 0")
+                          "memory_pressure_mib >= 0, warm_pool >= 0")
     _validate_cluster(cfg)
     if cfg.cache_mib < 64:
         raise ConfigError(f"cache_mib must be at least 64, got {cfg.cache_mib}")

@@ -164,13 +164,15 @@ class SandboxRuntime(Protocol):
         ...
 
     async def start(self, sandbox_id: str, snapshot: SnapshotRef, network: NetworkConfig, *,
-                    reboot: bool = False) -> Placement:
+                    reboot: bool = False, hold: bool = False) -> Placement:
         """Restore `snapshot` as sandbox `sandbox_id` with a fresh writable disk layer and
         its own network; returns once envd answers /health. Raises on failure and leaves
         nothing behind. `reboot` (or a filesystem-only snapshot) cold-boots the snapshot's
         disk instead of restoring its memory: a fresh envd, no processes kept. Raises
         `SnapshotIncompatible` (before touching anything) when the memory was saved by a
-        VMM this node cannot restore it with."""
+        VMM this node cannot restore it with. `hold`: once envd answered, stop the VM's
+        vCPUs; a later start of the same id and snapshot continues it (a warm VM for a
+        create to come: `kill` releases it if none does)."""
         ...
 
     async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool,

@@ -19,7 +19,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
-from host.contract import MachineSpec, SandboxRuntime
+from host.contract import MachineSpec, NetworkConfig, SandboxRuntime, SnapshotRef
 from host.metrics import Metrics
 
 from .admission import HOLDS_VM, Admission
@@ -35,6 +35,14 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 A = TypeVar("A")
 P = ParamSpec("P")
+
+
+class WarmVms(Protocol):
+    """Warm VMs for creates (warm.py)."""
+
+    def take(self, ref: SnapshotRef, network: NetworkConfig) -> str | None:
+        """The sandbox id of a held VM restored from `ref`, or None."""
+        ...
 
 
 class Spawn(Protocol):
@@ -59,6 +67,7 @@ class Context:
     templates: TemplateStore
     files_dir: Path                   # uploaded COPY archives, one file per filesHash
     admission: Admission = dataclasses.field(default_factory=Admission)
+    warm: WarmVms | None = None       # node.py's warm pool (warm.py), if it keeps one
     handoff: bool = False             # in a cluster: pauses leave a handoff (handoff.py)
     metrics: Metrics = dataclasses.field(default_factory=Metrics)  # the service's (node.py)
     locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)

@@ -96,7 +96,7 @@ async def _create(ctx: Context, req: CreateRequest) -> SandboxInfo:
             timeout_s=req.timeout_s, auto_pause=req.auto_pause, auto_resume=req.auto_resume,
             metadata=req.metadata, env_vars=req.env_vars, network=req.network,
             secure=req.secure, parent_id=None, op="created",
-            auto_pause_memory=req.auto_pause_memory)
+            auto_pause_memory=req.auto_pause_memory, warm=True)
         await templates.count_spawn(ctx, tmpl.id)
         return info
     source = await resolve_template(ctx, req.template_id)
@@ -108,7 +108,7 @@ async def _create(ctx: Context, req: CreateRequest) -> SandboxInfo:
             timeout_s=req.timeout_s, auto_pause=req.auto_pause, auto_resume=req.auto_resume,
             metadata=req.metadata, env_vars=req.env_vars, network=req.network,
             secure=req.secure, parent_id=None, op="created",
-            auto_pause_memory=req.auto_pause_memory)
+            auto_pause_memory=req.auto_pause_memory, warm=True)
 
     try:
         return await create_from(source)
@@ -171,13 +171,16 @@ async def new_sandbox(ctx: Context, source: SnapshotRecord, *, template_id: str,
                       alias: str | None, timeout_s: int, auto_pause: bool, auto_resume: bool,
                       metadata: dict[str, str], env_vars: dict[str, str],
                       network: NetworkConfig, secure: bool, parent_id: str | None,
-                      op: str, auto_pause_memory: bool = True) -> SandboxInfo:
+                      op: str, auto_pause_memory: bool = True,
+                      warm: bool = False) -> SandboxInfo:
     """Persist `creating`, start from `source`, /init envd (with the guest defaults of
-    the template or sandbox `source` was made from), then `running` (or killed)."""
+    the template or sandbox `source` was made from), then `running` (or killed). `warm`:
+    a create from a template, which may continue a warm VM (warm.py) under its id."""
     ref = snapshot_ref(source)
     held_token = source.spec.get("envd_token")
     guest = snapshot_guest(source)
-    sandbox_id = ids.new_sandbox_id()
+    taken = ctx.warm.take(ref, network) if warm and ctx.warm is not None else None
+    sandbox_id = taken or ids.new_sandbox_id()
     bind_sandbox(sandbox_id)  # for the log records of the rest of this (create or fork) task
     # A snapshot taken after an /init keeps that token inside envd: the new sandbox
     # must get its own token then, or it would answer to the source's.
@@ -196,13 +199,22 @@ async def new_sandbox(ctx: Context, source: SnapshotRecord, *, template_id: str,
                  **({"guest": guest} if guest else {})},
         parent_id=parent_id)
     async with ctx.lock(sandbox_id):
-        await ctx.db(ctx.store.insert_sandbox, rec,
-                     event={"op": "create", "source": source.id})
+        try:
+            await ctx.db(ctx.store.insert_sandbox, rec,
+                         event={"op": "create", "source": source.id})
+        except BaseException:
+            if taken:
+                with contextlib.suppress(Exception):
+                    await ctx.runtime.kill(sandbox_id)
+            raise
         try:
             async with ctx.admission.start(sandbox_id, ref.machine.memory_mb,
                                            ctx.vm_holders):
                 placement = await ctx.runtime.start(sandbox_id, ref, network)
         except Exception as exc:
+            if taken:  # refused before it reached its warm VM, which must not linger
+                with contextlib.suppress(Exception):
+                    await ctx.runtime.kill(sandbox_id)
             await ctx.db(ctx.store.transition, sandbox_id, {S.CREATING}, S.KILLED,
                          event={"op": "create_failed", "error": str(exc)})
             raise start_failed(f"starting sandbox {sandbox_id} failed: {exc}", exc) from exc

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from host.contract import MachineSpec, NetworkConfig, SandboxRuntime
+from host.hostmem import node_available_mib
 from host.metrics import Metrics
 
 from . import (
@@ -70,6 +71,7 @@ from .states import SandboxState
 from .store import Store
 from .template_store import TemplateStore
 from .ttl import TtlLoop
+from .warm import WarmPool
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -84,7 +86,9 @@ class NodeOrchestrator:
     after. The store and the runtime belong to the caller. `files_dir` holds the uploaded
     COPY archives of template builds (default: `template-files` next to the database).
     `metrics`: the service's (operations are timed there, and it reads the sandboxes by
-    state from the store at each scrape); by default one of its own.
+    state from the store at each scrape); by default one of its own. `warm_pool`: how
+    many VMs of the template creates came from last are kept restored for the next
+    creates (warm.py; 0: none).
     """
 
     def __init__(self, store: Store, runtime: SandboxRuntime, *, domain: str | None = None,
@@ -96,7 +100,8 @@ class NodeOrchestrator:
                  files_dir: Path | None = None, builtin_cache: Path | None = None,
                  admission: AdmissionPolicy | None = None,
                  pressure: PressurePolicy | None = None,
-                 metrics: Metrics | None = None, handoff: bool = False) -> None:
+                 metrics: Metrics | None = None, handoff: bool = False,
+                 warm_pool: int = 0) -> None:
         self.domain = domain
         # the host-side inputs of built-in templates (pip trees, archives): like the
         # kernel and image, reusable across state dirs
@@ -127,6 +132,8 @@ class NodeOrchestrator:
         self._ttl: TtlLoop | None = None
         self._pressure_policy = pressure
         self.pressure: PressureGuard | None = None
+        self.warm = WarmPool(self._ctx, warm_pool, room=self._room_for_warm)
+        self._ctx.warm = self.warm
         self._closed = False
 
     # ---- lifecycle of the orchestrator -------------------------------------------------
@@ -152,6 +159,7 @@ class NodeOrchestrator:
             await self._ttl.aclose()
         if self.pressure is not None:
             await self.pressure.aclose()
+        await self.warm.aclose()
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=grace_s)
             for task in pending:
@@ -249,6 +257,16 @@ class NodeOrchestrator:
 
     async def pause_for_memory(self, sandbox_id: str) -> None:
         await pausing.pause(self._ctx, sandbox_id, memory=True)
+
+    async def release_spare(self) -> int:
+        """Release the warm VMs (warm.py) before any sandbox is paused for memory."""
+        return await self.warm.drain()
+
+    def _room_for_warm(self, memory_mb: int) -> bool:
+        """A warm VM is restored only while the node keeps well clear of memory pressure."""
+        floor = (self._pressure_policy.high_mib if self._pressure_policy is not None
+                 else self._ctx.admission.policy.reserve_mib)
+        return node_available_mib() - min(memory_mb, 256) > floor
 
     # ---- pause / resume (pausing.py) ---------------------------------------------------
 

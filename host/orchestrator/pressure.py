@@ -7,7 +7,8 @@ service) at random. Instead, every tick the guard reads what the node has left
 (`host.hostmem.node_available_mib`: the host's MemAvailable, or what the service's memory
 cgroup leaves, whichever is less); below `low_mib` it pauses running sandboxes, coldest first
 (longest since a request reached them through the proxy, or since they started), one at
-a time until `high_mib` is available again. A paused sandbox keeps everything (memory
+a time until `high_mib` is available again (warm VMs, which are no sandboxes yet, go
+first: warm.py). A paused sandbox keeps everything (memory
 and disk) and resumes on its next request, like a TTL pause. Admission (admission.py)
 refuses new starts from the same number before they could push the node there.
 
@@ -51,6 +52,10 @@ class PressureOwner(Protocol):
         """Pause a running sandbox (memory + disk); OrchestratorError if it cannot."""
         ...
 
+    async def release_spare(self) -> int:
+        """Release what holds memory for work not yet asked for (warm VMs); how many."""
+        ...
+
 
 class PressureGuard:
     def __init__(self, owner: PressureOwner, policy: PressurePolicy | None = None, *,
@@ -80,6 +85,9 @@ class PressureGuard:
         available = await asyncio.to_thread(self.available_mib)
         if available >= p.low_mib:
             return []
+        if await self.owner.release_spare():
+            available = await asyncio.to_thread(self.available_mib)
+            log.warning("memory pressure: released the warm VMs; %d MiB available", available)
         paused: list[str] = []
         for sid in await self.owner.coldest_running():
             if available >= p.high_mib:

@@ -16,7 +16,6 @@ from host.vmm.driver import Vm, VmSpec
 from . import snapshots
 from .parts import NodeParts, build_stack
 from .sandbox import RunningSandbox
-from .snapshots import release
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +70,7 @@ async def salvage(p: NodeParts, sandbox_id: str, facts: dict[str, Any],
     except Exception:
         log.exception("sandbox %s: keeping its disk failed", sandbox_id)
         if p.sandboxes.get(sandbox_id) is sb:
-            await release(p, sb)
+            await p.release(sb)
         return None
     log.info("sandbox %s: its VM was gone; its disk is kept as snapshot %s", sandbox_id,
              snapshot_id)
@@ -95,7 +94,7 @@ async def kill(p: NodeParts, sandbox_id: str) -> None:
         return
     async with sb.lock:
         if p.sandboxes.get(sandbox_id) is sb:
-            await release(p, sb)
+            await p.release(sb)
 
 
 async def reap_orphans(p: NodeParts, known: set[str]) -> list[str]:

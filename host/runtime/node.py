@@ -193,11 +193,13 @@ class NodeRuntime:
         return await builds.build(self.parts, spec, log)
 
     async def start(self, sandbox_id: str, snapshot: SnapshotRef, network: NetworkConfig, *,
-                    reboot: bool = False) -> Placement:
+                    reboot: bool = False, hold: bool = False) -> Placement:
         """Restore `snapshot` (memory and disk) into a new VM; `reboot`, or a filesystem-only
-        snapshot, cold-boots its disk instead (processes and memory are not kept)."""
+        snapshot, cold-boots its disk instead (processes and memory are not kept). `hold`:
+        restore, then stop its vCPUs until a start of the same id continues it."""
         self._check_open()
-        return await starts.start(self.parts, sandbox_id, snapshot, network, reboot=reboot)
+        return await starts.start(self.parts, sandbox_id, snapshot, network, reboot=reboot,
+                                  hold=hold)
 
     async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool,
                        memory: bool = True) -> SnapshotRef:
@@ -212,7 +214,7 @@ class NodeRuntime:
 
     def exited(self) -> list[str]:
         return [sid for sid, sb in self.parts.sandboxes.items()
-                if not sb.lock.locked() and not sb.vm.alive()]
+                if not sb.held and not sb.lock.locked() and not sb.vm.alive()]
 
     async def adopt(self, sandbox_id: str, facts: dict[str, Any]) -> Placement | None:
         self._check_open()

@@ -63,6 +63,15 @@ class NodeParts:
             return False
         return True
 
+    async def release(self, sb: RunningSandbox) -> None:
+        """Forget the sandbox and release its VM, network and stack."""
+        self.sandboxes.pop(sb.sandbox_id, None)
+        mx = self.machines
+        await mx.release_vm(sb.vm)
+        await mx.drop_net(sb.sandbox_id)
+        with contextlib.suppress(Exception):
+            await mx.drop_stack(sb.stack)
+
     async def trim_memory(self) -> None:
         await self.memory.trim(self.pinned_memory, self.committed)
 

@@ -58,6 +58,8 @@ class RunningSandbox:
     boot: dict[str, Any] = field(default_factory=dict)  # image, kernel, cmdline it runs
     vmm: dict[str, Any] | None = None  # VmmIdentity it runs under (None: not known)
     memory_sha256: dict[str, str] = field(default_factory=dict)  # of the files it maps
+    # restored for a create that has not come yet, its vCPUs stopped (starts.start(hold=True))
+    held: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     timings: dict[str, float] = field(default_factory=dict)
 

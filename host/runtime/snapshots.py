@@ -124,7 +124,7 @@ async def _snapshot(p: NodeParts, sb: RunningSandbox, snapshot_id: str, *, stop:
              snapshot_id, "pause" if stop else "live", timings["total_s"] * 1e3,
              stages(timings), int(timings.get("diff_pages", 0)))
     if stop:
-        await release(p, sb)
+        await p.release(sb)
     else:
         sb.base_dir, sb.memsnap_dir = new_base, new_memsnap
         sb.snapshot_id = snapshot_id
@@ -144,7 +144,7 @@ async def _after_failure(p: NodeParts, sb: RunningSandbox, *, stop: bool) -> Non
             dead = True
     if dead:
         log.warning("sandbox %s: the VM died during a snapshot: releasing it", sb.sandbox_id)
-        await release(p, sb)
+        await p.release(sb)
 
 
 async def _incremental(p: NodeParts, sb: RunningSandbox, root: Path, seal: Seal, stop: bool,
@@ -179,16 +179,6 @@ async def _freeze(p: NodeParts, sb: RunningSandbox, root: Path, seal: Seal,
     mem = p.memory
     return ({"base_dir": mem.rel(base.dir), "base_id": base.id, "snapshot_dir": None,
              "devstate": mem.rel(base.template_path), "files": []}, base.dir)
-
-
-async def release(p: NodeParts, sb: RunningSandbox) -> None:
-    """Forget the sandbox and release its VM, network and stack."""
-    p.sandboxes.pop(sb.sandbox_id, None)
-    mx = p.machines
-    await mx.release_vm(sb.vm)
-    await mx.drop_net(sb.sandbox_id)
-    with contextlib.suppress(Exception):
-        await mx.drop_stack(sb.stack)
 
 
 async def delete(p: NodeParts, snapshot_id: str) -> None:

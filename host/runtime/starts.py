@@ -40,7 +40,11 @@ def stages(timings: dict[str, float]) -> str:
 
 
 async def start(p: NodeParts, sandbox_id: str, snapshot: SnapshotRef, network: NetworkConfig,
-                *, reboot: bool) -> Placement:
+                *, reboot: bool, hold: bool = False) -> Placement:
+    if not (hold or reboot):
+        warm = await _continue_held(p, sandbox_id, snapshot, network)
+        if warm is not None:
+            return warm
     if sandbox_id in p.sandboxes or sandbox_id in p.busy:
         raise NodeRuntimeError(f"sandbox {sandbox_id} already exists on this node")
     p.busy.add(sandbox_id)
@@ -51,6 +55,9 @@ async def start(p: NodeParts, sandbox_id: str, snapshot: SnapshotRef, network: N
                 f"snapshot {snapshot.snapshot_id} was taken with {m.get('network_mode')} "
                 f"networking; this node runs {p.machines.mode}")
         restore = not reboot and m.get("memory") is not None
+        if hold and not restore:
+            raise NodeRuntimeError(f"only a restore can be held (snapshot "
+                                   f"{snapshot.snapshot_id} is booted)")
         # A restore's memory dirs are pinned from before their fetch until the sandbox is
         # live (its VM's dirs pin them then): another start's trim must not evict them.
         with p.memory.pin(p.memory.needed(m) if restore else ()):
@@ -58,14 +65,57 @@ async def start(p: NodeParts, sandbox_id: str, snapshot: SnapshotRef, network: N
                 sb = await _restore(p, sandbox_id, snapshot.snapshot_id, m, network)
             else:
                 sb = await _boot(p, sandbox_id, snapshot.snapshot_id, m, network)
+            if hold:
+                try:
+                    await sb.vm.pause()
+                except BaseException:
+                    await p.machines.unprovision(sandbox_id, sb.vm)
+                    raise
+                sb.held = True
             p.sandboxes[sandbox_id] = sb
         p.last_timings = sb.timings
         log.info("sandbox %s %s from %s in %.0f ms: %s", sandbox_id,
-                 "restored" if sb.base_dir is not None else "booted", snapshot.snapshot_id,
-                 sb.timings.get("total_s", 0.0) * 1e3, stages(sb.timings))
+                 ("restored" if sb.base_dir is not None else "booted") + (" (held)" if hold else ""),
+                 snapshot.snapshot_id, sb.timings.get("total_s", 0.0) * 1e3, stages(sb.timings))
     finally:
         p.busy.discard(sandbox_id)
     await p.trim_memory()
+    return sb.placement()
+
+
+async def _continue_held(p: NodeParts, sid: str, snapshot: SnapshotRef,
+                         network: NetworkConfig) -> Placement | None:
+    """Continue the VM a `hold` start left stopped for `sid` (restored, envd answered once:
+    its guest code is translated and its network is up). None: there is none, or it is
+    not usable any more (another snapshot, or it died): it is released and the caller
+    starts as usual."""
+    sb = p.sandboxes.get(sid)
+    if sb is None or not sb.held:
+        return None
+    t0 = time.perf_counter()
+    async with sb.lock:
+        if p.sandboxes.get(sid) is not sb or not sb.held:
+            return None
+        try:
+            if sb.snapshot_id != snapshot.snapshot_id or not sb.vm.alive():
+                raise NodeRuntimeError("held VM unusable")
+            if policy_of(network) != sb.policy:
+                nm = p.machines.nm
+                if sb.mode == "netns" and nm is not None:
+                    await nm.update_policy(sid, policy_of(network))
+                sb.policy = policy_of(network)
+            await sb.vm.resume()
+        except Exception as exc:  # noqa: BLE001 - whatever went wrong, a fresh start follows
+            log.warning("sandbox %s: its held VM cannot be continued (%s): starting anew",
+                        sid, exc)
+            await p.release(sb)
+            return None
+        sb.held = False
+    sb.timings = {"continue_held_s": time.perf_counter() - t0,
+                  "total_s": time.perf_counter() - t0}
+    p.last_timings = sb.timings
+    log.info("sandbox %s continued from %s (held) in %.0f ms", sid, snapshot.snapshot_id,
+             sb.timings["total_s"] * 1e3)
     return sb.placement()
 
 

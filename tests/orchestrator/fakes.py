@@ -43,6 +43,7 @@ class FakeRuntime:
         self.reboots: list[str] = []  # sandboxes cold-booted (filesystem-only resume)
         self.memory_flags: list[bool] = []  # `memory` of each snapshot call
         self.dead: set[str] = set()  # VMs that "exited by themselves" (exited())
+        self.warm: set[str] = set()  # held VMs (start(hold=True)) not continued yet
         self.build_specs: list[BuildSpec] = []  # every build() call's spec, in order
         self.disks: set[str] = set()  # dead sandboxes whose disk survived (salvage())
         # handoff documents (the repository's, shared by the nodes of a cluster test:
@@ -113,16 +114,22 @@ class FakeRuntime:
         return ref
 
     async def start(self, sandbox_id: str, snapshot: SnapshotRef, network: NetworkConfig, *,
-                    reboot: bool = False) -> Placement:
+                    reboot: bool = False, hold: bool = False) -> Placement:
         self.calls.append(("start", (sandbox_id, snapshot.snapshot_id)))
         cold = reboot or snapshot.facts.get("memory", True) is None
         await self._step("start", sandbox_id)
+        if sandbox_id in self.warm and not hold:  # continue its held VM
+            self.warm.discard(sandbox_id)
+            if self.vms[sandbox_id].facts.get("from") == snapshot.snapshot_id:
+                return self.vms[sandbox_id]
         if snapshot.snapshot_id not in self.snapshots:
             raise RuntimeFailure(f"no snapshot {snapshot.snapshot_id}")
         n = next(self._n)
         p = Placement(sandbox_id=sandbox_id, envd_host=f"10.9.{n // 250}.{n % 250 + 1}",
                       envd_port=49983, facts={"vm": n, "from": snapshot.snapshot_id})
         self.vms[sandbox_id] = p
+        if hold:
+            self.warm.add(sandbox_id)
         self.dead.discard(sandbox_id)  # a new VM
         if cold:
             self.reboots.append(sandbox_id)
@@ -156,6 +163,7 @@ class FakeRuntime:
         self.calls.append(("kill", (sandbox_id,)))
         await self._step("kill", sandbox_id)
         self.vms.pop(sandbox_id, None)
+        self.warm.discard(sandbox_id)
 
     async def adopt(self, sandbox_id: str, facts: dict[str, Any]) -> Placement | None:
         self.calls.append(("adopt", (sandbox_id,)))
