@@ -25,6 +25,7 @@ cold boot (spawn -> envd answers), both from bench/bench_boot.py. Samples go to 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -104,6 +105,31 @@ def newest_snapshot_stats(state: Path, since: float) -> dict[str, float]:
 def proc_cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def ksmd_cpu_s() -> float:
+    """CPU seconds of the kernel's ksmd thread (0 where there is none)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            if stat.read_text().split(" ", 2)[1] == "(ksmd)":
+                return proc_cpu_s(int(stat.parent.name))
+    return 0.0
+
+
+def ksm_settle(max_s: float = 900.0) -> None:
+    """Until ksmd has scanned everything twice since now (merging takes two scans: a page
+    must look the same in both), and what it shares stopped growing."""
+    d = Path("/sys/kernel/mm/ksm")
+    scans0, t0 = int((d / "full_scans").read_text()), time.monotonic()
+    last = -1
+    while time.monotonic() - t0 < max_s:
+        time.sleep(10)
+        scans = int((d / "full_scans").read_text()) - scans0
+        sharing = int((d / "pages_sharing").read_text())
+        print(f"  ksm: {scans} full scans, {sharing} pages shared", flush=True)
+        if scans >= 2 and sharing <= last * 1.01:
+            return
+        last = sharing
 
 
 def pss_kib(pid: int) -> int:
@@ -258,12 +284,16 @@ class Bench:
                 if (i + 1) % 10 == 0 or i + 1 == n:
                     print(f"  idle: {i + 1}/{n} created", flush=True)
             time.sleep(self.args.settle)
+            if self.args.ksm:
+                ksm_settle()
             pids = vmm_pids(self.svc, {b.sandbox_id for b in boxes})
             cpu0 = {pid: proc_cpu_s(pid) for pid in pids}
+            ksmd0 = ksmd_cpu_s()
             t0 = time.perf_counter()
             time.sleep(self.args.window)
             wall = time.perf_counter() - t0
             cpu = [(proc_cpu_s(pid) - cpu0[pid]) / wall * 100 for pid in pids]
+            ksmd = (ksmd_cpu_s() - ksmd0) / wall * 100
             pss = sum(pss_kib(pid) for pid in pids) * 1024
             code = sum(tcg_code_kib(pid) for pid in pids) * 1024
             promised = len(pids) * self.args.mem_mib * MIB
@@ -272,13 +302,17 @@ class Bench:
                 "idle_tcg_code_bytes": code, "idle_overcommit_without_tcg": promised / (pss - code),
                 "idle_overcommit": promised / pss, "idle_cpu_pct": cpu,
                 "idle_cpu_pct_each": statistics.median(cpu),
-                "idle_cpu_cores_total": sum(cpu) / 100,
+                "idle_cpu_cores_total": sum(cpu) / 100, "idle_ksm": self.args.ksm,
+                "idle_ksmd_cpu_pct": ksmd,
             })
             print(f"  idle {len(pids)}: PSS {pss / MIB:.0f} MiB for {promised / MIB:.0f} MiB "
                   f"promised ({promised / pss:.1f}x), CPU p50 {statistics.median(cpu):.2f}% "
                   f"each, {sum(cpu) / 100:.2f} cores in all", flush=True)
             print(f"    of which TCG's translated code {code / MIB:.0f} MiB: without it "
                   f"(as under KVM) {promised / (pss - code):.1f}x", flush=True)
+            if self.args.ksm:
+                print(f"    KSM on: ksmd used {ksmd:.2f}% of a core "
+                      f"({ksmd / len(pids):.3f}% per sandbox)", flush=True)
 
             loop = self.run_loop(boxes[0], self.args.seconds)
             self.res.update({"run_loop_s": loop, "run_loop_p50_s": statistics.median(loop),
@@ -358,6 +392,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=15.0, help="length of each run loop")
     ap.add_argument("--anchors", type=int, default=3, help="cold boots (0: none)")
     ap.add_argument("--only", default="lifecycle,fork,density")
+    ap.add_argument("--ksm", action="store_true",
+                    help="the service's --ksm (ksmd merges VMs' identical pages); the "
+                         "density rows wait for it to settle and report its CPU")
     ap.add_argument("--warm-pool", type=int, default=1,
                     help="the service's --warm-pool (1, its default; 0: every create restores)")
     ap.add_argument("--json", type=Path, default=REPO / "out/bench/density.json")
@@ -372,6 +409,8 @@ def main() -> int:
     svc = E2EService(root, pool="10.216.48.0/20", tag="adens")
     svc.memory_mb = args.mem_mib
     svc.warm_pool = args.warm_pool
+    if args.ksm:
+        svc.extra.append("--ksm")
     try:
         svc.start()
         print(f"  template build + first create: {build_template(svc):6.2f} s", flush=True)

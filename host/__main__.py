@@ -57,7 +57,7 @@ async def open_runtime(cfg: Config, metrics: Metrics | None = None) -> Any:
                                    jailer_gid=cfg.jailer_gid,
                                    network_prefix=cfg.network_prefix,
                                    network_pool=cfg.network_pool,
-                                   envd_timeout_s=cfg.envd_timeout_s,
+                                   envd_timeout_s=cfg.envd_timeout_s, ksm=cfg.ksm,
                                    registry_mirror=cfg.registry_mirror,
                                    insecure_registries=cfg.insecure_registries),
                      metrics=metrics)

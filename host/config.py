@@ -40,6 +40,10 @@
     AENV_WARM_POOL   --warm-pool    1                 VMs of the template creates came from last
                                                       kept restored (stopped) for the next creates
                                                       (0: none)
+    AENV_KSM         --ksm / --no-ksm off            start ksmd and let it merge the VMs'
+                                                      identical pages (more sandboxes per GiB;
+                                                      off: merged pages are a side channel
+                                                      between the guests sharing them)
     AENV_CLUSTER_REDIS --cluster-redis -              redis://... : join a cluster (host/cluster):
                                                       heartbeat capacity and sandboxes into it
     AENV_NODE_ID     --node-id      <host name>       this node's id in the cluster
@@ -113,6 +117,7 @@ class Config:
     memory_reserve_mib: int = 1024
     memory_pressure_mib: int = 768
     warm_pool: int = 1
+    ksm: bool = False
     cluster_redis: str | None = None
     node_id: str | None = None
     advertise_url: str | None = None
@@ -206,6 +211,8 @@ def _parser() -> argparse.ArgumentParser:
                         "(0: never)")
     p.add_argument("--warm-pool", type=int,
                    help="VMs kept restored for the next creates from a template (0: none)")
+    p.add_argument("--ksm", action=argparse.BooleanOptionalAction, default=None,
+                   help="start ksmd and let it merge the VMs' identical pages")
     p.add_argument("--cluster-redis", help="join the cluster whose store is this Redis URL")
     p.add_argument("--node-id", help="this node's id in the cluster (default: host name)")
     p.add_argument("--advertise-url", help="this node's API URL for the gateway")
@@ -240,7 +247,7 @@ _ENV: dict[str, tuple[str, type]] = {
     "max_starts": ("AENV_MAX_STARTS", int), "max_sandboxes": ("AENV_MAX_SANDBOXES", int),
     "memory_reserve_mib": ("AENV_MEMORY_RESERVE_MIB", int),
     "memory_pressure_mib": ("AENV_MEMORY_PRESSURE_MIB", int),
-    "warm_pool": ("AENV_WARM_POOL", int),
+    "warm_pool": ("AENV_WARM_POOL", int), "ksm": ("AENV_KSM", bool),
     "cluster_redis": ("AENV_CLUSTER_REDIS", str), "node_id": ("AENV_NODE_ID", str),
     "advertise_url": ("AENV_ADVERTISE_URL", str),
     "advertise_proxy_url": ("AENV_ADVERTISE_PROXY_URL", str),

@@ -77,3 +77,38 @@ def node_available_mib() -> int:
     host = mem_available_mib()
     cg = cgroup_available_mib()
     return host if cg is None else min(host, cg)
+
+
+KSM_DIR = Path("/sys/kernel/mm/ksm")
+
+
+class KsmSwitch:
+    """The host's same-page merging daemon (`--ksm`): VMs restored from one template hold
+    many identical private pages (the kernel and envd dirtied the same way after every
+    restore); ksmd merges them. Host-wide, so the service turns it on only when asked and
+    turns it back off at exit only if it was the one to turn it on. Off by default:
+    merged pages are a timing side channel between the guests that share them."""
+
+    def __init__(self, d: Path = KSM_DIR) -> None:
+        self.run = d / "run"
+        self._turned_on = False
+
+    def enable(self) -> str:
+        """Start ksmd if it is stopped; what happened, for the log."""
+        try:
+            state = self.run.read_text().strip()
+            if state == "1":
+                return "KSM: ksmd was already running"
+            self.run.write_text("1\n")
+        except OSError as exc:
+            return f"KSM unavailable ({exc}): guest pages are not merged"
+        self._turned_on = True
+        return f"KSM: started ksmd ({self.run} was {state})"
+
+    def restore(self) -> None:
+        if self._turned_on:
+            self._turned_on = False
+            try:
+                self.run.write_text("0\n")
+            except OSError:
+                pass

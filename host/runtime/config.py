@@ -46,6 +46,7 @@ class RuntimeConfig:
     jailer_uid: int = 0
     jailer_gid: int = 0
     vms_survive_service: bool = True
+    ksm: bool = False  # ksmd merges VMs' identical pages (host.hostmem.KsmSwitch)
     max_chain: int = 8  # memory diff chain length before a pause writes a cumulative diff
     envd_timeout_s: float = 60.0  # restore -> envd /health
     boot_timeout_s: float = 240.0  # cold boot (template build) -> envd /health

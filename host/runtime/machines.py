@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from host.hostmem import KsmSwitch
 from host.network import (
     NetworkError,
     NetworkManager,
@@ -59,7 +60,7 @@ def make_driver(cfg: RuntimeConfig) -> VmmDriver:
     kw: dict[str, Any] = {"run_dir": cfg.vms_dir, "die_with_parent": not cfg.vms_survive_service,
                           "qemu": cfg.qemu, "firecracker": cfg.firecracker,
                           "jailer": cfg.jailer, "jailer_uid": cfg.jailer_uid,
-                          "jailer_gid": cfg.jailer_gid}
+                          "jailer_gid": cfg.jailer_gid, "ksm": cfg.ksm}
     try:
         return pick_driver(None if cfg.vmm == "auto" else cfg.vmm, **kw)
     except VmmError as exc:
@@ -73,10 +74,13 @@ class Machines:
         self.driver: VmmDriver | None = None
         self.nm: NetworkManager | None = None
         self.mode = "user"
+        self.ksm = KsmSwitch()
 
     async def open(self) -> None:
         cfg = self.config
         self.driver = make_driver(cfg)
+        if cfg.ksm:
+            log.info("%s", await asyncio.to_thread(self.ksm.enable))
         if cfg.network in ("auto", "netns"):
             nm = NetworkManager(NetworkManagerConfig(pool=cfg.network_pool,
                                                      prefix=cfg.network_prefix))
@@ -95,6 +99,7 @@ class Machines:
         log.info("VMM driver: %s; networking: %s", self.driver.name, self.mode)
 
     async def close_networks(self, *, keep: bool) -> None:
+        await asyncio.to_thread(self.ksm.restore)
         if self.nm is not None:
             with contextlib.suppress(NetworkError):
                 await self.nm.aclose(keep_networks=keep)

@@ -69,9 +69,11 @@ class QemuDriver(DriverBase["QemuVm"]):
         run_dir: Path | None = None,
         die_with_parent: bool = True,
         tcg_tb_mib: int | None = None,
+        ksm: bool = False,
     ) -> None:
         super().__init__(run_dir=run_dir or default_run_dir(), die_with_parent=die_with_parent)
         self.qemu = qemu
+        self.ksm = ksm  # VMs' memory may be merged by ksmd (`--ksm`)
         self._accel = accel
         # $AENV_TCG_TB_MIB: the TCG code buffer per VM (0: QEMU's default, 1 GiB)
         self.tcg_tb_mib = (tcg_tb_mib if tcg_tb_mib is not None
@@ -221,8 +223,11 @@ class QemuVm(VmBase):
             self.argv = build_argv(self._spec, files=self.files, accel=self.accel,
                                    tsc_khz=tsc_khz, host_port=self._host_port,
                                    incoming=incoming, qemu=self._driver.qemu,
-                                   tcg_tb_mib=self._driver.tcg_tb_mib)
+                                   tcg_tb_mib=self._driver.tcg_tb_mib,
+                                   merge=self._driver.ksm)
             procs.no_huge_pages_for_children()
+            if self._driver.ksm:
+                procs.merge_memory_of_children()
             await self._spawn()
             try:
                 await self._connect_qmp()

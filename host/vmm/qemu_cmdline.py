@@ -112,8 +112,10 @@ def build_argv(
     incoming: bool = False,
     qemu: str = "qemu-system-x86_64",
     tcg_tb_mib: int = TCG_TB_MIB,
+    merge: bool = False,
 ) -> list[str]:
     """The full argv (including an `ip netns exec` prefix for a TAP in a netns).
+    `merge`: guest RAM may be merged by KSM (`--ksm`).
 
     `host_port` is the concrete host port for `UserNet` (the driver picks it when the spec
     leaves it open). `incoming=True` starts QEMU waiting for `migrate-incoming` (restore).
@@ -144,9 +146,12 @@ def build_argv(
         argv += ["-initrd", str(spec.initrd)]
     if spec.memory is not None:
         share = "on" if spec.memory.shared else "off"
-        # merge=off: KSM-merged pages would count as private in memory diffs (memsnap).
+        # merge=on (--ksm): ksmd may merge the pages a guest copied on write with other
+        # guests' identical ones; they stay anonymous, so memory diffs (memsnap) see the
+        # same private pages either way
         argv += ["-object", (f"memory-backend-file,id=mem0,size={spec.mem_mib}M,"
-                             f"mem-path={qopt(spec.memory.path)},share={share},merge=off")]
+                             f"mem-path={qopt(spec.memory.path)},share={share},"
+                             f"merge={'on' if merge else 'off'}")]
     for i, disk in enumerate(spec.disks):
         argv += _disk_args(i, disk)
     net = spec.network
@@ -183,6 +188,7 @@ def config_digest(spec: VmSpec, *, accel: str, tsc_khz: int | None, qemu: str,
                  else spec.network),
         memory=MemoryBacking(path=Path("/MEM"), shared=False) if mem is not None else None,
         name="vm")
+    # merge= left at off: whether ksmd may merge guest RAM is the host's business too
     argv = build_argv(canon, files=QemuRunFiles.in_dir(Path("/WORK")), accel=accel,
                       tsc_khz=tsc_khz, host_port=0, incoming=True, qemu=qemu,
                       tcg_tb_mib=tcg_tb_mib)

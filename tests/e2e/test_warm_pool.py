@@ -3,13 +3,15 @@ the template, the service restores one more VM and holds it stopped; the next cr
 continues that VM under its sandbox id instead of restoring one. The sandbox it becomes
 is a full sandbox (its own disk, envd token, env vars, network), the held VM is no
 sandbox (not listed), and nothing is left once the sandboxes are killed and the
-service stops. Its own service: the session one keeps no warm VMs."""
+service stops. Its own service (the session one keeps no warm VMs), started with
+`--ksm` too: its VMs' memory is marked for ksmd, which it starts and stops again."""
 
 from __future__ import annotations
 
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -17,14 +19,18 @@ from .conftest import E2EService, private_service, use_sdk
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow]
 
+KSM_RUN = Path("/sys/kernel/mm/ksm/run")
 HELD = re.compile(r"sandbox (\w+) restored \(held\) from")  # one line per held VM
 
 
 @pytest.fixture(scope="module")
 def warm() -> Iterator[E2EService]:
+    ksm_run = KSM_RUN.read_text() if KSM_RUN.exists() else None
     with private_service("aewarm", prefix="aewarm-", pool="10.216.112.0/20",
-                         extra=["--warm-pool", "1"]) as s:
+                         extra=["--warm-pool", "1", "--ksm"]) as s:
         yield s
+    if ksm_run is not None:  # the service put ksmd back as it found it
+        assert KSM_RUN.read_text() == ksm_run
 
 
 def held_ids(s: E2EService) -> list[str]:
@@ -40,6 +46,20 @@ def wait_held(s: E2EService, n: int) -> list[str]:
             return ids
         time.sleep(0.2)
     raise AssertionError(f"no {n}th held VM: {s.log()}")
+
+
+def test_ksm_may_merge_vm_memory(warm: E2EService) -> None:
+    if not KSM_RUN.exists():
+        pytest.skip("this kernel has no KSM (/sys/kernel/mm/ksm)")
+    assert KSM_RUN.read_text().strip() == "1"  # ksmd runs
+    (held,) = wait_held(warm, 1)[:1]
+    pid = next(p for p, cmd in warm.qemu_pids().items() if f"/vms/{held}/" in cmd)
+    stat = Path(f"/proc/{pid}/ksm_stat")
+    if stat.exists():  # Linux 6.x: the whole process (heap, libraries' pages) may merge
+        assert "ksm_merge_any: yes" in stat.read_text()
+    # and its guest RAM, which QEMU marks itself (merge=on): VmFlags "mg"
+    ram = Path(f"/proc/{pid}/smaps").read_text().split("base.mem")[1].split("VmFlags:")[1]
+    assert " mg" in ram.splitlines()[0]
 
 
 def test_a_create_continues_the_held_vm(warm: E2EService,

@@ -124,6 +124,19 @@ def test_tcg_code_buffer_is_bounded_and_not_part_of_the_digest() -> None:
         config_digest(spec, accel="tcg", tsc_khz=None, qemu="q", tcg_tb_mib=256)
 
 
+def test_ksm_marks_guest_ram_mergeable_outside_the_digest() -> None:
+    spec = VmSpec(kernel=Path("/k"), mem_mib=256, network=None,
+                  memory=MemoryBacking(path=Path("/snap/mem"), shared=False))
+    merged = _opt(build_argv(spec, files=FILES, accel="tcg", tsc_khz=None, merge=True),
+                  "-object")
+    assert merged == [("memory-backend-file,id=mem0,size=256M,mem-path=/snap/mem,share=off,"
+                       "merge=on")]
+    # snapshots taken with --ksm restore without it and back: one digest
+    from host.vmm.qemu import QemuDriver
+    on, off = QemuDriver(accel="tcg", ksm=True), QemuDriver(accel="tcg")
+    assert on.config_digest(spec) == off.config_digest(spec)
+
+
 def test_qopt_escapes_commas() -> None:
     assert qopt("a,b,,c") == "a,,b,,,,c"
 
