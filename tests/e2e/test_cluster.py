@@ -39,7 +39,8 @@ def cluster() -> Iterator[LocalCluster]:
     c = LocalCluster(nodes=NODES, prefix="act", subnet="10.251", pool_base=236,
                      gateway_port=free_port(), scheduler_port=free_port(),
                      redis_port=free_port(),
-                     node_args=["--memory-mb", "256", "--envd-timeout", "240"])
+                     node_args=["--memory-mb", "256", "--envd-timeout", "240",
+                                "--warm-pool", "0"])
     c.start()
     try:
         yield c
