@@ -36,7 +36,7 @@ def test_basic_tcg_argv() -> None:
     assert _opt(argv, "-display") == ["none"]
     assert _opt(argv, "-kernel") == ["/k/vmlinux"]
     assert _opt(argv, "-append") == [
-        "console=ttyS0 panic=-1 tsc_early_khz=2596118 tsc=reliable root=/dev/vda"]
+        "console=ttyS0 panic=-1 tsc_early_khz=2596118 tsc=reliable norandmaps root=/dev/vda"]
     assert _opt(argv, "-chardev") == ["file,id=ser0,path=/w/serial.log"]
     assert _opt(argv, "-serial") == ["chardev:ser0"]
     assert _opt(argv, "-qmp") == ["unix:/w/qmp.sock,server=on,wait=off"]
@@ -103,11 +103,13 @@ def test_user_net_needs_concrete_port() -> None:
 
 
 @pytest.mark.parametrize(("base", "expected"), [
-    ("", "console=ttyS0 panic=-1 tsc_early_khz=1000 tsc=reliable"),
-    ("console=hvc0 panic=5 quiet", "tsc_early_khz=1000 tsc=reliable console=hvc0 panic=5 quiet"),
+    ("", "console=ttyS0 panic=-1 tsc_early_khz=1000 tsc=reliable norandmaps"),
+    ("console=hvc0 panic=5 quiet",
+     "tsc_early_khz=1000 tsc=reliable norandmaps console=hvc0 panic=5 quiet"),
     ("tsc_early_khz=7 init=/sbin/init",
-     "console=ttyS0 panic=-1 tsc=reliable tsc_early_khz=7 init=/sbin/init"),
-    ("tsc=unstable", "console=ttyS0 panic=-1 tsc_early_khz=1000 tsc=unstable"),
+     "console=ttyS0 panic=-1 tsc=reliable norandmaps tsc_early_khz=7 init=/sbin/init"),
+    ("tsc=unstable", "console=ttyS0 panic=-1 tsc_early_khz=1000 norandmaps tsc=unstable"),
+    ("norandmaps", "console=ttyS0 panic=-1 tsc_early_khz=1000 tsc=reliable norandmaps"),
 ])
 def test_guest_cmdline_adds_only_missing(base: str, expected: str) -> None:
     assert guest_cmdline(base, accel="tcg", tsc_khz=1000) == expected
