@@ -178,7 +178,8 @@ class SandboxRuntime(Protocol):
     async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool,
                        memory: bool = True) -> SnapshotRef:
         """Snapshot a running sandbox, complete and durable before returning. stop=True is
-        pause: the VM, its network and its local runtime files are released. stop=False:
+        pause: the VM and its local runtime files are released, its network and disk stack
+        right after (a start or kill of the same id waits for that). stop=False:
         the VM continues (fork, named snapshots). memory=False (with stop=True): the disk
         only, a filesystem-only pause (`facts["memory"]` is None)."""
         ...

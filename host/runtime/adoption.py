@@ -88,6 +88,7 @@ async def adopt_networks(p: NodeParts) -> None:
 
 
 async def kill(p: NodeParts, sandbox_id: str) -> None:
+    await p.settle(sandbox_id)  # a pause's teardown still running: let it finish first
     sb = p.sandboxes.get(sandbox_id)
     if sb is None:
         await p.machines.release_leftovers(sandbox_id, None)
@@ -98,6 +99,7 @@ async def kill(p: NodeParts, sandbox_id: str) -> None:
 
 
 async def reap_orphans(p: NodeParts, known: set[str]) -> list[str]:
+    await p.settle()
     reaped: set[str] = set()
     for sid in list(p.sandboxes):
         if sid not in known:

@@ -106,6 +106,7 @@ class NodeRuntime:
     async def aclose(self, *, stop_block_server: bool = False) -> None:
         """Release node resources; running VMs (and their networks, stacks and the block
         server) are left running for adoption, unless `stop_block_server`."""
+        await self.parts.settle()
         if self._watchdog is not None:
             self._watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -122,6 +123,7 @@ class NodeRuntime:
 
     async def shutdown(self) -> None:
         """Kill every sandbox, remove networks and stop the block server (tests, drain)."""
+        await self.parts.settle()
         for sid in list(self.parts.sandboxes):
             with contextlib.suppress(NodeRuntimeError, StorageError, NetworkError):
                 await self.kill(sid)

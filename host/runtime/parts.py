@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ class NodeParts:
     busy: set[str] = field(default_factory=set)      # sandbox ids being started
     building: set[str] = field(default_factory=set)  # template ids being built
     last_timings: dict[str, float] = field(default_factory=dict)
+    # network + stack teardowns left running after a pause (release(wait=False))
+    teardowns: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
     def get(self, sandbox_id: str) -> RunningSandbox:
         try:
@@ -63,14 +66,34 @@ class NodeParts:
             return False
         return True
 
-    async def release(self, sb: RunningSandbox) -> None:
-        """Forget the sandbox and release its VM, network and stack."""
+    async def release(self, sb: RunningSandbox, *, wait: bool = True) -> None:
+        """Forget the sandbox and release its VM, network and stack. `wait=False` (a
+        pause, whose snapshot is committed): returns once the VM is gone (its memory is
+        free) and leaves the network and the stack to a task that `settle` awaits (a
+        start of the same id does)."""
         self.sandboxes.pop(sb.sandbox_id, None)
-        mx = self.machines
-        await mx.release_vm(sb.vm)
-        await mx.drop_net(sb.sandbox_id)
+        await self.machines.release_vm(sb.vm)
+        if wait:
+            await self._teardown(sb.sandbox_id, sb.stack)
+            return
+        sid = sb.sandbox_id
+        task = asyncio.get_running_loop().create_task(self._teardown(sid, sb.stack),
+                                                      name=f"teardown-{sid}")
+        self.teardowns[sid] = task
+        task.add_done_callback(
+            lambda t: self.teardowns.pop(sid) if self.teardowns.get(sid) is t else None)
+
+    async def _teardown(self, sid: str, stack: str) -> None:
+        await self.machines.drop_net(sid)  # logs what it could not remove
         with contextlib.suppress(Exception):
-            await mx.drop_stack(sb.stack)
+            await self.machines.drop_stack(stack)
+
+    async def settle(self, sandbox_id: str | None = None) -> None:
+        """Until the teardowns left by `release(wait=False)` (of one sandbox, or all) end."""
+        tasks = ([self.teardowns[sandbox_id]] if sandbox_id in self.teardowns
+                 else [] if sandbox_id is not None else list(self.teardowns.values()))
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def trim_memory(self) -> None:
         await self.memory.trim(self.pinned_memory, self.committed)

@@ -123,8 +123,8 @@ async def _snapshot(p: NodeParts, sb: RunningSandbox, snapshot_id: str, *, stop:
     log.info("sandbox %s: snapshot %s (%s) in %.0f ms: %s; %d memory pages", sb.sandbox_id,
              snapshot_id, "pause" if stop else "live", timings["total_s"] * 1e3,
              stages(timings), int(timings.get("diff_pages", 0)))
-    if stop:
-        await p.release(sb)
+    if stop:  # committed: the network and stack go after the caller has its answer
+        await p.release(sb, wait=False)
     else:
         sb.base_dir, sb.memsnap_dir = new_base, new_memsnap
         sb.snapshot_id = snapshot_id

@@ -41,6 +41,7 @@ def stages(timings: dict[str, float]) -> str:
 
 async def start(p: NodeParts, sandbox_id: str, snapshot: SnapshotRef, network: NetworkConfig,
                 *, reboot: bool, hold: bool = False) -> Placement:
+    await p.settle(sandbox_id)  # a pause's teardown of this id's network and stack
     if not (hold or reboot):
         warm = await _continue_held(p, sandbox_id, snapshot, network)
         if warm is not None:

@@ -65,16 +65,18 @@ def netns_names() -> list[str]:
 
 
 async def assert_gone(rt: NodeRuntime, sid: str) -> None:
-    """Nothing of sandbox `sid` is left: no VM dir, no QEMU, no stack, no namespace."""
+    """Nothing of sandbox `sid` is left: no VM dir, no QEMU (at once), no stack, no
+    namespace (once a pause's teardown of them, which a start of `sid` waits for, ended)."""
     assert sid not in rt.sandboxes
     assert not (rt.config.vms_dir / sid).exists()
-    stacks = [i.name for i in await rt.block.client.list()]
-    assert f"sbx-{sid}" not in stacks
-    assert f"{rt.config.network_prefix}{sid}" not in netns_names()
     ps = (await asyncio.to_thread(
         subprocess.run, ["pgrep", "-f", str(rt.config.vms_dir / sid) + "/"],
         capture_output=True, text=True, check=False)).stdout
     assert ps.strip() == ""
+    await rt.parts.settle(sid)
+    stacks = [i.name for i in await rt.block.client.list()]
+    assert f"sbx-{sid}" not in stacks
+    assert f"{rt.config.network_prefix}{sid}" not in netns_names()
 
 
 def pss_kib(pid: int) -> tuple[int, int]:
