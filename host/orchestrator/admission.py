@@ -39,6 +39,11 @@ class AdmissionPolicy:
     reserve_mib: int = 1024         # never start a VM that would leave less available
     first_touch_mib: int = 64       # what a restored sandbox needs at once, at least
 
+    def need_mib(self, memory_mb: int) -> int:
+        """What a restored sandbox of `memory_mb` touches at first (its RAM is otherwise
+        overcommitted: copy-on-write of its snapshot)."""
+        return max(self.first_touch_mib, min(memory_mb, self.first_touch_mib * 4))
+
 
 class Admission:
     def __init__(self, policy: AdmissionPolicy | None = None, *,
@@ -73,7 +78,7 @@ class Admission:
                 f"this node runs its maximum of {p.max_sandboxes} sandboxes; kill or pause "
                 f"one, or retry later (sandbox {sandbox_id} was not started)",
                 retry_after_s=RETRY_AFTER_S)
-        need = max(p.first_touch_mib, min(memory_mb, p.first_touch_mib * 4))
+        need = p.need_mib(memory_mb)
         available = self._available_mib()
         if available - need < p.reserve_mib:
             raise CapacityExceeded(

@@ -198,23 +198,27 @@ async def new_sandbox(ctx: Context, source: SnapshotRecord, *, template_id: str,
                                          {"auto_pause_memory": False}),
                  **({"guest": guest} if guest else {})},
         parent_id=parent_id)
+
+    async def drop_taken() -> None:
+        """A create that fails before its start continued the warm VM it took: that VM
+        must not linger (it has no record that recovery would find)."""
+        if taken:
+            with contextlib.suppress(Exception):
+                await ctx.runtime.kill(sandbox_id)
+
     async with ctx.lock(sandbox_id):
         try:
             await ctx.db(ctx.store.insert_sandbox, rec,
                          event={"op": "create", "source": source.id})
         except BaseException:
-            if taken:
-                with contextlib.suppress(Exception):
-                    await ctx.runtime.kill(sandbox_id)
+            await drop_taken()
             raise
         try:
             async with ctx.admission.start(sandbox_id, ref.machine.memory_mb,
                                            ctx.vm_holders):
                 placement = await ctx.runtime.start(sandbox_id, ref, network)
         except Exception as exc:
-            if taken:  # refused before it reached its warm VM, which must not linger
-                with contextlib.suppress(Exception):
-                    await ctx.runtime.kill(sandbox_id)
+            await drop_taken()
             await ctx.db(ctx.store.transition, sandbox_id, {S.CREATING}, S.KILLED,
                          event={"op": "create_failed", "error": str(exc)})
             raise start_failed(f"starting sandbox {sandbox_id} failed: {exc}", exc) from exc

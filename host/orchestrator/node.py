@@ -264,9 +264,10 @@ class NodeOrchestrator:
 
     def _room_for_warm(self, memory_mb: int) -> bool:
         """A warm VM is restored only while the node keeps well clear of memory pressure."""
+        admission = self._ctx.admission.policy
         floor = (self._pressure_policy.high_mib if self._pressure_policy is not None
-                 else self._ctx.admission.policy.reserve_mib)
-        return node_available_mib() - min(memory_mb, 256) > floor
+                 else admission.reserve_mib)
+        return node_available_mib() - admission.need_mib(memory_mb) > floor
 
     # ---- pause / resume (pausing.py) ---------------------------------------------------
 

@@ -98,11 +98,13 @@ class Machines:
                                    "user-mode networking): run as root with nftables")
         log.info("VMM driver: %s; networking: %s", self.driver.name, self.mode)
 
-    async def close_networks(self, *, keep: bool) -> None:
+    async def close(self, *, keep_networks: bool) -> None:
+        """Put ksmd back as `open` found it; close the network manager (its networks stay
+        with `keep_networks`, for VMs a later service adopts)."""
         await asyncio.to_thread(self.ksm.restore)
         if self.nm is not None:
             with contextlib.suppress(NetworkError):
-                await self.nm.aclose(keep_networks=keep)
+                await self.nm.aclose(keep_networks=keep_networks)
             self.nm = None
 
     @property

@@ -116,7 +116,7 @@ class NodeRuntime:
             with contextlib.suppress(VmmError):  # a VM that died meanwhile: nothing to keep
                 await sb.vm.detach()
         self.parts.sandboxes.clear()
-        await self.parts.machines.close_networks(keep=True)
+        await self.parts.machines.close(keep_networks=True)
         if stop_block_server:
             await self.block.stop()
         self._open = False
@@ -127,7 +127,7 @@ class NodeRuntime:
         for sid in list(self.parts.sandboxes):
             with contextlib.suppress(NodeRuntimeError, StorageError, NetworkError):
                 await self.kill(sid)
-        await self.parts.machines.close_networks(keep=False)
+        await self.parts.machines.close(keep_networks=False)
         await self.aclose(stop_block_server=True)
 
     async def detach(self, sandbox_id: str) -> dict[str, Any]:

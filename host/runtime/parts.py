@@ -90,10 +90,11 @@ class NodeParts:
 
     async def settle(self, sandbox_id: str | None = None) -> None:
         """Until the teardowns left by `release(wait=False)` (of one sandbox, or all) end."""
-        tasks = ([self.teardowns[sandbox_id]] if sandbox_id in self.teardowns
-                 else [] if sandbox_id is not None else list(self.teardowns.values()))
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        if sandbox_id is None:
+            tasks = list(self.teardowns.values())
+        else:
+            tasks = [t for t in (self.teardowns.get(sandbox_id),) if t is not None]
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def trim_memory(self) -> None:
         await self.memory.trim(self.pinned_memory, self.committed)

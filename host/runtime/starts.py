@@ -88,8 +88,8 @@ async def _continue_held(p: NodeParts, sid: str, snapshot: SnapshotRef,
                          network: NetworkConfig) -> Placement | None:
     """Continue the VM a `hold` start left stopped for `sid` (restored, envd answered once:
     its guest code is translated and its network is up). None: there is none, or it is
-    not usable any more (another snapshot, or it died): it is released and the caller
-    starts as usual."""
+    not usable for this start (another snapshot or network policy, or it died): it is
+    released and the caller starts as usual."""
     sb = p.sandboxes.get(sid)
     if sb is None or not sb.held:
         return None
@@ -98,13 +98,9 @@ async def _continue_held(p: NodeParts, sid: str, snapshot: SnapshotRef,
         if p.sandboxes.get(sid) is not sb or not sb.held:
             return None
         try:
-            if sb.snapshot_id != snapshot.snapshot_id or not sb.vm.alive():
+            if (sb.snapshot_id != snapshot.snapshot_id or policy_of(network) != sb.policy
+                    or not sb.vm.alive()):
                 raise NodeRuntimeError("held VM unusable")
-            if policy_of(network) != sb.policy:
-                nm = p.machines.nm
-                if sb.mode == "netns" and nm is not None:
-                    await nm.update_policy(sid, policy_of(network))
-                sb.policy = policy_of(network)
             await sb.vm.resume()
         except Exception as exc:  # noqa: BLE001 - whatever went wrong, a fresh start follows
             log.warning("sandbox %s: its held VM cannot be continued (%s): starting anew",

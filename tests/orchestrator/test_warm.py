@@ -7,6 +7,8 @@ real thing: tests/e2e/test_warm_pool.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -24,6 +26,21 @@ on_loop = pytest.mark.asyncio(loop_scope="function")
 def make(store, rt, envd, size: int = 1) -> NodeOrchestrator:
     return NodeOrchestrator(store, rt, domain="sbx.test", warm_pool=size,
                             envd=EnvdClient(transport=envd.transport()))
+
+
+@contextlib.asynccontextmanager
+async def one_warm(store, rt, envd) -> AsyncIterator[tuple[NodeOrchestrator, str, str]]:
+    """A started orchestrator with `--warm-pool 1` after its first create: (it, the first
+    sandbox's id, the warm VM's id restored behind it); closed afterwards."""
+    o = make(store, rt, envd)
+    await o.start(ttl_interval_s=3600)
+    try:
+        first = await o.create(CreateRequest())
+        await settled(o)
+        (warm,) = o.warm.ready
+        yield o, first.sandbox_id, warm
+    finally:
+        await o.aclose()
 
 
 async def settled(o: NodeOrchestrator) -> None:
@@ -67,46 +84,27 @@ async def test_a_create_continues_a_warm_vm_and_the_pool_refills(store, rt, envd
 
 @on_loop
 async def test_only_default_network_creates_take_a_warm_vm(store, rt, envd) -> None:
-    o = make(store, rt, envd)
-    await o.start(ttl_interval_s=3600)
-    try:
-        await o.create(CreateRequest())
-        await settled(o)
-        (warm,) = o.warm.ready
+    async with one_warm(store, rt, envd) as (o, _, warm):
         closed = await o.create(CreateRequest(network=NetworkConfig(allow_internet_access=False)))
         assert closed.sandbox_id != warm and o.warm.ready == [warm]
         taken = await o.create(CreateRequest())
         assert taken.sandbox_id == warm
-    finally:
-        await o.aclose()
 
 
 @on_loop
 async def test_a_refused_create_does_not_leave_its_warm_vm(store, rt, envd) -> None:
-    o = make(store, rt, envd)
-    await o.start(ttl_interval_s=3600)
-    try:
-        await o.create(CreateRequest())
-        await settled(o)
-        (warm,) = o.warm.ready
+    async with one_warm(store, rt, envd) as (o, _, warm):
         rt.fail["start"] = lambda sid: sid == warm
         with pytest.raises(Exception, match="injected"):
             await o.create(CreateRequest())
         rt.fail.clear()
         assert warm not in rt.vms and warm not in rt.warm
         assert store.get_sandbox(warm).state is S.KILLED
-    finally:
-        await o.aclose()
 
 
 @on_loop
 async def test_memory_pressure_releases_warm_vms_before_pausing(store, rt, envd) -> None:
-    o = make(store, rt, envd)
-    await o.start(ttl_interval_s=3600)
-    try:
-        running = await o.create(CreateRequest())
-        await settled(o)
-        (warm,) = o.warm.ready
+    async with one_warm(store, rt, envd) as (o, running, warm):
         available = {"mib": 900}
 
         async def released() -> int:  # a warm VM gives its memory back
@@ -119,6 +117,4 @@ async def test_memory_pressure_releases_warm_vms_before_pausing(store, rt, envd)
                               available_mib=lambda: available["mib"])
         assert await guard.tick() == []  # the warm VM went; no sandbox had to be paused
         assert warm not in rt.vms and o.warm.ready == []
-        assert store.get_sandbox(running.sandbox_id).state is S.RUNNING
-    finally:
-        await o.aclose()
+        assert store.get_sandbox(running).state is S.RUNNING
