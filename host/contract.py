@@ -222,16 +222,18 @@ class SandboxRuntime(Protocol):
 
     async def delete_snapshot(self, snapshot_id: str) -> None: ...
 
-    # Handoffs (cluster): a paused sandbox's record, kept in the repository next to its
-    # snapshot so that another node sharing the repository can take the sandbox over.
-    # (Optional: a runtime without them serves a node that is not in a cluster.)
-    async def put_handoff(self, sandbox_id: str, doc: dict[str, Any]) -> None: ...
+    # Shared documents (cluster): small JSON records kept in the repository next to the
+    # snapshots, so that every node sharing the repository reads them: a paused sandbox's
+    # handoff (orchestrator/handoff.py), the template catalog (orchestrator/catalog.py).
+    # Names: letters, digits and `-_.%:`, no `/`. (Optional: a runtime without them
+    # serves a node that is not in a cluster.)
+    async def put_document(self, name: str, doc: dict[str, Any]) -> None: ...
 
-    async def get_handoff(self, sandbox_id: str) -> dict[str, Any] | None:
+    async def get_document(self, name: str) -> dict[str, Any] | None:
         """The document, or None when there is none (or it was deleted)."""
         ...
 
-    async def delete_handoff(self, sandbox_id: str) -> None: ...
+    async def delete_document(self, name: str) -> None: ...
 
     async def console_log(self, sandbox_id: str, limit: int = 1000) -> list[str]:
         """The tail of the guest's serial console."""

@@ -206,6 +206,18 @@ class Registry:
             if await self.store.redis.get(key) == owner:
                 await self.store.redis.delete(key)
 
+    # --- templates: which node built one (a hint; gateway/templates.py) -----------------
+
+    async def template_home(self, ref: str) -> str | None:
+        """The node that built the template `ref` (an id or a name), as last seen."""
+        async with redis_errors("reading a template's node"):
+            node = await self.store.redis.get(self.keys.template(ref))
+        return str(node) if node else None
+
+    async def set_template_home(self, refs: Sequence[str], node_id: str) -> None:
+        async with redis_errors("recording a template's node"):
+            await self.store.redis.mset({self.keys.template(r): node_id for r in refs})
+
     async def next_turn(self) -> int:
         async with redis_errors("taking a round-robin turn"):
             return int(await self.store.redis.incr(self.keys.round_robin))

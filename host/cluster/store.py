@@ -63,6 +63,9 @@ class Keys:
     def moving(self, sandbox_id: str) -> str:
         return f"{self.prefix}sandbox:{sandbox_id}:moving"
 
+    def template(self, ref: str) -> str:
+        return f"{self.prefix}template:{ref}"
+
     @property
     def round_robin(self) -> str:
         return f"{self.prefix}rr"

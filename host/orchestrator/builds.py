@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from host.contract import BuildFailed, BuildSpec, BuildStep, MachineSpec, SnapshotRef
 
-from . import ids, lifecycle, template_files, templates
+from . import catalog, ids, lifecycle, template_files, templates
 from .build_log import BuildLogBuffer, page
 from .context import Context
 from .errors import (
@@ -237,6 +237,7 @@ async def _succeed(ctx: Context, build: BuildRecord, ref: SnapshotRef,
                          envd_version=str(ref.facts.get("envd_version") or ENVD_VERSION))
     if done:
         await templates.orphan_untagged(ctx, build.template_id)
+        await catalog.publish_template(ctx, build.template_id)
     else:  # the template went away meanwhile: nobody can use the result
         await templates.orphan_snapshots(ctx, [ref.snapshot_id])
 

@@ -2,7 +2,7 @@
 
 A node in a cluster (`NodeOrchestrator(handoff=True)`) writes, after every pause, the
 sandbox's record and its pause snapshot's record into the repository
-(`runtime.put_handoff`); the snapshot itself is there already. Another node sharing the
+(`runtime.put_document`, named `handoff-<id>`); the snapshot itself is there already. Another node sharing the
 repository `adopt`s the sandbox when the cluster sends its resume there (its node is
 gone): the records enter that node's store as a paused sandbox, in one transaction, and
 `connect` resumes it as any other. The document is withdrawn when the sandbox resumes or
@@ -33,6 +33,11 @@ VERSION = 1
 PORTABLE_RUNTIME = ("guest", "pause_mode", "auto_pause_memory", "origin")
 
 
+def name(sandbox_id: str) -> str:
+    """The shared document's name."""
+    return f"handoff-{sandbox_id}"
+
+
 def document(rec: SandboxRecord, snap: SnapshotRecord) -> dict[str, Any]:
     sandbox = dataclasses.asdict(rec)
     sandbox["state"] = rec.state.value
@@ -59,7 +64,7 @@ async def publish(ctx: Context, sandbox_id: str) -> None:
         if rec.state is not S.PAUSED or rec.snapshot_id is None:
             return
         snap = await ctx.db(ctx.store.get_snapshot, rec.snapshot_id)
-        await ctx.runtime.put_handoff(sandbox_id, document(rec, snap))
+        await ctx.runtime.put_document(name(sandbox_id), document(rec, snap))
     except Exception:
         log.exception("sandbox %s: writing its handoff document failed; it can resume "
                       "only on this node", sandbox_id)
@@ -70,7 +75,7 @@ async def withdraw(ctx: Context, sandbox_id: str) -> None:
     if not ctx.handoff:
         return
     try:
-        await ctx.runtime.delete_handoff(sandbox_id)
+        await ctx.runtime.delete_document(name(sandbox_id))
     except Exception:  # left behind, an adopt after this node died would resume that pause
         log.exception("sandbox %s: removing its handoff document failed", sandbox_id)
 
@@ -86,7 +91,7 @@ async def adopt(ctx: Context, sandbox_id: str) -> SandboxInfo:
             pass
         else:
             return sandbox_info(rec, now=ctx.clock())
-        doc = await ctx.runtime.get_handoff(sandbox_id)
+        doc = await ctx.runtime.get_document(name(sandbox_id))
         if doc is None:
             raise SandboxNotFound(sandbox_id)
         rec, snap = records(doc)

@@ -19,7 +19,7 @@ import logging
 from host.contract import NetworkConfig
 from host.metrics import bind_sandbox
 
-from . import handoff, ids, snapshots, templates
+from . import catalog, handoff, ids, snapshots, templates
 from .context import Context, observed
 from .errors import (
     IdempotencyMismatch,
@@ -126,9 +126,13 @@ async def resolve_template(ctx: Context, template_id: str) -> SnapshotRecord:
     for candidate in (tid, f"{tid}:default"):
         with contextlib.suppress(SnapshotNotFound):
             snap = await ctx.db(ctx.store.get_snapshot, candidate)
-            if snap.kind in ("template", "named"):
+            if snap.kind in ("template", "named") and await catalog.still_named(ctx, snap):
                 return snap
     if tid != ctx.default_template:
+        for candidate in (tid, f"{tid}:default"):   # another node's, in a cluster
+            found = await catalog.find_named(ctx, candidate)
+            if found is not None:
+                return found
         raise SnapshotNotFound(template_id)
     lock = ctx.template_locks.setdefault(tid, asyncio.Lock())
     async with lock:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from host.contract import SnapshotRef
 
-from . import ids
+from . import catalog, ids
 from .context import Context, observed
 from .errors import AliasConflict, InvalidRequest, OperationFailed, SnapshotNotFound
 from .model import SnapshotInfo
@@ -43,6 +43,7 @@ async def _snapshot(ctx: Context, sandbox_id: str, public_id: str,
         await ctx.db(ctx.store.transition, sandbox_id, {S.SNAPSHOTTING}, S.RUNNING,
                      event={"op": "snapshot", "snapshot_id": public_id},
                      runtime=with_runtime(rec, pending=None))
+    await catalog.publish_named(ctx, snap)
     return snapshot_info(snap)
 
 
@@ -66,7 +67,9 @@ async def live_snapshot(ctx: Context, rec: SandboxRecord, via: S, store_id: str 
 
 async def list_snapshots(ctx: Context, sandbox_id: str | None,
                      name: str | None) -> Sequence[SnapshotInfo]:
-    snaps = await ctx.db(ctx.store.list_snapshots, sandbox_id=sandbox_id, kinds=["named"])
+    snaps = [s for s in await ctx.db(ctx.store.list_snapshots, sandbox_id=sandbox_id,
+                                      kinds=["named"])
+             if not catalog.is_foreign(s)]   # listed by their own node
     if name:
         snaps = [s for s in snaps
                  if name in (s.id, s.name) or s.id.startswith(f"{name}:")]
@@ -77,8 +80,10 @@ async def delete_snapshot(ctx: Context, snapshot_id: str) -> None:
     snap = await ctx.db(ctx.store.get_snapshot, snapshot_id)
     if snap.kind != "named":
         raise SnapshotNotFound(snapshot_id)
-    with contextlib.suppress(KeyError, LookupError):
-        await ctx.runtime.delete_snapshot(snapshot_ref(snap).snapshot_id)
+    if not catalog.is_foreign(snap):   # another node's: only this node's record goes
+        await catalog.withdraw_named(ctx, snap)
+        with contextlib.suppress(KeyError, LookupError):
+            await ctx.runtime.delete_snapshot(snapshot_ref(snap).snapshot_id)
     await ctx.db(ctx.store.delete_snapshot, snapshot_id)
 
 
@@ -106,7 +111,8 @@ async def collect_snapshots(ctx: Context) -> list[str]:
         if not victims:
             return deleted
         for snap in victims:
-            with contextlib.suppress(KeyError, LookupError):
-                await ctx.runtime.delete_snapshot(snapshot_ref(snap).snapshot_id)
+            if not catalog.is_foreign(snap):   # another node's files stay its own
+                with contextlib.suppress(KeyError, LookupError):
+                    await ctx.runtime.delete_snapshot(snapshot_ref(snap).snapshot_id)
             await ctx.db(ctx.store.delete_snapshot, snap.id)
             deleted.append(snap.id)

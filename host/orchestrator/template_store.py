@@ -225,6 +225,56 @@ class TemplateStore:
                            [(b.id,) for b in builds])
         return builds
 
+    def is_imported(self, template_id: str) -> bool:
+        """Whether every build of the template came from the cluster's catalog (none was
+        built here: orchestrator/catalog.py)."""
+        rows = self.store.select("SELECT spec FROM template_builds WHERE template_id = ?",
+                                 (template_id,))
+        return bool(rows) and all(json.loads(r["spec"]).get("imported") for r in rows)
+
+    def import_template(self, tmpl: TemplateRecord, builds: Sequence[BuildRecord],
+                        tags: Sequence[TagRecord]) -> bool:
+        """Replace this node's copy of another node's template with `tmpl` as the catalog
+        has it (in one transaction). False, and nothing changed, when a build of it was
+        made here (this node is its home) or the copy is as current already. An alias
+        another template of this node holds stays that template's."""
+        with self.store.transaction() as db:
+            own = [r for r in db.execute("SELECT spec, updated_at FROM template_builds "
+                                         "WHERE template_id = ?", (tmpl.id,))]
+            if any(not json.loads(r["spec"]).get("imported") for r in own):
+                return False
+            row = db.execute("SELECT updated_at FROM templates WHERE id = ?",
+                             (tmpl.id,)).fetchone()
+            have = {(t["tag"], t["build_id"]) for t in db.execute(
+                "SELECT tag, build_id FROM template_tags WHERE template_id = ?", (tmpl.id,))}
+            if row is not None and row["updated_at"] == tmpl.updated_at and \
+                    have == {(t.tag, t.build_id) for t in tags}:
+                return False
+            for table, column in (("template_aliases", "template_id"),
+                                  ("template_tags", "template_id"),
+                                  ("template_builds", "template_id"), ("templates", "id")):
+                db.execute(f"DELETE FROM {table} WHERE {column} = ?", (tmpl.id,))
+            db.execute("INSERT INTO templates (id, public, cpu_count, memory_mb, disk_mb, "
+                       "created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                       (tmpl.id, int(tmpl.public), tmpl.cpu_count, tmpl.memory_mb,
+                        tmpl.disk_mb, tmpl.created_at, tmpl.updated_at))
+            db.executemany("INSERT OR IGNORE INTO template_aliases VALUES (?, ?)",
+                           [(a, tmpl.id) for a in tmpl.aliases])
+            for b in builds:
+                db.execute(
+                    "INSERT OR REPLACE INTO template_builds (id, template_id, status, "
+                    "created_at, updated_at, finished_at, cpu_count, memory_mb, disk_mb, "
+                    "tags, reason, snapshot_id, guest, envd_version, spec) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    (b.id, tmpl.id, b.status, b.created_at, b.updated_at, b.finished_at,
+                     b.cpu_count, b.memory_mb, b.disk_mb, json.dumps(list(b.tags)),
+                     None if b.reason is None else json.dumps(b.reason), b.snapshot_id,
+                     None if b.guest is None else json.dumps(b.guest), b.envd_version,
+                     json.dumps(b.spec)))
+            db.executemany("INSERT OR REPLACE INTO template_tags VALUES (?, ?, ?, ?)",
+                           [(tmpl.id, t.tag, t.build_id, t.created_at) for t in tags])
+        return True
+
     def count_spawn(self, template_id: str, now: float) -> None:
         with self.store.transaction() as db:
             db.execute("UPDATE templates SET spawn_count = spawn_count + 1, "

@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import logging
 
-from . import snapshots
+from . import catalog, snapshots
 from .context import Context
 from .errors import InvalidRequest, SnapshotNotFound, TemplateNotFound
 from .model import BuildInfo, TemplateInfo, TemplateTag
@@ -31,14 +31,21 @@ log = logging.getLogger(__name__)
 
 async def lookup(ctx: Context, ref: str) -> tuple[TemplateRecord, str | None] | None:
     """(template, the tag `ref` names or None), or None when `ref` names no template."""
-    tmpl = await ctx.db(ctx.templates.find_template, ref)
+    tmpl = await _find(ctx, ref)
     if tmpl is not None:
         return tmpl, None
     name = lookup_name(ref)
     if name is None:
         return None
-    tmpl = await ctx.db(ctx.templates.find_template, name.alias)
+    tmpl = await _find(ctx, name.alias)
     return (tmpl, name.tag) if tmpl is not None else None
+
+
+async def _find(ctx: Context, ref: str) -> TemplateRecord | None:
+    """By id or alias: this node's, else the cluster's catalog's (catalog.py)."""
+    tmpl, released = await catalog.find_template(ctx, ref)
+    await orphan_snapshots(ctx, released)
+    return tmpl
 
 
 async def require(ctx: Context, ref: str) -> tuple[TemplateRecord, str | None]:
@@ -158,6 +165,7 @@ async def _delete_template(ctx: Context, ref: str) -> bool:
     if await ctx.db(ctx.templates.list_builds, tmpl.id, [BUILDING]):
         raise InvalidRequest(f"template '{ref}' has a build in progress")
     builds = await ctx.db(ctx.templates.delete_template, tmpl.id)
+    await catalog.withdraw_template(ctx, tmpl, builds)
     await orphan_snapshots(ctx, [b.snapshot_id for b in builds if b.status == READY and b.snapshot_id])
     return True
 
@@ -203,15 +211,14 @@ async def assign_tags(ctx: Context, target: str, tags: list[str]) -> tuple[str, 
     returns (build id, tags)."""
     name = parse_name(target)
     new = _tags(tags)
-    tmpl = await ctx.db(ctx.templates.find_template, name.alias)
-    if tmpl is None:
-        raise TemplateNotFound(f"Template '{name.alias}' not found")
+    tmpl = await _own(ctx, name.alias)
     source_tag = name.tag or DEFAULT_TAG
     t = await ctx.db(ctx.templates.tag, tmpl.id, source_tag)
     if t is None:
         raise TemplateNotFound(f"Template '{name.alias}' with tag '{source_tag}' not found")
     await ctx.db(ctx.templates.assign_tags, tmpl.id, t.build_id, new, ctx.clock())
     await orphan_untagged(ctx, tmpl.id)
+    await catalog.publish_template(ctx, tmpl.id)
     return t.build_id, new
 
 
@@ -222,15 +229,23 @@ async def remove_tags(ctx: Context, name_ref: str, tags: list[str]) -> None:
     gone = _tags(tags)
     if DEFAULT_TAG in gone:
         raise InvalidRequest(f"the '{DEFAULT_TAG}' tag cannot be removed")
-    tmpl = await ctx.db(ctx.templates.find_template, name.alias)
-    if tmpl is None:
-        raise TemplateNotFound(f"Template '{name.alias}' not found")
+    tmpl = await _own(ctx, name.alias)
     have = {t.tag for t in await ctx.db(ctx.templates.tags, tmpl.id)}
     missing = [t for t in gone if t not in have]
     if missing:
         raise TemplateNotFound(f"Template '{name.alias}' with tag '{missing[0]}' not found")
     await ctx.db(ctx.templates.remove_tags, tmpl.id, gone)
     await orphan_untagged(ctx, tmpl.id)
+    await catalog.publish_template(ctx, tmpl.id)
+
+
+async def _own(ctx: Context, alias: str) -> TemplateRecord:
+    """The template called `alias` that this node may change: not found (404) when it is
+    another node's copy (in a cluster, its home node moves its tags)."""
+    tmpl = await ctx.db(ctx.templates.find_template, alias)
+    if tmpl is None or await ctx.db(ctx.templates.is_imported, tmpl.id):
+        raise TemplateNotFound(f"Template '{alias}' not found")
+    return tmpl
 
 
 async def list_tags(ctx: Context, ref: str) -> list[TemplateTag]:

@@ -17,7 +17,6 @@ from host.storage.repository import PosixFsRepository, open_repository
 from .errors import SnapshotNotFoundError
 
 PREFIX = "snapshot-"
-HANDOFF_PREFIX = "handoff-"  # a paused sandbox's record for another node (orchestrator/handoff.py)
 VERSION = 2  # 2: memory paths relative to memory/, plus the `files` to fetch
 
 
@@ -37,7 +36,7 @@ class ManifestStore:
     async def delete(self, snapshot_id: str) -> None:
         await self.delete_doc(PREFIX + snapshot_id)
 
-    # --- any JSON document of the repository's manifest space (snapshots, handoffs) ---
+    # --- any JSON document of the repository's manifest space (snapshots, documents) ---
 
     async def put_doc(self, name: str, doc: dict[str, Any]) -> None:
         await asyncio.to_thread(self.repo.put_manifest, name, doc)

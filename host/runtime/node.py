@@ -43,7 +43,7 @@ from .blockd import BlockServerHandle
 from .config import RuntimeConfig
 from .errors import NodeRuntimeError, SnapshotNotFoundError
 from .machines import Machines
-from .manifests import HANDOFF_PREFIX, ManifestStore
+from .manifests import ManifestStore
 from .memory import MemoryFiles
 from .parts import NodeParts
 from .sandbox import policy_of
@@ -256,16 +256,16 @@ class NodeRuntime:
     async def delete_snapshot(self, snapshot_id: str) -> None:
         await snapshots.delete(self.parts, snapshot_id)
 
-    # --- handoffs: a paused sandbox's record, for another node of a cluster ----------
+    # --- shared documents: handoffs, the template catalog (for the other nodes) ------
 
-    async def put_handoff(self, sandbox_id: str, doc: dict[str, Any]) -> None:
-        await self.manifests.put_doc(HANDOFF_PREFIX + sandbox_id, doc)
+    async def put_document(self, name: str, doc: dict[str, Any]) -> None:
+        await self.manifests.put_doc(name, doc)
 
-    async def get_handoff(self, sandbox_id: str) -> dict[str, Any] | None:
-        return await self.manifests.get_doc(HANDOFF_PREFIX + sandbox_id)
+    async def get_document(self, name: str) -> dict[str, Any] | None:
+        return await self.manifests.get_doc(name)
 
-    async def delete_handoff(self, sandbox_id: str) -> None:
-        await self.manifests.delete_doc(HANDOFF_PREFIX + sandbox_id)
+    async def delete_document(self, name: str) -> None:
+        await self.manifests.delete_doc(name)
 
     async def console_log(self, sandbox_id: str, limit: int = 1000) -> list[str]:
         sb = self.parts.get(sandbox_id)

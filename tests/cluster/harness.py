@@ -169,7 +169,12 @@ class SharedRepository:
     handoff documents (one object for every node of a cluster, as one shared directory)."""
 
     snapshots: dict[str, Any] = field(default_factory=dict)
-    handoffs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    documents: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def handoffs(self) -> dict[str, dict[str, Any]]:
+        return {k.removeprefix("handoff-"): v for k, v in self.documents.items()
+                if k.startswith("handoff-")}
 
 
 class ClusterNode:
@@ -244,7 +249,7 @@ class ClusterNode:
         store = Store(self.state_dir / "state.db")
         runtime = LoopbackRuntime({49983: self.envd_port, USER_PORT: self.echo_port})
         runtime.snapshots = self.repository.snapshots   # the nodes share one repository
-        runtime.handoffs = self.repository.handoffs
+        runtime.documents = self.repository.documents
         orch = self.orch = NodeOrchestrator(
             store, runtime, domain=DOMAIN, envd=EnvdClient(transport=OpenEnvd().transport()),
             admission=AdmissionPolicy(max_sandboxes=self.max_sandboxes, reserve_mib=0),

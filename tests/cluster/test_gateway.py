@@ -140,8 +140,8 @@ def test_api_key_and_errors(cluster: Cluster) -> None:
         assert c.get("/nodes/nope").status_code == 404
         one = c.get("/nodes/node1").json()
         assert one["nodeID"] == "node1" and one["lostSandboxes"] == []
-        r = c.post("/v3/templates", json={"name": "x"})
-        assert r.status_code == 501 and r.json()["code"] == 501
+        r = c.get("/v3/templates/x")
+        assert r.status_code == 404 and r.json()["code"] == 404
         assert c.get("/nope").json() == {"code": 404, "message": "Not Found"}
 
 

@@ -234,23 +234,23 @@ def test_sandbox_traffic_and_refusals(make_cluster) -> None:
     assert g2.delta(g1, "aenv_gateway_sandbox_bytes_total", direction="out") == len(echoed)
 
     # the gateway's own refusals, by code: no key, an unknown sandbox's traffic, traffic
-    # naming no port, an unknown route, a template build
+    # naming no port, an unknown route, an unknown template route
     assert httpx.get(f"{gw}/nodes").status_code == 401
     r = httpx.get(f"{gw}/x", headers={"E2b-Sandbox-Id": "nosuch", "E2b-Sandbox-Port": "8000"})
     assert r.status_code == 502
     assert httpx.get(f"{gw}/x", headers={"E2b-Sandbox-Id": sid}).status_code == 400
     with api(cluster) as c:
         assert c.get("/nope").status_code == 404
-        assert c.post("/v3/templates", json={"name": "x"}).status_code == 501
+        assert c.get("/v3/templates/x").status_code == 404
         assert c.get(f"/sandboxes/{sid}").status_code == 200   # a node's answer: no error
         assert c.get("/v2/sandboxes").status_code == 200
     g3 = settled(gw, lambda p: p.delta(g2, "aenv_gateway_requests_total") == 7)
     assert g3.delta(g2, "aenv_gateway_errors_total") == 5
-    for code in ("unauthorized", "not_found", "bad_request", "not_implemented"):
-        want = 2 if code == "not_found" else 1   # the unknown sandbox, the unknown route
+    for code in ("unauthorized", "not_found", "bad_request"):
+        want = 3 if code == "not_found" else 1   # the unknown sandbox, the unknown routes
         assert g3.delta(g2, "aenv_gateway_errors_total", code=code) == want, code
-    assert g3.delta(g2, "aenv_gateway_requests_total", kind="api", status="4xx") == 2
-    assert g3.delta(g2, "aenv_gateway_requests_total", kind="api", status="5xx") == 1
+    assert g3.delta(g2, "aenv_gateway_requests_total", kind="api", status="4xx") == 3
+    assert g3.delta(g2, "aenv_gateway_requests_total", kind="api", status="5xx") == 0
     assert g3.delta(g2, "aenv_gateway_requests_total", kind="api", status="2xx") == 2
     assert g3.delta(g2, "aenv_gateway_requests_total", kind="sandbox-http", status="5xx") == 1
     assert g3.delta(g2, "aenv_gateway_requests_total", kind="sandbox-http", status="4xx") == 1

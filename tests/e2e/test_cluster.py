@@ -141,6 +141,51 @@ def test_sdk_flow_through_the_gateway(sdk: LocalCluster) -> None:
         assert h.get("/v2/sandboxes").json() == []
 
 
+def test_templates_and_snapshots_serve_every_node(sdk: LocalCluster, tmp_path) -> None:
+    """Template.build through the gateway runs on one node; sandboxes from the template,
+    and from a snapshot of one of them, start on every node (host/orchestrator/
+    catalog.py: imported from the shared repository on first use)."""
+    from e2b import Sandbox, Template
+
+    (tmp_path / "data.txt").write_text("copied in\n")
+    os.chmod(tmp_path / "data.txt", 0o644)
+    t = (Template(file_context_path=tmp_path).from_template("base")
+         .run_cmd("echo built > /home/user/mark").copy("data.txt", "/home/user/"))
+    t0 = time.monotonic()
+    info = Template.build(t, "cluster-tpl", on_build_logs=lambda e: None)
+    print(f"\ncluster: Template.build through the gateway {time.monotonic() - t0:.1f} s")
+    boxes: list = []
+    try:
+        t0 = time.monotonic()
+        boxes = [Sandbox.create(template="cluster-tpl", timeout=600) for _ in range(NODES)]
+        print(f"cluster: {NODES} creates from it {time.monotonic() - t0:.1f} s")
+        assert sorted(holder(sdk, b.sandbox_id) for b in boxes) == list(range(1, NODES + 1))
+        for b in boxes:
+            assert b.get_info().template_id == info.template_id
+            out = b.commands.run("cat /home/user/mark /home/user/data.txt").stdout
+            assert out.split() == ["built", "copied", "in"], out
+        boxes[0].files.write("/home/user/state.txt", "snapshotted")
+        snap = boxes[0].create_snapshot()
+        t0 = time.monotonic()
+        kids = [Sandbox.create(template=snap.snapshot_id, timeout=600) for _ in range(NODES)]
+        print(f"cluster: {NODES} creates from a snapshot {time.monotonic() - t0:.1f} s")
+        boxes += kids
+        assert sorted(holder(sdk, k.sandbox_id) for k in kids) == list(range(1, NODES + 1))
+        for k in kids:
+            assert k.files.read("/home/user/state.txt") == "snapshotted"
+        with api(sdk) as h:
+            r = h.delete("/templates/cluster-tpl")
+            assert r.status_code == 400 and "used by" in r.json()["message"], r.text
+    finally:
+        for b in boxes:
+            assert b.kill() is True
+    assert Sandbox.delete_snapshot(snap.snapshot_id) is True
+    with api(sdk) as h:
+        assert h.delete("/templates/cluster-tpl").status_code == 204
+        assert h.get("/templates").json() == []
+    assert not Template.exists("cluster-tpl")
+
+
 def test_js_sdk_through_the_gateway(cluster: LocalCluster) -> None:
     js = REPO / "tests" / "js"
     env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}

@@ -46,9 +46,9 @@ class FakeRuntime:
         self.warm: set[str] = set()  # held VMs (start(hold=True)) not continued yet
         self.build_specs: list[BuildSpec] = []  # every build() call's spec, in order
         self.disks: set[str] = set()  # dead sandboxes whose disk survived (salvage())
-        # handoff documents (the repository's, shared by the nodes of a cluster test:
+        # shared documents (the repository's, shared by the nodes of a cluster test:
         # give two runtimes the same dict, as they would share one repository)
-        self.handoffs: dict[str, dict[str, Any]] = {}
+        self.documents: dict[str, dict[str, Any]] = {}
         self._n = itertools.count(1)
 
     async def _step(self, op: str, sandbox_id: str) -> None:
@@ -202,15 +202,21 @@ class FakeRuntime:
         self.calls.append(("delete_snapshot", (snapshot_id,)))
         self.snapshots.pop(snapshot_id, None)
 
-    async def put_handoff(self, sandbox_id: str, doc: dict[str, Any]) -> None:
-        await self._step("put_handoff", sandbox_id)
-        self.handoffs[sandbox_id] = json.loads(json.dumps(doc))  # as stored: JSON only
+    async def put_document(self, name: str, doc: dict[str, Any]) -> None:
+        await self._step("put_document", name)
+        self.documents[name] = json.loads(json.dumps(doc))  # as stored: JSON only
 
-    async def get_handoff(self, sandbox_id: str) -> dict[str, Any] | None:
-        return self.handoffs.get(sandbox_id)
+    async def get_document(self, name: str) -> dict[str, Any] | None:
+        return self.documents.get(name)
 
-    async def delete_handoff(self, sandbox_id: str) -> None:
-        self.handoffs.pop(sandbox_id, None)
+    async def delete_document(self, name: str) -> None:
+        self.documents.pop(name, None)
+
+    @property
+    def handoffs(self) -> dict[str, dict[str, Any]]:
+        """The handoff documents by sandbox id (a view: the same inner dicts)."""
+        return {k.removeprefix("handoff-"): v for k, v in self.documents.items()
+                if k.startswith("handoff-")}
 
     async def console_log(self, sandbox_id: str, limit: int = 1000) -> list[str]:
         return [f"console of {sandbox_id}"]

@@ -39,7 +39,7 @@ async def nodes(tmp_path, rt, envd, clock):
     rt_b = FakeRuntime()
     rt_b.envd = envd
     rt_b.snapshots = rt.snapshots    # one repository
-    rt_b.handoffs = rt.handoffs
+    rt_b.documents = rt.documents
     rt_b._n = rt._n                   # distinct guest addresses on the two "nodes"
     a = await _node(tmp_path / "a.db", rt, envd, clock)
     b = await _node(tmp_path / "b.db", rt_b, envd, clock)
@@ -114,7 +114,7 @@ async def test_resume_and_kill_withdraw_the_handoff(nodes):
 async def test_a_failed_handoff_does_not_fail_the_pause(nodes):
     a, _, rt_a, _ = nodes
     sid = (await a.create(CreateRequest())).sandbox_id
-    rt_a.fail["put_handoff"] = lambda _: True
+    rt_a.fail["put_document"] = lambda _: True
     await a.pause(sid)
     assert (await a.get(sid)).state is S.PAUSED and rt_a.handoffs == {}
 

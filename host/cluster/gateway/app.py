@@ -50,7 +50,7 @@ from ..config import GatewayConfig
 from ..errors import ClusterError, SandboxLost, SandboxStranded, SandboxUnknown, error_reply
 from ..registry import Registry
 from ..store import DEFAULT_PREFIX, ClusterStore
-from . import listing, nodes, sandboxes
+from . import listing, nodes, sandboxes, templates
 from .context import GatewayContext
 from .forward import NodeClient
 from .metrics import GatewayMetrics, error_code
@@ -91,9 +91,7 @@ async def health(request: Request) -> Response:
 
 
 async def unsupported(request: Request) -> Response:
-    raise ApiError(501, "templates are built and kept per node in this version: use a "
-                        "node's API for template builds (the cluster gateway serves "
-                        "sandboxes and snapshots)")
+    raise ApiError(404, f"{request.method} {request.url.path} is not an E2B template route")
 
 
 def _metrics(request: Request) -> GatewayMetrics:
@@ -151,8 +149,15 @@ ROUTES = [
     Route("/sandboxes/{sandboxID}/{rest:path}", sandboxes.sandbox_call, methods=_ANY),
     Route("/v2/sandboxes/{sandboxID}/{rest:path}", sandboxes.sandbox_call, methods=_ANY),
     Route("/snapshots", listing.list_snapshots, methods=["GET"]),
-    Route("/templates/tags", unsupported, methods=_ANY),
-    Route("/templates/{templateID:path}", sandboxes.delete_template, methods=["DELETE"]),
+    # templates (templates.py); `path`: ids like aenv/app:v1 arrive decoded
+    Route("/v3/templates", templates.request_build, methods=["POST"]),
+    Route("/templates", templates.list_v1, methods=["GET"]),
+    Route("/v2/templates", templates.list_v2, methods=["GET"]),
+    Route("/templates/tags", templates.tags_call, methods=["POST", "DELETE"]),
+    Route("/template-files/{nodeID}/{hash}", templates.Upload(), methods=["PUT"]),
+    Route("/templates/{templateID:path}", templates.delete, methods=["DELETE"]),
+    Route("/templates/{templateID:path}", templates.template_call, methods=["GET"]),
+    Route("/v2/templates/{templateID:path}", templates.template_call, methods=["POST"]),
     *[Route(f"{prefix}{{rest:path}}", unsupported, methods=_ANY)
       for prefix in ("/templates", "/v2/templates", "/v3/templates", "/template-files")],
 ]

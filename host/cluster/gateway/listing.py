@@ -67,7 +67,7 @@ class _Unreachable(Exception):
     pass
 
 
-async def _get(nodes: NodeClient, node: NodeRecord, path: str, params: dict[str, str],
+async def get_page(nodes: NodeClient, node: NodeRecord, path: str, params: dict[str, str],
                request: Request) -> tuple[list[dict[str, Any]], str | None]:
     """One page from a node: (items, its X-Next-Token). A node's 4xx is the client's."""
     target = path + ("?" + urlencode(params) if params else "")
@@ -87,17 +87,17 @@ async def _get(nodes: NodeClient, node: NodeRecord, path: str, params: dict[str,
     return list(answer.json()), answer.header("x-next-token") or None
 
 
-async def _live(request: Request) -> list[NodeRecord]:
+async def live_nodes(request: Request) -> list[NodeRecord]:
     return [n for n in await ctx_of(request).registry.nodes() if n.alive]
 
 
-def _with_unreachable(response: Response, unreachable: Sequence[str]) -> Response:
+def with_unreachable(response: Response, unreachable: Sequence[str]) -> Response:
     if unreachable:
         response.headers["X-Aenv-Unreachable-Nodes"] = ",".join(sorted(unreachable))
     return response
 
 
-async def _gather(calls: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+async def gather(calls: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """Run one coroutine per node; (results by node, nodes that did not answer)."""
     ids = list(calls)
     results = await asyncio.gather(*calls.values(), return_exceptions=True)
@@ -135,13 +135,13 @@ async def list_v2(request: Request) -> Response:
             node_params["nextToken"] = encode_cursor(edge / 1_000_000, "")
         items: list[dict[str, Any]] = []
         while True:
-            page, token = await _get(nodes, node, "/v2/sandboxes", node_params, request)
+            page, token = await get_page(nodes, node, "/v2/sandboxes", node_params, request)
             items += [i for i in page if past(key_of(i))]
             if token is None or len(items) >= query.limit:
                 return _Feed(node.node_id, items, token is not None)
             node_params["nextToken"] = token
 
-    feeds, unreachable = await _gather({n.node_id: feed(n) for n in await _live(request)})
+    feeds, unreachable = await gather({n.node_id: feed(n) for n in await live_nodes(request)})
     merged = sorted((i for f in feeds.values() for i in f.items), key=key_of, reverse=desc)
     page = merged[:query.limit]
     more = len(merged) > query.limit or any(f.more for f in feeds.values())
@@ -149,7 +149,7 @@ async def list_v2(request: Request) -> Response:
     if more and page:
         last_us, last_id = key_of(page[-1])
         headers["X-Next-Token"] = encode_cursor(last_us / 1_000_000, last_id)
-    return _with_unreachable(JSONResponse(page, headers=headers), unreachable)
+    return with_unreachable(JSONResponse(page, headers=headers), unreachable)
 
 
 # --- GET /sandboxes (legacy: running ones, no pagination) ------------------------------------
@@ -160,11 +160,11 @@ async def list_v1(request: Request) -> Response:
     nodes = ctx_of(request).nodes
 
     async def everything(node: NodeRecord) -> list[dict[str, Any]]:
-        return (await _get(nodes, node, "/sandboxes", params, request))[0]
+        return (await get_page(nodes, node, "/sandboxes", params, request))[0]
 
-    pages, unreachable = await _gather({n.node_id: everything(n) for n in await _live(request)})
+    pages, unreachable = await gather({n.node_id: everything(n) for n in await live_nodes(request)})
     items = sorted((i for p in pages.values() for i in p), key=key_of, reverse=True)
-    return _with_unreachable(JSONResponse(items), unreachable)
+    return with_unreachable(JSONResponse(items), unreachable)
 
 
 # --- GET /snapshots ------------------------------------------------------------------------
@@ -194,11 +194,11 @@ async def list_snapshots(request: Request) -> Response:
         loc = await ctx.resolver.locate(query.sandbox_id)
         if raw_token:
             params["nextToken"] = raw_token
-        items, token = await _get(ctx.nodes, loc.node, "/snapshots", params, request)
+        items, token = await get_page(ctx.nodes, loc.node, "/snapshots", params, request)
         headers = {"X-Next-Token": token} if token else {}
         return JSONResponse(items, headers=headers)
     start, inner = decode_snapshot_token(raw_token) if raw_token else ("", None)
-    nodes = [n for n in await _live(request) if n.node_id >= start]
+    nodes = [n for n in await live_nodes(request) if n.node_id >= start]
     page: list[dict[str, Any]] = []
     unreachable: list[str] = []
     next_token = None
@@ -207,7 +207,7 @@ async def list_snapshots(request: Request) -> Response:
         if inner is not None and node.node_id == start:
             node_params["nextToken"] = inner
         try:
-            items, token = await _get(ctx.nodes, node, "/snapshots", node_params, request)
+            items, token = await get_page(ctx.nodes, node, "/snapshots", node_params, request)
         except _Unreachable:
             unreachable.append(node.node_id)
             continue
@@ -220,4 +220,4 @@ async def list_snapshots(request: Request) -> Response:
                 next_token = encode_snapshot_token(nodes[i + 1].node_id, None)
             break
     headers = {"X-Next-Token": next_token} if next_token else {}
-    return _with_unreachable(JSONResponse(page, headers=headers), unreachable)
+    return with_unreachable(JSONResponse(page, headers=headers), unreachable)

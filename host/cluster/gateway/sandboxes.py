@@ -11,7 +11,6 @@ forwarded to the node holding it, and the index kept in step with what nodes ans
         POST connect / resume        bound as running; a sandbox paused on a dead node is
                                      adopted and resumed by another one (`resume_elsewhere`)
         POST fork                    the children bound to the parent's node
-    DELETE /templates/{id}           a snapshot or template of any node (the first that has it)
 
 Requests that may have reached a node are never sent again (NodeUnreachable.sent); the
 index changes never fail a request (the next heartbeat repairs the index).
@@ -218,23 +217,3 @@ async def _move_and_resume(request: Request, ctx: GatewayContext, sid: str, dead
                  placement.node_id)
         return ctx.answer(answer, sandboxes=True)
     return answer.response()
-
-
-async def delete_template(request: Request) -> Response:
-    """DELETE /templates/{id} (also `Sandbox.delete_snapshot`): templates and snapshots
-    live on the node that made them, so each live node is asked until one has it."""
-    ctx = ctx_of(request)
-    last: NodeAnswer | None = None
-    for node in [n for n in await ctx.registry.nodes() if n.alive]:
-        try:
-            answer = await ctx.nodes.call(node.address, "DELETE", target(request),
-                                          headers=request.scope["headers"])
-        except NodeUnreachable:
-            continue
-        if answer.status != 404:
-            return answer.response()
-        last = answer
-    if last is None:
-        raise SandboxUnknown(f"template or snapshot '{request.path_params['templateID']}' "
-                             "not found (no node answered)")
-    return last.response()
