@@ -8,6 +8,7 @@ sweep has recorded it yet, so readers never route to a node that stopped heartbe
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -205,6 +206,26 @@ class Registry:
             key = self.keys.moving(sandbox_id)
             if await self.store.redis.get(key) == owner:
                 await self.store.redis.delete(key)
+
+    # --- creates' Idempotency-Keys: the node that makes the sandbox of each key ---------
+
+    def _idempotency(self, key: str) -> str:
+        return self.keys.idempotency(hashlib.sha256(key.encode()).hexdigest())
+
+    async def claim_idempotency(self, key: str, node_id: str, *, ttl_ms: int) -> str:
+        """The node that creates the sandbox of this Idempotency-Key: `node_id` when no
+        create claimed the key before, else the earlier claim's node (atomic: SET NX GET)."""
+        async with redis_errors("claiming an idempotency key"):
+            old = await self.store.redis.set(self._idempotency(key), node_id, nx=True,
+                                             get=True, px=ttl_ms)
+        return str(old) if old else node_id
+
+    async def release_idempotency(self, key: str, node_id: str) -> None:
+        """Forget `node_id`'s claim of the key (its create never reached the node)."""
+        async with redis_errors("releasing an idempotency key"):
+            k = self._idempotency(key)
+            if await self.store.redis.get(k) == node_id:
+                await self.store.redis.delete(k)
 
     # --- templates: which node built one (a hint; gateway/templates.py) -----------------
 

@@ -63,6 +63,9 @@ class Keys:
     def moving(self, sandbox_id: str) -> str:
         return f"{self.prefix}sandbox:{sandbox_id}:moving"
 
+    def idempotency(self, key_hash: str) -> str:
+        return f"{self.prefix}idempotency:{key_hash}"
+
     def template(self, ref: str) -> str:
         return f"{self.prefix}template:{ref}"
 

@@ -52,6 +52,36 @@ def test_creates_spread_over_nodes(cluster: Cluster) -> None:
         assert n["lastHeartbeat"].endswith("Z")
 
 
+def test_idempotency_keys_hold_across_nodes(cluster: Cluster) -> None:
+    """The same Idempotency-Key makes one sandbox, however many creates carry it and
+    wherever the scheduler would have put them (least-loaded moves on after each)."""
+    body = {"templateID": "base", "metadata": {"k": "v"}}
+    with api(cluster) as c:
+        first = c.post("/v2/sandboxes", json=body, headers={"Idempotency-Key": "k1"}).json()
+        again = [c.post("/v2/sandboxes", json=body, headers={"Idempotency-Key": "k1"})
+                 for _ in range(3)]
+        assert [r.status_code for r in again] == [201] * 3
+        assert {r.json()["sandboxID"] for r in again} == {first["sandboxID"]}
+        r = c.post("/v2/sandboxes", json={**body, "metadata": {"k": "other"}},
+                   headers={"Idempotency-Key": "k1"})
+        assert r.status_code == 409, r.text
+        other = c.post("/v2/sandboxes", json=body, headers={"Idempotency-Key": "k2"}).json()
+        assert other["sandboxID"] != first["sandboxID"]
+        listed = [s["sandboxID"] for s in c.get("/v2/sandboxes").json()]
+        assert sorted(listed) == sorted([first["sandboxID"], other["sandboxID"]])
+
+    async def concurrent() -> set[str]:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=30,
+                                     headers={"X-API-Key": API_KEY}) as ac:
+            rs = await asyncio.gather(*(ac.post("/v2/sandboxes", json=body,
+                                                headers={"Idempotency-Key": "k3"})
+                                        for _ in range(6)))
+        assert [r.status_code for r in rs] == [201] * 6, [r.text for r in rs]
+        return {r.json()["sandboxID"] for r in rs}
+
+    assert len(asyncio.run(concurrent())) == 1
+
+
 def test_sandbox_calls_reach_its_node(cluster: Cluster) -> None:
     with api(cluster) as c:
         sb = create(c, metadata={"k": "v"})

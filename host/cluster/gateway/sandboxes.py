@@ -4,7 +4,10 @@ forwarded to the node holding it, and the index kept in step with what nodes ans
     POST /v2/sandboxes, /sandboxes   the scheduler places it; a node that refuses with the
                                      capacity error (429), or cannot be reached before the
                                      request went out, is excluded and the next one tried;
-                                     the created sandbox is bound to its node at once
+                                     the created sandbox is bound to its node at once;
+                                     with an `Idempotency-Key`, every create of that key
+                                     goes to the node the first went to (a claim in Redis
+                                     for 24 h), which answers the same sandbox
     /sandboxes/{id}/...              forwarded to its node (resolve.py); then
         DELETE                       unbound (also when the node no longer knew it)
         POST pause                   bound as paused
@@ -42,6 +45,7 @@ from .resolve import Located
 log = logging.getLogger(__name__)
 
 MAX_CREATE_ATTEMPTS = 8
+IDEMPOTENCY_MS = 24 * 3600_000   # how long a key sends its creates to one node
 MOVE_CLAIM_MS = 600_000   # the longest an adopt + resume may take (TCG restores under load)
 
 
@@ -67,10 +71,29 @@ def _action(method: str, rest: str) -> str | None:
 _OPERATION = {"kill": "kill", "pause": "pause", "connect": "connect", "resume": "connect"}
 
 
-async def _release(ctx: GatewayContext, placement: Placement) -> None:
+async def _release(ctx: GatewayContext, placement: Placement, key: str | None = None) -> None:
+    """Give back a placement that created nothing (and its claim of `key`)."""
     if placement.placement_id:
         await ctx.quietly("releasing a placement",
                           ctx.registry.release(placement.node_id, placement.placement_id))
+    if key:
+        await ctx.quietly("releasing an idempotency key",
+                          ctx.registry.release_idempotency(key, placement.node_id))
+
+
+async def _earlier_claim(ctx: GatewayContext, key: str, placement: Placement) -> Placement | None:
+    """A create with an Idempotency-Key goes where the first create of that key went: that
+    node answers with the same sandbox (or 409 for another body). `placement` when this is
+    the first; None when the earlier node is dead (its claim is dropped)."""
+    owner = await ctx.registry.claim_idempotency(key, placement.node_id, ttl_ms=IDEMPOTENCY_MS)
+    if owner == placement.node_id:
+        return placement
+    await _release(ctx, placement)
+    node = await ctx.registry.node(owner)
+    if node is None or not node.alive:
+        await ctx.registry.release_idempotency(key, owner)
+        return None
+    return Placement.on(node)
 
 
 async def create(request: Request) -> Response:
@@ -85,29 +108,36 @@ async def create(request: Request) -> Response:
 
 async def _create(ctx: GatewayContext, request: Request, body: bytes,
                   asked: Stopwatch) -> Response:
+    key = request.headers.get("idempotency-key")
     excluded: list[str] = []
     for _ in range(MAX_CREATE_ATTEMPTS):
         with asked.running():
             placement = await ctx.scheduler.place(PlacementRequest(exclude=tuple(excluded)))
+        if key:
+            earlier = await _earlier_claim(ctx, key, placement)
+            if earlier is None:   # its node died with the sandbox: the key is free again
+                continue
+            placement = earlier
         try:
             answer = await ctx.nodes.call(placement.address, "POST", target(request),
                                           body=body, headers=request.scope["headers"],
                                           operation="create")
         except NodeUnreachable as exc:
-            await _release(ctx, placement)
+            await _release(ctx, placement, key)
             if exc.sent:
                 raise
             excluded.append(placement.node_id)
             continue
         if answer.status == 429:   # the node's own admission refused: nothing was created
-            await _release(ctx, placement)
+            await _release(ctx, placement, key)
             excluded.append(placement.node_id)
             continue
         if answer.status == 201:
             sid = str(answer.json().get("sandboxID", ""))
             await ctx.quietly(f"binding sandbox {sid}", ctx.registry.bind(
                 sid, placement.node_id, BindingState.RUNNING,
-                placement_id=placement.placement_id, used_delta=1))
+                placement_id=placement.placement_id,
+                used_delta=1 if placement.placement_id is not None else 0))
         else:
             await _release(ctx, placement)
         return ctx.answer(answer, sandboxes=True)
