@@ -69,6 +69,8 @@ class GatewayConfig:
     node_key: str | None = None
     domain: str | None = None
     log_level: str = "info"
+    tls_cert: Path | None = None   # PEM chain: serve HTTPS (with tls_key)
+    tls_key: Path | None = None
 
     @property
     def address(self) -> tuple[str, int]:
@@ -94,13 +96,14 @@ class SchedulerConfig:
 _GATEWAY_ENV = {"redis": "AENV_CLUSTER_REDIS", "listen": "AENV_GATEWAY_LISTEN",
                 "scheduler": "AENV_SCHEDULER_URL", "keys": "AENV_GATEWAY_KEYS",
                 "node_key": "AENV_NODE_API_KEY", "domain": "AENV_DOMAIN",
-                "log_level": "AENV_LOG_LEVEL"}
+                "log_level": "AENV_LOG_LEVEL", "tls_cert": "AENV_GATEWAY_TLS_CERT",
+                "tls_key": "AENV_GATEWAY_TLS_KEY"}
 _SCHEDULER_ENV = {"redis": "AENV_CLUSTER_REDIS", "listen": "AENV_SCHEDULER_LISTEN",
                   "strategy": "AENV_SCHEDULER_STRATEGY",
                   "sandbox_mib": "AENV_SCHEDULER_SANDBOX_MIB", "keys": "AENV_SCHEDULER_KEYS",
                   "sweep_s": "AENV_SCHEDULER_SWEEP_S", "retention_s": "AENV_CLUSTER_RETENTION_S",
                   "log_level": "AENV_LOG_LEVEL"}
-_TYPES: dict[str, Any] = {"keys": Path, "sandbox_mib": int, "sweep_s": float,
+_TYPES: dict[str, Any] = {"keys": Path, "tls_cert": Path, "tls_key": Path, "sandbox_mib": int, "sweep_s": float,
                           "retention_s": float, "strategy": Strategy}
 
 
@@ -144,9 +147,16 @@ def parse_gateway(argv: Sequence[str] | None = None,
     p.add_argument("--keys", type=Path, help="API key file (one key a line)")
     p.add_argument("--node-key", help="the key sent to nodes (default: first of --keys)")
     p.add_argument("--domain", help="returned as `domain` in Sandbox answers")
+    p.add_argument("--tls-cert", help="serve HTTPS with this PEM certificate chain")
+    p.add_argument("--tls-key", help="the certificate's PEM private key")
     cfg = _parse(GatewayConfig, _GATEWAY_ENV, p.parse_args(argv),
                  os.environ if env is None else env)
     _check_redis(cfg.redis)
+    if (cfg.tls_cert is None) != (cfg.tls_key is None):
+        raise ConfigError("--tls-cert and --tls-key go together")
+    for path in (cfg.tls_cert, cfg.tls_key):
+        if path is not None and not path.is_file():
+            raise ConfigError(f"TLS file {path} does not exist")
     cfg.address  # noqa: B018 - validates listen
     if urlsplit(cfg.scheduler).scheme not in ("http", "https"):
         raise ConfigError(f"--scheduler must be an http(s) URL, got {cfg.scheduler!r}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -113,3 +114,38 @@ def test_entry_points_serve(redis_url: str, tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "host.cluster.gateway", "--redis", "http://nope"],
                          check=False, capture_output=True, text=True)
     assert bad.returncode == 2 and "--redis" in bad.stderr
+
+
+def test_gateway_serves_https(redis_url: str, tmp_path: Path) -> None:
+    """--tls-cert/--tls-key: the gateway speaks HTTPS only (the certificate here is one
+    host/proxy/tls.py issues from its local CA for 127.0.0.1)."""
+    from host.proxy.tls import ensure_certificates
+
+    paths = ensure_certificates(tmp_path / "tls", "gw.test")
+    keys = tmp_path / "keys"
+    keys.write_text("e2b_cli_key\n")
+    port = free_port()
+    gw = start_process([sys.executable, "-m", "host.cluster.gateway", "--redis", redis_url,
+                        "--listen", f"127.0.0.1:{port}", "--keys", str(keys),
+                        "--tls-cert", str(paths.cert), "--tls-key", str(paths.key)])
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                r = httpx.get(f"https://127.0.0.1:{port}/health", verify=str(paths.ca_cert))
+                break
+            except httpx.TransportError:
+                assert gw.poll() is None and time.monotonic() < deadline
+                time.sleep(0.1)
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+        with pytest.raises(httpx.TransportError):   # not plain HTTP
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        with pytest.raises(httpx.ConnectError):     # nor an untrusted certificate
+            httpx.get(f"https://127.0.0.1:{port}/health")
+    finally:
+        stop_process(gw)
+    for args, message in ((["--tls-cert", str(paths.cert)], "go together"),
+                          (["--tls-cert", "/nope", "--tls-key", "/nope"], "does not exist")):
+        bad = subprocess.run([sys.executable, "-m", "host.cluster.gateway", *args],
+                             check=False, capture_output=True, text=True)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr

@@ -25,7 +25,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     host, port = cfg.address
     uvicorn.run(build_gateway(cfg), host=host, port=port, lifespan="on",
                 log_level=cfg.log_level, timeout_keep_alive=KEEP_ALIVE_S,
-                timeout_graceful_shutdown=10)
+                timeout_graceful_shutdown=10,
+                ssl_certfile=str(cfg.tls_cert) if cfg.tls_cert else None,
+                ssl_keyfile=str(cfg.tls_key) if cfg.tls_key else None)
     return 0
 
 
