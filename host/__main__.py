@@ -107,16 +107,22 @@ async def serve(cfg: Config) -> None:
             # in a cluster, pauses leave handoffs so another node can take a sandbox over
             metrics=metrics, handoff=bool(cfg.cluster_redis), warm_pool=cfg.warm_pool)
         await orch.start(ttl_interval_s=cfg.ttl_interval_s)
+        keys = ApiKeys.load_or_create(cfg.keys_path)
+        extra_routes: list[Any] = []
         if cfg.cluster_redis:
             from host.cluster.node import ClusterMember
-            member = ClusterMember.from_config(cfg, orch)
+            from host.cluster.peers import memory_route
+            member = ClusterMember.from_config(cfg, orch, node_key=keys.first)
             member.start()
-        keys = ApiKeys.load_or_create(cfg.keys_path)
+            if member.peers is not None:   # --p2p: one key file serves the whole cluster
+                await runtime.use_peers(member.peers)
+                extra_routes.append(memory_route(runtime.memory_file))
         links = TerminalLinks.load_or_create(cfg.state_dir)
         api = build_api_app(orch, keys, domain=cfg.domain, state_dir=cfg.state_dir,
                             max_upload_bytes=cfg.template_upload_mib << 20,
                             terminal_links=links, terminal_base_url=cfg.public_proxy_url,
-                            metrics=metrics if cfg.metrics else None)
+                            metrics=metrics if cfg.metrics else None,
+                            extra_routes=extra_routes)
         proxy = build_proxy_app(orch, cfg.domain, api_app=api if cfg.tls else None,
                                 terminal_links=links, keys=keys)
         # counted from outside the proxy app (host/metrics/asgi.py); not the API it serves

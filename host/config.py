@@ -52,6 +52,10 @@
     AENV_ADVERTISE_PROXY_URL --advertise-proxy-url <advertise host>:<proxy port>
     AENV_HEARTBEAT_S --heartbeat-interval 2.0         seconds between heartbeats; the node is
     AENV_HEARTBEAT_MISSES --heartbeat-misses 3        dead after this many missed (6 s)
+    AENV_P2P         --p2p / --no-p2p off             in a cluster: fetch snapshots' memory
+                                                      files from neighbours before the (oss)
+                                                      repository, and serve this node's to
+                                                      them (host/cluster/peers.py)
     AENV_TEMPLATE_UPLOAD_MIB --template-upload-mib 2048   largest COPY archive a template
                                                       build may upload (MiB)
     AENV_REGISTRY_MIRROR --registry-mirror -          serves docker.io image names for builds
@@ -119,6 +123,7 @@ class Config:
     warm_pool: int = 1
     ksm: bool = False
     cluster_redis: str | None = None
+    p2p: bool = False
     node_id: str | None = None
     advertise_url: str | None = None
     advertise_proxy_url: str | None = None
@@ -214,6 +219,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ksm", action=argparse.BooleanOptionalAction, default=None,
                    help="start ksmd and let it merge the VMs' identical pages")
     p.add_argument("--cluster-redis", help="join the cluster whose store is this Redis URL")
+    p.add_argument("--p2p", action=argparse.BooleanOptionalAction, default=None,
+                   help="in a cluster: memory files from neighbours before the repository")
     p.add_argument("--node-id", help="this node's id in the cluster (default: host name)")
     p.add_argument("--advertise-url", help="this node's API URL for the gateway")
     p.add_argument("--advertise-proxy-url", help="this node's proxy URL for the gateway")
@@ -248,7 +255,7 @@ _ENV: dict[str, tuple[str, type]] = {
     "memory_reserve_mib": ("AENV_MEMORY_RESERVE_MIB", int),
     "memory_pressure_mib": ("AENV_MEMORY_PRESSURE_MIB", int),
     "warm_pool": ("AENV_WARM_POOL", int), "ksm": ("AENV_KSM", bool),
-    "cluster_redis": ("AENV_CLUSTER_REDIS", str), "node_id": ("AENV_NODE_ID", str),
+    "cluster_redis": ("AENV_CLUSTER_REDIS", str), "p2p": ("AENV_P2P", bool), "node_id": ("AENV_NODE_ID", str),
     "advertise_url": ("AENV_ADVERTISE_URL", str),
     "advertise_proxy_url": ("AENV_ADVERTISE_PROXY_URL", str),
     "heartbeat_s": ("AENV_HEARTBEAT_S", float), "heartbeat_misses": ("AENV_HEARTBEAT_MISSES", int),
@@ -325,6 +332,8 @@ def _validate(cfg: Config) -> None:
 
 
 def _validate_cluster(cfg: Config) -> None:
+    if cfg.p2p and not cfg.cluster_redis:
+        raise ConfigError("--p2p needs --cluster-redis: neighbours are the cluster's nodes")
     if cfg.cluster_redis and urlparse(cfg.cluster_redis).scheme not in ("redis", "rediss",
                                                                         "unix"):
         raise ConfigError(f"cluster_redis must be a redis:// URL, got {cfg.cluster_redis!r}")

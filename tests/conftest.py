@@ -3,6 +3,7 @@ repository backend) and the AWS credentials it accepts."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -22,15 +23,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="session")
-def moto_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real moto S3 server process on 127.0.0.1 (http endpoint URL)."""
+@contextlib.contextmanager
+def moto_server(log_dir: Path) -> Iterator[str]:
+    """A real moto S3 server process on 127.0.0.1 (its http endpoint URL), killed on exit.
+    (bench/bench_p2p.py uses it too.)"""
     exe = shutil.which("moto_server", path=str(Path(sys.executable).parent)) or shutil.which(
         "moto_server")
     port = _free_port()
     argv = [exe, "-H", "127.0.0.1", "-p", str(port)] if exe else [
         sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")  # noqa: SIM115
+    log = open(log_dir / "moto.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -49,6 +51,13 @@ def moto_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
         log.close()
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real moto S3 server process on 127.0.0.1 (http endpoint URL)."""
+    with moto_server(tmp_path_factory.mktemp("moto")) as url:
+        yield url
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -10,6 +11,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import BaseRoute
 
 from host.metrics import Metrics, metrics_route
 from host.orchestrator import Orchestrator
@@ -35,7 +37,8 @@ def build_api_app(orchestrator: Orchestrator, keys: ApiKeys | Path | str, *,
                   max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
                   terminal_links: TerminalLinks | None = None,
                   terminal_base_url: str | None = None,
-                  metrics: Metrics | None = None) -> Starlette:
+                  metrics: Metrics | None = None,
+                  extra_routes: Sequence[BaseRoute] = ()) -> Starlette:
     """The REST API app.
 
     `keys`: an `ApiKeys`, or the path of the key file (created with one key on first use).
@@ -46,11 +49,13 @@ def build_api_app(orchestrator: Orchestrator, keys: ApiKeys | Path | str, *,
     `terminal_links` + `terminal_base_url` (the proxy's public URL) enable the web
     terminal's signed links.
     `metrics`: serve them at `GET /metrics` (no API key, not in the E2B document).
+    `extra_routes`: more routes behind the API key (a cluster node's peer file route).
     """
     if not isinstance(keys, ApiKeys):
         keys = ApiKeys.load_or_create(keys)
     app = Starlette(
-        routes=[*starlette_routes(OPERATIONS), *([metrics_route(metrics)] if metrics else [])],
+        routes=[*starlette_routes(OPERATIONS), *([metrics_route(metrics)] if metrics else []),
+                *extra_routes],
         middleware=[Middleware(ApiKeyMiddleware, keys=keys)],
         exception_handlers={HTTPException: http_error},
     )

@@ -24,6 +24,7 @@ from host.orchestrator.model import ListFilter
 from host.orchestrator.service import Orchestrator
 
 from .heartbeat import Heartbeat, NodeReport
+from .peers import PeerFiles
 from .registry import Registry
 from .store import NODE_ID, ClusterStore
 
@@ -100,12 +101,15 @@ class ClusterMember:
     """This node in the cluster: the store client and the heartbeat, started and closed
     together (`start()`, `await aclose()`)."""
 
-    def __init__(self, store: ClusterStore, heartbeat: Heartbeat) -> None:
+    def __init__(self, store: ClusterStore, heartbeat: Heartbeat,
+                 peers: PeerFiles | None = None) -> None:
         self.store = store
         self.heartbeat = heartbeat
+        self.peers = peers   # with --p2p: memory files from and for the neighbours
 
     @classmethod
-    def from_config(cls, cfg: Config, orch: Orchestrator) -> ClusterMember:
+    def from_config(cls, cfg: Config, orch: Orchestrator,
+                    node_key: str | None = None) -> ClusterMember:
         if not cfg.cluster_redis:
             raise ValueError("the node is not in a cluster (no --cluster-redis)")
         node_id = cfg.node_id or default_node_id()
@@ -118,7 +122,10 @@ class ClusterMember:
         beat = Heartbeat(Registry(store), node_id=node_id, address=api, proxy_address=proxy,
                          report=report, interval_s=cfg.heartbeat_s,
                          misses=cfg.heartbeat_misses, disown=orch.forget)
-        return cls(store, beat)
+        if cfg.p2p and not node_key:
+            raise ValueError("--p2p needs the node key its neighbours accept")
+        peers = PeerFiles(Registry(store), node_id, node_key) if cfg.p2p and node_key else None
+        return cls(store, beat, peers)
 
     def start(self) -> None:
         self.heartbeat.start()
@@ -126,6 +133,8 @@ class ClusterMember:
     async def aclose(self) -> None:
         try:
             await self.heartbeat.aclose()
+            if self.peers is not None:
+                await self.peers.aclose()
         finally:
             await self.store.aclose()
 

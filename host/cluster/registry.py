@@ -207,6 +207,27 @@ class Registry:
             if await self.store.redis.get(key) == owner:
                 await self.store.redis.delete(key)
 
+    # --- memory files nodes hold, for their neighbours (--p2p, host/cluster/peers.py) ----
+
+    async def announce_memory(self, node_id: str, owners: Sequence[str]) -> None:
+        if owners:
+            async with redis_errors("announcing memory files"):
+                await self.store.redis.sadd(self.keys.node_memory(node_id), *owners)
+
+    async def withdraw_memory(self, node_id: str, owners: Sequence[str]) -> None:
+        if owners:
+            async with redis_errors("withdrawing memory files"):
+                await self.store.redis.srem(self.keys.node_memory(node_id), *owners)
+
+    async def memory_holders(self, owner: str, node_ids: Sequence[str]) -> list[str]:
+        """Those of `node_ids` that announced the memory of snapshot `owner`."""
+        async with redis_errors("finding memory files"):
+            pipe = self.store.redis.pipeline(transaction=False)
+            for node_id in node_ids:
+                pipe.sismember(self.keys.node_memory(node_id), owner)
+            found = await pipe.execute()
+        return [n for n, has in zip(node_ids, found, strict=True) if has]
+
     # --- creates' Idempotency-Keys: the node that makes the sandbox of each key ---------
 
     def _idempotency(self, key: str) -> str:

@@ -54,6 +54,9 @@ class Keys:
     def node_sandboxes(self, node_id: str) -> str:
         return f"{self.prefix}node:{node_id}:sandboxes"
 
+    def node_memory(self, node_id: str) -> str:
+        return f"{self.prefix}node:{node_id}:memory"
+
     def placing(self, node_id: str) -> str:
         return f"{self.prefix}node:{node_id}:placing"
 

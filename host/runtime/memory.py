@@ -10,6 +10,8 @@ With a remote repository `memory/` is bounded (`trim`: least recently used first
 committed snapshots nothing pins); a posix_fs repository shares the bytes by hard link,
 so there is nothing to trim. A start `pin`s the files it restores from, from before their
 fetch until its VM maps them, so another start's trim cannot evict them in between.
+With `peers` (a cluster node's `--p2p`), a missing file is asked of the neighbours that
+announced its snapshot first, and what this node holds is announced to them.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from host.storage.errors import IntegrityError, LayerNotFoundError, RepositoryError
 from host.storage.repository import OssRepository, PosixFsRepository
@@ -36,11 +38,27 @@ log = logging.getLogger(__name__)
 MEMORY_KEY = "memory/"  # repository file keys of memory snapshots: memory/<relpath>
 
 
+class Peers(Protocol):
+    """Neighbours that may hold memory files (host/cluster/peers.py's `PeerFiles`, with
+    `--p2p`): asked before the repository; told what this node holds."""
+
+    async def fetch(self, name: str, dest: Path, sha256: str) -> bool:
+        """`name` from a neighbour into `dest` (atomically, its content matching
+        `sha256`); False when none had it whole."""
+        ...
+
+    async def announce(self, owners: Iterable[str]) -> None: ...
+
+    async def withdraw(self, owners: Iterable[str]) -> None: ...
+
+
 class MemoryFiles:
     def __init__(self, memory_dir: Path, repo: PosixFsRepository | OssRepository, *, bound_mib: int) -> None:
         self.dir = memory_dir
         self.repo = repo
         self.bound_mib = bound_mib
+        self.peers: Peers | None = None  # with --p2p in a cluster (use_peers)
+        self.peer_hits = 0  # files fetched from a neighbour instead of the repository
         self.fetching: dict[str, asyncio.Lock] = {}  # relpath -> its download
         self.writing: set[str] = set()  # snapshot ids whose memory is being written
         self.pins: Counter[str] = Counter()  # snapshot id -> starts restoring from it
@@ -64,6 +82,16 @@ class MemoryFiles:
         """A manifest's memory path on this node (version-1 manifests hold absolute ones)."""
         return self.dir / name
 
+    def local(self, name: str) -> Path | None:
+        """The file `name` (relative to memory/, as manifests write it) if this node holds
+        it; None when absent, not a regular file, or outside memory/ (`..`, symlinks)."""
+        root = self.dir.resolve()
+        path = (root / name).resolve()
+        if not path.is_relative_to(root) or path == root or not path.is_file() or \
+                path.name.startswith("."):
+            return None
+        return path
+
     def owners(self, names: Iterable[str]) -> set[str]:
         return {o for o in (self.owner(self.path(n)) for n in names) if o}
 
@@ -85,6 +113,8 @@ class MemoryFiles:
         for f in files:
             name = self.rel(f)
             out[name] = await asyncio.to_thread(self.repo.put_file, MEMORY_KEY + name, f)
+        if self.peers is not None:
+            await self.peers.announce([own_dir.name])
         return out
 
     async def fetch(self, m: dict[str, Any]) -> None:
@@ -107,6 +137,8 @@ class MemoryFiles:
                 self.misses += 1
                 t0 = time.perf_counter()
                 try:
+                    if await self._from_peer(name, path, sums.get(name)):
+                        continue
                     await asyncio.to_thread(self.repo.fetch_file, MEMORY_KEY + name, path,
                                             sha256=sums.get(name))
                 except LayerNotFoundError as exc:
@@ -125,6 +157,22 @@ class MemoryFiles:
                     self.fetching.pop(name, None)
                 log.info("fetched %s from the repository in %.2fs (%d bytes)", name,
                          time.perf_counter() - t0, path.stat().st_size)
+        if self.peers is not None:
+            await self.peers.announce(self.owners(m["memory"].get("files", ())))
+
+    async def _from_peer(self, name: str, path: Path, sha256: str | None) -> bool:
+        """From a neighbour first (with --p2p). Only files whose sha256 the manifest
+        records: a neighbour's copy is checked against it (posix_fs repositories share
+        the bytes and record none: a neighbour has nothing faster to offer there)."""
+        if self.peers is None or not sha256:
+            return False
+        t0 = time.perf_counter()
+        if not await self.peers.fetch(name, path, sha256):
+            return False
+        self.peer_hits += 1
+        log.info("fetched %s from a neighbour in %.2fs (%d bytes)", name,
+                 time.perf_counter() - t0, path.stat().st_size)
+        return True
 
     async def delete_remote(self, owners: Iterable[str]) -> None:
         for owner in sorted(owners):
@@ -173,11 +221,15 @@ class MemoryFiles:
 
     async def gc(self, used: set[str]) -> None:
         """Remove local memory dirs not in `used` (nor pinned or being written now)."""
+        removed = []
         if self.dir.is_dir():
             for d in self.dir.iterdir():
                 if d.name not in used and d.name not in self.pins and \
                         d.name not in self.writing:
                     await asyncio.to_thread(shutil.rmtree, d, True)
+                    removed.append(d.name)
+        if removed and self.peers is not None:
+            await self.peers.withdraw(removed)
 
     async def trim(self, pinned: Callable[[], set[str]],
                    committed: Callable[[str], Awaitable[bool]]) -> None:
@@ -219,3 +271,5 @@ class MemoryFiles:
             evicted.append(d.name)
         if evicted:
             log.info("memory cache over %d MiB: evicted %s", self.bound_mib, ", ".join(evicted))
+            if self.peers is not None:
+                await self.peers.withdraw(evicted)

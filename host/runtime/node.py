@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 from host.contract import (
@@ -44,7 +45,7 @@ from .config import RuntimeConfig
 from .errors import NodeRuntimeError, SnapshotNotFoundError
 from .machines import Machines
 from .manifests import ManifestStore
-from .memory import MemoryFiles
+from .memory import MemoryFiles, Peers
 from .parts import NodeParts
 from .sandbox import policy_of
 
@@ -255,6 +256,19 @@ class NodeRuntime:
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         await snapshots.delete(self.parts, snapshot_id)
+
+    async def use_peers(self, peers: Peers) -> None:
+        """Fetch memory files from neighbours before the repository (a cluster node's
+        `--p2p`), and announce the snapshots whose memory this node holds now."""
+        memory = self.parts.memory
+        memory.peers = peers
+        if memory.dir.is_dir():
+            await peers.announce([d.name for d in memory.dir.iterdir()
+                                  if d.is_dir() and not d.name.startswith(".")])
+
+    def memory_file(self, name: str) -> Path | None:
+        """A memory file this node holds, for a neighbour (MemoryFiles.local)."""
+        return self.parts.memory.local(name)
 
     # --- shared documents: handoffs, the template catalog (for the other nodes) ------
 

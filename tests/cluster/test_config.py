@@ -57,7 +57,10 @@ def test_node_cluster_config_and_advertised_urls() -> None:
                             "AENV_ADVERTISE_URL": "http://10.1.2.3:3000/",
                             "AENV_PROXY_PORT": "4001"})
     assert advertised_urls(cfg) == ("http://10.1.2.3:3000", "http://10.1.2.3:4001")
-    for bad in (["--cluster-redis", "http://x"], ["--node-id", "a:b"],
+    assert not cfg.p2p
+    assert parse_config(["--cluster-redis", "redis://r/0", "--p2p"], {}).p2p
+    assert parse_config([], {"AENV_CLUSTER_REDIS": "redis://r/0", "AENV_P2P": "1"}).p2p
+    for bad in (["--cluster-redis", "http://x"], ["--node-id", "a:b"], ["--p2p"],
                 ["--heartbeat-misses", "1"], ["--advertise-url", "10.0.0.1"]):
         with pytest.raises(HostConfigError):
             parse_config(bad, {})

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import redis
 
 from host.cluster.local import LocalCluster
 from tests.orchestrator.hostproc import REPO, free_port
@@ -40,7 +41,7 @@ def cluster() -> Iterator[LocalCluster]:
                      gateway_port=free_port(), scheduler_port=free_port(),
                      redis_port=free_port(),
                      node_args=["--memory-mb", "256", "--envd-timeout", "240",
-                                "--warm-pool", "0"])
+                                "--warm-pool", "0", "--p2p"])
     c.start()
     try:
         yield c
@@ -164,6 +165,14 @@ def test_templates_and_snapshots_serve_every_node(sdk: LocalCluster, tmp_path) -
             assert b.get_info().template_id == info.template_id
             out = b.commands.run("cat /home/user/mark /home/user/data.txt").stdout
             assert out.split() == ["built", "copied", "in"], out
+        # --p2p: each node announced the memory it now holds (the template's among it);
+        # with a posix_fs repository they share the bytes, so none is fetched from a peer
+        client = redis.Redis.from_url(sdk.redis_url(), decode_responses=True)
+        try:
+            held = [client.smembers(f"aenv:node:node{i}:memory") for i in range(1, NODES + 1)]
+        finally:
+            client.close()
+        assert all(held) and set.intersection(*held), held
         boxes[0].files.write("/home/user/state.txt", "snapshotted")
         snap = boxes[0].create_snapshot()
         t0 = time.monotonic()
