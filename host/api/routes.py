@@ -151,6 +151,10 @@ OPERATIONS: tuple[Operation, ...] = (
               m.SandboxDetail), errors=(400, 401, 404, 500)),
     _op("DELETE", f"/cluster{SID}", "forgetSandbox", cluster.forget, *NO_CONTENT,
         errors=_409),
+    _op("POST", "/cluster/signer", "findUrlSigner", cluster.signer,
+        Reply(200, "The sandbox of this node that signed a /files URL (aenv cluster "
+                   "extension)", cluster.Signer), body=cluster.SignedFiles,
+        errors=(400, 401, 404, 500)),
     _op("POST", f"{SID}/terminal", "createTerminalLink", term.create_link,
         Reply(201, "A signed link to the sandbox's web terminal (aenv extension)",
               term.TerminalLink), body=term.TerminalLinkRequest, body_required=False),

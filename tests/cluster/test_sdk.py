@@ -9,6 +9,7 @@ import time
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 from e2b import Sandbox
 from e2b.exceptions import SandboxException
@@ -71,3 +72,28 @@ def test_sdk_sees_a_lost_sandbox(sdk: Cluster) -> None:
         sbx.get_info()
     assert sbx.kill() is False
 
+
+
+def test_signed_file_urls_without_headers(sdk: Cluster) -> None:
+    """E2B_SANDBOX_URL mode's `upload_url` / `download_url` name no sandbox: the gateway
+    asks the nodes which sandbox's token made the signature (POST /cluster/signer) and
+    relays to its node's proxy; a client sends nothing but the URL."""
+    boxes = [Sandbox.create() for _ in range(3)]   # one per node: any could be meant
+    path = f"/tmp/aenv-cluster-signed-{uuid.uuid4().hex}.txt"
+    try:
+        with api(sdk) as c:
+            assert len(set(where(sdk, c).values())) == 3
+        sbx = boxes[1]
+        up = sbx.upload_url(path, use_signature_expiration=120)
+        down = sbx.download_url(path, use_signature_expiration=120)
+        assert up.startswith(sdk.url) and sbx.sandbox_id not in up
+        r = httpx.post(up, files={"file": ("f.txt", b"signed through the gateway")})
+        assert r.status_code == 200, r.text
+        r = httpx.get(down)
+        assert r.status_code == 200 and r.text == "signed through the gateway"
+        r = httpx.get(down.replace("signature=v1_", "signature=v1_x"))
+        assert r.status_code == 400 and "E2b-Sandbox-Id" in r.json()["message"]
+    finally:
+        Path(path).unlink(missing_ok=True)
+        for b in boxes:
+            b.kill()

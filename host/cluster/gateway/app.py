@@ -44,7 +44,15 @@ from host.api.auth import ApiKeyMiddleware, ApiKeys
 from host.api.errors import ApiError, error_response, response_for
 from host.metrics import METRICS_PATH, ExchangeMetrics, metrics_route
 from host.proxy import responses
-from host.proxy.routing import BadTarget, Target, host_name, parse_target, routes_by_headers
+from host.proxy.routing import (
+    ENVD_PORT,
+    BadTarget,
+    Target,
+    host_name,
+    parse_target,
+    routes_by_headers,
+)
+from host.proxy.signed import SignedFileRequest
 
 from ..config import GatewayConfig
 from ..errors import ClusterError, SandboxLost, SandboxStranded, SandboxUnknown, error_reply
@@ -209,9 +217,12 @@ class Gateway:
             await self.api(scope, receive, send)  # the lifespan
             return
         try:
-            found: tuple[Target, bool] | BadTarget | None = classify(scope, self.domain)
+            found: tuple[Target, bool] | BadTarget | SignedFileRequest | None = classify(
+                scope, self.domain)
         except BadTarget as exc:
             found = exc
+        if found is None:   # a signed /files URL that names no sandbox is traffic too
+            found = SignedFileRequest.of(scope)
         if found is not None:
             scope[_FOUND] = found
             await self._counted_traffic(scope, receive, send)
@@ -225,8 +236,30 @@ class Gateway:
         if isinstance(found, BadTarget):
             await self._deny(scope, receive, send, 400, str(found))
             return
+        if isinstance(found, SignedFileRequest):
+            await self._signed(scope, receive, send, found)
+            return
         target, by_headers = found
         await self._traffic(scope, receive, send, target, by_headers)
+
+    async def _signed(self, scope: Scope, receive: Receive, send: Send,
+                      signed: SignedFileRequest) -> None:
+        """A signed /files URL without E2b-Sandbox-* headers: to the envd of the sandbox
+        whose token made the signature, by headers (the node's proxy routes by them)."""
+        ctx: GatewayContext = self.api.state.gateway
+        try:
+            sid = await ctx.resolver.signer(signed)
+        except ClusterError as exc:
+            await self._deny(scope, receive, send, exc.status, exc.message,
+                             code=error_code(exc.status, exc.error_code))
+            return
+        if sid is None:   # as a node's proxy answers it (host/proxy/signed.py)
+            await self._deny(scope, receive, send, 400, "missing header E2b-Sandbox-Id (and "
+                             "no sandbox's token made this URL's signature)")
+            return
+        scope = {**scope, "headers": [*scope["headers"], (b"e2b-sandbox-id", sid.encode()),
+                                      (b"e2b-sandbox-port", str(ENVD_PORT).encode())]}
+        await self._traffic(scope, receive, send, Target(sid, ENVD_PORT), True)
 
     async def _deny(self, scope: Scope, receive: Receive, send: Send, status: int,
                     message: str, sandbox_id: str | None = None, *,

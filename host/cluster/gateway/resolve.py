@@ -12,10 +12,13 @@ node's liveness.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
+
+from host.proxy.signed import SignedFileRequest
 
 from ..errors import (
     ClusterError,
@@ -66,6 +69,27 @@ class Resolver:
         raise SandboxLost(
             f"sandbox '{sandbox_id}' was lost: its node {binding.node_id} stopped "
             f"heartbeating (last heartbeat {since}) while the sandbox was running")
+
+    async def signer(self, signed: SignedFileRequest) -> str | None:
+        """The sandbox that signed a `/files` URL naming none (E2B_SANDBOX_URL mode's
+        `download_url` / `upload_url`): every live node is asked which of its sandboxes'
+        envd tokens reproduces the signature (POST /cluster/signer); None when none."""
+        body = json.dumps({"path": signed.path, "operation": signed.operation,
+                           "username": signed.user, "signature": signed.signature,
+                           "expiration": signed.expiration}).encode()
+
+        async def ask(node: NodeRecord) -> str | None:
+            try:
+                answer = await self.nodes.call(node.address, "POST", "/cluster/signer",
+                                               body=body, timeout_s=FIND_TIMEOUT_S,
+                                               headers=[(b"content-type", b"application/json")])
+            except NodeUnreachable:
+                return None
+            return str(answer.json()["sandboxID"]) if answer.status == 200 else None
+
+        live = [n for n in await self.registry.nodes() if n.alive]
+        found = [sid for sid in await asyncio.gather(*(ask(n) for n in live)) if sid]
+        return found[0] if found else None
 
     async def find(self, sandbox_id: str) -> Located:
         """Ask every live node for an unbound sandbox; bind it where it is found."""
