@@ -1,10 +1,13 @@
 """Peer-to-peer memory files (`--p2p`, host/cluster/peers.py) against the repository path.
 
-Node A holds a snapshot's memory file (it uploaded it to an `oss` repository: a real moto
-S3 server process). Node B needs it, and fetches it, in the same run:
-  * from the repository: `MemoryFiles.fetch` as without --p2p (S3 GET, sha256 checked),
-  * from A: the same call with `PeerFiles` (Redis lookup of who announced it, an HTTP GET
-    from A's API route served by uvicorn, sha256 checked, atomic rename),
+Node A holds a snapshot's memory file and a layer (it uploaded both to an `oss`
+repository: a real moto S3 server process). Node B needs them, in the same run:
+  * memory file from the repository: `MemoryFiles.fetch` as without --p2p (S3 GET, sha256
+    checked); from A: the same call with `PeerFiles` (Redis lookup of who announced it, an
+    HTTP GET from A's API route served by uvicorn, sha256 checked, atomic rename);
+  * layer, read whole through B's chunk cache (1 MiB chunks, each checked against the
+    layer's chunk sums): from the repository, or with `PeerLayers` (what the block server
+    does with --p2p: each chunk from A's API route first);
   * floor: a local `shutil.copyfile` of the file (what no transport can beat here).
 Everything is on loopback on one machine, so the numbers compare the transports' own
 costs (S3 server and client vs a plain HTTP stream), not networks. Prints medians and
@@ -35,10 +38,13 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 
 from host.api.auth import ApiKeyMiddleware, ApiKeys
-from host.cluster.peers import PeerFiles, memory_route
+from host.cluster.peers import PeerFiles, layers_route, memory_route
 from host.cluster.registry import Registry
 from host.cluster.store import ClusterStore
 from host.runtime.memory import MemoryFiles
+from host.storage.cache import CHUNK, ChunkCache
+from host.storage.lsmt import LayerWriter
+from host.storage.peers import PeerLayers, held_range
 from host.storage.repository import OssRepository
 from tests.cluster.harness import RedisServer, Served
 from tests.conftest import moto_server
@@ -92,6 +98,41 @@ async def measure(root: Path, repo: OssRepository, registry: Registry, mib: int,
                     out[kind].append(time.perf_counter() - t0)
         finally:
             await peers.aclose()
+    out.update(await asyncio.to_thread(measure_layer, root, repo, mib, runs))
+    return out
+
+
+def measure_layer(root: Path, repo: OssRepository, mib: int,
+                  runs: int) -> dict[str, list[float]]:
+    layers = root / "a-layers"
+    layers.mkdir(parents=True)
+    w = LayerWriter(layers / "tmp.lsmt", (mib + 1) << 20)
+    w.write(0, os.urandom(mib << 20))
+    digest = w.finish()
+    (layers / "tmp.lsmt").rename(layers / f"{digest.removeprefix('sha256:')}.lsmt")
+    repo.put_layer(digest, layers / f"{digest.removeprefix('sha256:')}.lsmt")
+    app = Starlette(routes=[layers_route(
+        lambda h, o, n: held_range(layers, None, h, o, n, chunk_size=CHUNK))],
+        middleware=[Middleware(ApiKeyMiddleware, keys=ApiKeys([KEY]))])
+    out: dict[str, list[float]] = {"layer repository": [], "layer peer": []}
+    with Served(app) as srv:
+        peers_file = root / "peers.json"
+        peers_file.write_text(json.dumps({"key": KEY, "peers": [
+            {"node": "bench-a", "address": srv.url,
+             "layers": [digest.removeprefix("sha256:")]}]}))
+        for i in range(runs):
+            for kind, source in (("layer repository", repo),
+                                 ("layer peer", PeerLayers(repo, peers_file))):
+                cache = ChunkCache(root / f"cache-{kind[6:]}-{i}", capacity_bytes=4 << 30)
+                blob = cache.blob(source, digest)
+                t0 = time.perf_counter()
+                try:
+                    blob.pread(0, blob.size)
+                finally:
+                    blob.close()
+                out[kind].append(time.perf_counter() - t0)
+                if kind == "layer peer" and source.peer_bytes < blob.size - CHUNK:
+                    raise RuntimeError("the layer was not read from the peer")
     return out
 
 
@@ -125,14 +166,16 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     results = asyncio.run(amain(args))
-    print(f"\n{'file':>8} {'repository (oss)':>17} {'peer (http)':>12} {'copy floor':>11} "
+    print(f"\n{'what':>15} {'repository (oss)':>17} {'peer (http)':>12} {'copy floor':>11} "
           f"{'peer/repo':>10} {'peer MiB/s':>11}")
     for size, r in results.items():
         med = {k: statistics.median(v) for k, v in r.items()}
         mib = int(size.removesuffix("MiB"))
-        print(f"{size:>8} {med['repository'] * 1000:>14.0f} ms {med['peer'] * 1000:>9.0f} ms "
-              f"{med['copy'] * 1000:>8.0f} ms {med['peer'] / med['repository']:>9.2f}x "
-              f"{mib / med['peer']:>11.0f}")
+        for what, repo_k, peer_k in (("memory file", "repository", "peer"),
+                                     ("layer", "layer repository", "layer peer")):
+            print(f"{what + ' ' + size:>15} {med[repo_k] * 1000:>14.0f} ms "
+                  f"{med[peer_k] * 1000:>9.0f} ms {med['copy'] * 1000:>8.0f} ms "
+                  f"{med[peer_k] / med[repo_k]:>9.2f}x {mib / med[peer_k]:>11.0f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 

@@ -57,7 +57,7 @@ async def open_runtime(cfg: Config, metrics: Metrics | None = None) -> Any:
                                    jailer_gid=cfg.jailer_gid,
                                    network_prefix=cfg.network_prefix,
                                    network_pool=cfg.network_pool,
-                                   envd_timeout_s=cfg.envd_timeout_s, ksm=cfg.ksm,
+                                   envd_timeout_s=cfg.envd_timeout_s, ksm=cfg.ksm, p2p=cfg.p2p,
                                    registry_mirror=cfg.registry_mirror,
                                    insecure_registries=cfg.insecure_registries),
                      metrics=metrics)
@@ -111,12 +111,14 @@ async def serve(cfg: Config) -> None:
         extra_routes: list[Any] = []
         if cfg.cluster_redis:
             from host.cluster.node import ClusterMember
-            from host.cluster.peers import memory_route
+            from host.cluster.peers import layers_route, memory_route
             member = ClusterMember.from_config(cfg, orch, node_key=keys.first)
             member.start()
             if member.peers is not None:   # --p2p: one key file serves the whole cluster
                 await runtime.use_peers(member.peers)
-                extra_routes.append(memory_route(runtime.memory_file))
+                member.peers.serve_layers(runtime.held_layers, runtime.peers_file)
+                extra_routes += [memory_route(runtime.memory_file),
+                                 layers_route(runtime.layer_range)]
         links = TerminalLinks.load_or_create(cfg.state_dir)
         api = build_api_app(orch, keys, domain=cfg.domain, state_dir=cfg.state_dir,
                             max_upload_bytes=cfg.template_upload_mib << 20,

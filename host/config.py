@@ -52,10 +52,10 @@
     AENV_ADVERTISE_PROXY_URL --advertise-proxy-url <advertise host>:<proxy port>
     AENV_HEARTBEAT_S --heartbeat-interval 2.0         seconds between heartbeats; the node is
     AENV_HEARTBEAT_MISSES --heartbeat-misses 3        dead after this many missed (6 s)
-    AENV_P2P         --p2p / --no-p2p off             in a cluster: fetch snapshots' memory
-                                                      files from neighbours before the (oss)
-                                                      repository, and serve this node's to
-                                                      them (host/cluster/peers.py)
+    AENV_P2P         --p2p / --no-p2p off             in a cluster: read snapshots' memory
+                                                      files and layers from neighbours before
+                                                      the (oss) repository, and serve this
+                                                      node's to them (host/cluster/peers.py)
     AENV_TEMPLATE_UPLOAD_MIB --template-upload-mib 2048   largest COPY archive a template
                                                       build may upload (MiB)
     AENV_REGISTRY_MIRROR --registry-mirror -          serves docker.io image names for builds

@@ -228,6 +228,23 @@ class Registry:
             found = await pipe.execute()
         return [n for n, has in zip(node_ids, found, strict=True) if has]
 
+    async def set_layers(self, node_id: str, layers: Sequence[str]) -> None:
+        """The layers (sha256 hex) the node holds bytes of, replacing what it said before."""
+        async with redis_errors("announcing layers"):
+            pipe = self.store.redis.pipeline(transaction=True)
+            pipe.delete(self.keys.node_layers(node_id))
+            if layers:
+                pipe.sadd(self.keys.node_layers(node_id), *layers)
+            await pipe.execute()
+
+    async def layers_of(self, node_ids: Sequence[str]) -> dict[str, set[str]]:
+        async with redis_errors("reading the nodes' layers"):
+            pipe = self.store.redis.pipeline(transaction=False)
+            for node_id in node_ids:
+                pipe.smembers(self.keys.node_layers(node_id))
+            found = await pipe.execute()
+        return {n: {str(x) for x in got} for n, got in zip(node_ids, found, strict=True)}
+
     # --- creates' Idempotency-Keys: the node that makes the sandbox of each key ---------
 
     def _idempotency(self, key: str) -> str:

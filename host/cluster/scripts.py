@@ -120,7 +120,7 @@ for _, id in ipairs(redis.call('SMEMBERS', P .. 'nodes')) do
     redis.call('PEXPIRE', set_key(id), keep)
     redis.call('PEXPIRE', node, keep)
     redis.call('DEL', placing_key(id))
-    redis.call('DEL', P .. 'node:' .. id .. ':memory')   -- its files died with it (--p2p)
+    redis.call('DEL', P .. 'node:' .. id .. ':memory', P .. 'node:' .. id .. ':layers')  -- --p2p
     out[#out + 1] = id
     out[#out + 1] = lost
   end

@@ -54,6 +54,9 @@ class Keys:
     def node_sandboxes(self, node_id: str) -> str:
         return f"{self.prefix}node:{node_id}:sandboxes"
 
+    def node_layers(self, node_id: str) -> str:
+        return f"{self.prefix}node:{node_id}:layers"
+
     def node_memory(self, node_id: str) -> str:
         return f"{self.prefix}node:{node_id}:memory"
 

@@ -53,7 +53,8 @@ class BlockServerHandle:
                 "--state-dir", str(self.config.state_dir / "storage"),
                 "--repo", self.config.repository_spec,
                 "--cache-dir", str(self.config.chunk_cache_dir),
-                "--cache-mib", str(self.config.cache_mib)]
+                "--cache-mib", str(self.config.cache_mib),
+                *(["--peers-file", str(self.config.peers_file)] if self.config.p2p else [])]
         repo_root = Path(__file__).resolve().parents[2]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root),

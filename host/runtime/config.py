@@ -47,6 +47,7 @@ class RuntimeConfig:
     jailer_gid: int = 0
     vms_survive_service: bool = True
     ksm: bool = False  # ksmd merges VMs' identical pages (host.hostmem.KsmSwitch)
+    p2p: bool = False  # the block server reads layers from neighbours first (peers_file)
     max_chain: int = 8  # memory diff chain length before a pause writes a cumulative diff
     envd_timeout_s: float = 60.0  # restore -> envd /health
     boot_timeout_s: float = 240.0  # cold boot (template build) -> envd /health
@@ -59,6 +60,17 @@ class RuntimeConfig:
     @property
     def chunk_cache_dir(self) -> Path:
         return self.cache_dir or self.state_dir / "cache"
+
+    @property
+    def layers_dir(self) -> Path:
+        """The block server's sealed layers (this node's own)."""
+        return self.state_dir / "storage" / "layers"
+
+    @property
+    def peers_file(self) -> Path:
+        """Neighbours and the layers they hold (`--p2p`: host/cluster/peers.py writes it,
+        the block server reads it: host/storage/peers.py)."""
+        return self.state_dir / "peers.json"
 
     @property
     def memory_dir(self) -> Path:

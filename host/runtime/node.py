@@ -34,7 +34,9 @@ from host.contract import (
 )
 from host.network import NetworkError
 from host.private import private_dir
+from host.storage.cache import CHUNK
 from host.storage.errors import StorageError
+from host.storage.peers import held_layers, held_range
 from host.vmm.accel import host_tsc_khz
 from host.vmm.errors import VmmError
 from host.vmm.proc import tail
@@ -269,6 +271,20 @@ class NodeRuntime:
     def memory_file(self, name: str) -> Path | None:
         """A memory file this node holds, for a neighbour (MemoryFiles.local)."""
         return self.parts.memory.local(name)
+
+    def held_layers(self) -> set[str]:
+        """Layers (sha256 hex) this node can serve bytes of to a neighbour (blocking)."""
+        return held_layers(self.config.layers_dir, self.config.chunk_cache_dir)
+
+    def layer_range(self, hexd: str, offset: int, length: int) -> bytes | None:
+        """Bytes of a layer for a neighbour's block server, if this node has them
+        (blocking: storage/peers.py's held_range)."""
+        return held_range(self.config.layers_dir, self.config.chunk_cache_dir, hexd, offset,
+                          length, chunk_size=CHUNK)
+
+    @property
+    def peers_file(self) -> Path:
+        return self.config.peers_file
 
     # --- shared documents: handoffs, the template catalog (for the other nodes) ------
 

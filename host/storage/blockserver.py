@@ -37,7 +37,8 @@ from .control import CONTROL_SOCKET, NBD_SOCKET, StackInfo, error_reply
 from .errors import LayerNotFoundError, StackExistsError, StackNotFoundError, StorageError
 from .lsmt import SealedLayer, Upper, digest_of_file
 from .nbd import NbdServer, Piece
-from .repository import OssRepository, PosixFsRepository, Repository, _hex, open_repository
+from .peers import PeerLayers
+from .repository import Repository, _hex, open_repository
 from .stack import Stack
 
 log = logging.getLogger(__name__)
@@ -474,9 +475,9 @@ def _fsync_dir(path: Path) -> None:
 
 
 def build_server(args: argparse.Namespace) -> BlockServer:
-    repo: PosixFsRepository | OssRepository | None = (
-        open_repository(args.repo) if args.repo else None
-    )
+    repo: Repository | None = open_repository(args.repo) if args.repo else None
+    if repo is not None and getattr(args, "peers_file", None):
+        repo = PeerLayers(repo, Path(args.peers_file))   # a cluster node's --p2p
     cache = None
     if args.cache_dir:
         cache = ChunkCache(args.cache_dir, capacity_bytes=args.cache_mib << 20,
@@ -509,6 +510,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cache-high", type=float, default=0.95,
                    help="evict when the cache is this full (fraction of --cache-mib)")
     p.add_argument("--cache-low", type=float, default=0.70, help="...down to this fraction")
+    p.add_argument("--peers-file", default=None,
+                   help="neighbours to read remote layers from first (storage/peers.py)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
