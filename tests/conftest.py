@@ -24,14 +24,14 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def moto_server(log_dir: Path) -> Iterator[str]:
-    """A real moto S3 server process on 127.0.0.1 (its http endpoint URL), killed on exit.
-    (bench/bench_p2p.py uses it too.)"""
+def moto_server(log_dir: Path, *, bind: str = "127.0.0.1") -> Iterator[str]:
+    """A real moto S3 server process listening on `bind` (its http endpoint URL on
+    127.0.0.1), killed on exit. (bench/bench_p2p.py and tests/e2e use it too.)"""
     exe = shutil.which("moto_server", path=str(Path(sys.executable).parent)) or shutil.which(
         "moto_server")
     port = _free_port()
-    argv = [exe, "-H", "127.0.0.1", "-p", str(port)] if exe else [
-        sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    argv = [exe, "-H", bind, "-p", str(port)] if exe else [
+        sys.executable, "-m", "moto.server", "-H", bind, "-p", str(port)]
     log = open(log_dir / "moto.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

@@ -57,6 +57,9 @@ class LocalCluster:
     # so least-loaded (the default of a real cluster) could not tell them apart
     strategy: str = "round-robin"
     node_args: list[str] = field(default_factory=list)  # more `python -m host` flags
+    # the nodes' shared repository (default: posix_fs in the root); `{host}` becomes the
+    # host's address as node i reaches it (an oss endpoint served on this machine)
+    repository: str | None = None
     procs: list[Proc] = field(default_factory=list)
     node_procs: dict[int, Proc] = field(default_factory=dict)
     _temp: bool = False
@@ -140,7 +143,9 @@ class LocalCluster:
                 sys.executable, "-m", "host", "--state-dir", str(state),
                 "--run-dir", f"/run/{self.prefix}-n{i}", "--listen", self.node_addr(i),
                 "--api-port", str(NODE_API_PORT), "--proxy-port", str(NODE_PROXY_PORT),
-                "--repository", f"posix_fs:{repo}", "--node-id", f"node{i}",
+                "--repository", (self.repository.replace("{host}", self.host_addr(i))
+                                 if self.repository else f"posix_fs:{repo}"),
+                "--node-id", f"node{i}",
                 "--advertise-url", f"http://{self.node_addr(i)}:{NODE_API_PORT}",
                 "--advertise-proxy-url", f"http://{self.node_addr(i)}:{NODE_PROXY_PORT}",
                 "--network-prefix", f"{self.prefix}{i}-",

@@ -113,8 +113,8 @@ class MemoryFiles:
         for f in files:
             name = self.rel(f)
             out[name] = await asyncio.to_thread(self.repo.put_file, MEMORY_KEY + name, f)
-        if self.peers is not None:
-            await self.peers.announce([own_dir.name])
+        if self.peers is not None:   # the snapshot ids owning them (own_dir may be base/)
+            await self.peers.announce(self.owners(out))
         return out
 
     async def fetch(self, m: dict[str, Any]) -> None:

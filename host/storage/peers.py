@@ -46,6 +46,7 @@ class PeerLayers:
         self._lock = threading.Lock()
         self._seen: tuple[float, int] | None = None
         self._doc: dict[str, Any] = {}
+        self._told: set[tuple[str, str]] = set()   # (layer, node) logged once
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -85,6 +86,10 @@ class PeerLayers:
                 continue
             with self._lock:
                 self.peer_bytes += len(data)
+                first = (hexd, str(peer.get("node"))) not in self._told
+                self._told.add((hexd, str(peer.get("node"))))
+            if first:
+                log.info("layer %s: reading chunks from neighbour %s", digest, peer.get("node"))
             return data
         return self.inner.read_layer(digest, offset, length)
 

@@ -152,3 +152,16 @@ async def test_only_memory_files_and_only_with_the_key(nodes):
             r = c.get(f"/cluster/memory/{bad}")
             assert r.status_code == 404, (bad, r.status_code)
         assert c.get("/cluster/memory/other.bin").status_code == 200  # under memory/
+
+
+async def test_an_upload_announces_its_snapshot(registry, nodes):
+    a, _, repo, _ = nodes
+    peers = PeerFiles(registry, "nodeA", KEY)
+    a.peers = peers
+    try:
+        await a.upload(a.dir / "snapA" / "mem")   # a build uploads <id>/base/ like this
+        assert repo.has_file(MEMORY_KEY + NAME)
+        assert await registry.memory_holders("snapA", ["nodeA"]) == ["nodeA"]
+        assert await registry.memory_holders("mem", ["nodeA"]) == []
+    finally:
+        await peers.aclose()
