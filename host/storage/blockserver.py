@@ -397,8 +397,9 @@ class BlockServer:
         moved = getattr(self.repository, "transferred", None)
         if moved is not None:
             repo = {"backend": getattr(self.repository, "backend", "unknown"),
-                    "upload_bytes": moved.upload_bytes, "download_bytes": moved.download_bytes,
-                    "peer_bytes": getattr(self.repository, "peer_bytes", 0)}
+                    "upload_bytes": moved.upload_bytes, "download_bytes": moved.download_bytes}
+            if isinstance(self.repository, PeerLayers):   # --p2p: what neighbours served
+                repo["peer_bytes"] = self.repository.peer_bytes
         return {"cache": cache, "repository": repo}
 
     async def push(self, digest: str) -> None:

@@ -151,6 +151,10 @@ def test_the_block_server_reads_through_its_peers_file(tmp_path, repo, moto_endp
         cache_dir=str(tmp_path / "cache"), cache_mib=64, cache_high=0.95, cache_low=0.7,
         socket_dir=str(tmp_path / "run"), state_dir=str(tmp_path / "state"),
         peers_file=str(tmp_path / "peers.json"))
-    assert isinstance(build_server(args).repository, PeerLayers)
+    server = build_server(args)
+    assert isinstance(server.repository, PeerLayers)
+    assert server.stats()["repository"]["peer_bytes"] == 0   # the host's metrics see it
     args.peers_file = None
-    assert isinstance(build_server(args).repository, OssRepository)
+    server = build_server(args)
+    assert isinstance(server.repository, OssRepository)
+    assert "peer_bytes" not in server.stats()["repository"]
