@@ -47,6 +47,7 @@ from host.storage.lsmt import LayerWriter
 from host.storage.peers import PeerLayers, held_range
 from host.storage.repository import OssRepository
 from tests.cluster.harness import RedisServer, Served
+from tests.cluster.test_peers import heartbeat
 from tests.conftest import moto_server
 
 KEY = "e2b_" + "b" * 40
@@ -56,11 +57,6 @@ def write_random(path: Path, mib: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:
         f.writelines(os.urandom(1 << 20) for _ in range(mib))
-
-
-def node_fields(address: str) -> dict[str, object]:
-    return {"address": address, "proxyAddress": address, "state": "ready", "cpuCount": 2,
-            "memoryMiB": 1024, "availableMiB": 512, "maxSandboxes": 0, "usedSandboxes": 0}
 
 
 async def measure(root: Path, repo: OssRepository, registry: Registry, mib: int,
@@ -74,8 +70,7 @@ async def measure(root: Path, repo: OssRepository, registry: Registry, mib: int,
     with Served(Starlette(routes=[memory_route(a.local)],
                           middleware=[Middleware(ApiKeyMiddleware, keys=ApiKeys([KEY]))])) as srv:
         for node_id, url in (("bench-a", srv.url), ("bench-b", "http://127.0.0.1:9")):
-            await registry.publish(node_id, node_fields(url), alive_ms=600_000, full=True,
-                                   token=node_id, upserts={})
+            await heartbeat(registry, node_id, url, alive_ms=600_000)
         await registry.announce_memory("bench-a", [snap])
         peers = PeerFiles(registry, "bench-b", KEY)
         try:

@@ -37,6 +37,17 @@ def open_private(path: str | os.PathLike[str], flags: int) -> int:
     return fd
 
 
+def write_private(path: str | os.PathLike[str], data: bytes) -> None:
+    """Replace `path` atomically with a 0600 file holding `data` (a temp file beside it,
+    renamed over it)."""
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    fd = open_private(tmp, os.O_WRONLY | os.O_TRUNC)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
 def tighten(path: str | os.PathLike[str], mode: int = FILE_MODE) -> None:
     """Give an existing file `mode` (no-op when it is absent)."""
     try:

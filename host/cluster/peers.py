@@ -47,7 +47,7 @@ from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
 from host.api.errors import error_response
-from host.private import open_private
+from host.private import write_private
 from host.tasks import cancel_and_wait, run_every
 
 from .errors import ClusterError
@@ -62,15 +62,6 @@ MAX_RANGE = 16 << 20       # one block server chunk is 1 MiB
 CONNECT_TIMEOUT_S = 2.0
 READ_TIMEOUT_S = 30.0        # between two reads: a stalled neighbour is left for the next
 _BLOCK = 1 << 20
-
-
-def _write_private_json(path: Path, doc: dict[str, Any]) -> None:
-    """Atomically, mode 0600 (it holds the node key)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = open_private(tmp, os.O_WRONLY | os.O_TRUNC)
-    with os.fdopen(fd, "w") as out:
-        json.dump(doc, out)
-    os.replace(tmp, path)
 
 
 def _sync(out: BinaryIO) -> None:
@@ -112,13 +103,14 @@ class PeerFiles:
 
     async def sync_layers(self, held: Callable[[], set[str]], peers_file: Path) -> None:
         await self.registry.set_layers(self.node_id, sorted(await asyncio.to_thread(held)))
-        live = [n for n in await self.registry.nodes() if n.alive and n.node_id != self.node_id]
+        live = await self.registry.live_nodes(exclude=self.node_id)
         layers = await self.registry.layers_of([n.node_id for n in live])
         doc = {"key": self.key, "peers": [
             {"node": n.node_id, "address": n.address, "layers": sorted(layers[n.node_id])}
             for n in live if layers[n.node_id]]}
         if doc != self._written:   # the block server re-reads it when it changes
-            await asyncio.to_thread(_write_private_json, peers_file, doc)
+            # 0600: it holds the node key
+            await asyncio.to_thread(write_private, peers_file, json.dumps(doc).encode())
             self._written = doc
 
     async def announce(self, owners: Iterable[str]) -> None:
@@ -136,8 +128,7 @@ class PeerFiles:
     async def fetch(self, name: str, dest: Path, sha256: str) -> bool:
         owner = name.split("/", 1)[0]
         try:
-            live = [n for n in await self.registry.nodes()
-                    if n.alive and n.node_id != self.node_id]
+            live = await self.registry.live_nodes(exclude=self.node_id)
             holders = set(await self.registry.memory_holders(owner, [n.node_id for n in live]))
         except ClusterError as exc:
             log.warning("finding neighbours with %s failed: %s", name, exc)

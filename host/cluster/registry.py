@@ -124,6 +124,10 @@ class Registry:
         """Every node whose record exists, dead ones included, ordered by id."""
         return [n for n in await self._read(await self.node_ids()) if n is not None]
 
+    async def live_nodes(self, *, exclude: str | None = None) -> list[NodeRecord]:
+        """The nodes alive now (heartbeating), ordered by id; `exclude`: but that one."""
+        return [n for n in await self.nodes() if n.alive and n.node_id != exclude]
+
     async def node(self, node_id: str) -> NodeRecord | None:
         return (await self._read([node_id]))[0]
 
@@ -203,9 +207,12 @@ class Registry:
 
     async def end_move(self, sandbox_id: str, owner: str) -> None:
         async with redis_errors("ending a sandbox move"):
-            key = self.keys.moving(sandbox_id)
-            if await self.store.redis.get(key) == owner:
-                await self.store.redis.delete(key)
+            await self._delete_if(self.keys.moving(sandbox_id), owner)
+
+    async def _delete_if(self, key: str, value: str) -> None:
+        """Delete a claim `key` while it still holds `value` (ours, not a later one's)."""
+        if await self.store.redis.get(key) == value:
+            await self.store.redis.delete(key)
 
     # --- memory files nodes hold, for their neighbours (--p2p, host/cluster/peers.py) ----
 
@@ -261,9 +268,7 @@ class Registry:
     async def release_idempotency(self, key: str, node_id: str) -> None:
         """Forget `node_id`'s claim of the key (its create never reached the node)."""
         async with redis_errors("releasing an idempotency key"):
-            k = self._idempotency(key)
-            if await self.store.redis.get(k) == node_id:
-                await self.store.redis.delete(k)
+            await self._delete_if(self._idempotency(key), node_id)
 
     # --- templates: which node built one (a hint; gateway/templates.py) -----------------
 

@@ -33,13 +33,19 @@ from urllib.parse import quote
 
 from .context import Context
 from .store import SnapshotRecord
-from .template_store import READY, BuildRecord, TagRecord, TemplateRecord
+from .template_store import (
+    IMPORTED,
+    READY,
+    BuildRecord,
+    TagRecord,
+    TemplateRecord,
+    all_imported,
+)
 
 log = logging.getLogger(__name__)
 
 VERSION = 1
 FOREIGN = "foreign"      # snapshot spec: another node's; never delete its files here
-IMPORTED = "imported"    # build spec: came from the catalog, not built here
 
 
 def _name(kind: str, key: str) -> str:
@@ -73,7 +79,7 @@ def _template_document(ctx: Context, template_id: str) -> dict[str, Any] | None:
     """Runs on the store's thread. None for a template this node imported."""
     ts = ctx.templates
     builds = ts.list_builds(template_id)
-    if not builds or all(b.spec.get(IMPORTED) for b in builds):
+    if not builds or all_imported(builds):
         return None
     tmpl = ts.get_template(template_id)
     tags = ts.tags(template_id)
@@ -95,7 +101,7 @@ def _template_document(ctx: Context, template_id: str) -> dict[str, Any] | None:
 async def withdraw_template(ctx: Context, tmpl: TemplateRecord, builds: list[BuildRecord]) -> None:
     """After its home node deleted it. Imported copies elsewhere drop it at their next
     lookup."""
-    if not ctx.handoff or not builds or all(b.spec.get(IMPORTED) for b in builds):
+    if not ctx.handoff or not builds or all_imported(builds):
         return
     try:
         await ctx.runtime.delete_document(_name("template", tmpl.id))

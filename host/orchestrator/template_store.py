@@ -21,6 +21,7 @@ from .errors import AliasConflict, BuildNotFound, InvalidRequest, TemplateNotFou
 from .store import Store
 
 WAITING, BUILDING, READY, ERROR = "waiting", "building", "ready", "error"
+IMPORTED = "imported"   # a build's spec: it came from the cluster's catalog, not built here
 LEVELS = ("debug", "info", "warn", "error")
 
 _SCHEMA = """
@@ -131,6 +132,12 @@ class TagRecord:
     created_at: float
 
 
+def all_imported(builds: Sequence[BuildRecord]) -> bool:
+    """Whether these builds of a template all came from the cluster's catalog (its home is
+    another node: orchestrator/catalog.py). False for none."""
+    return bool(builds) and all(b.spec.get(IMPORTED) for b in builds)
+
+
 def _build(row: sqlite3.Row) -> BuildRecord:
     def js(v: str | None) -> Any:
         return None if v is None else json.loads(v)
@@ -215,22 +222,25 @@ class TemplateStore:
         """Forget the template, its aliases, tags, builds and their logs; returns the
         builds (whose snapshots the caller releases)."""
         with self.store.transaction() as db:
-            builds = [_build(r) for r in db.execute(
-                "SELECT * FROM template_builds WHERE template_id = ?", (template_id,))]
-            for table, column in (("template_aliases", "template_id"),
-                                  ("template_tags", "template_id"),
-                                  ("template_builds", "template_id"), ("templates", "id")):
-                db.execute(f"DELETE FROM {table} WHERE {column} = ?", (template_id,))
-            db.executemany("DELETE FROM template_build_logs WHERE build_id = ?",
-                           [(b.id,) for b in builds])
+            return self._delete_rows(db, template_id)
+
+    @staticmethod
+    def _delete_rows(db: sqlite3.Connection, template_id: str) -> list[BuildRecord]:
+        """Inside a transaction: the template's rows in every table; its builds."""
+        builds = [_build(r) for r in db.execute(
+            "SELECT * FROM template_builds WHERE template_id = ?", (template_id,))]
+        for table, column in (("template_aliases", "template_id"),
+                              ("template_tags", "template_id"),
+                              ("template_builds", "template_id"), ("templates", "id")):
+            db.execute(f"DELETE FROM {table} WHERE {column} = ?", (template_id,))
+        db.executemany("DELETE FROM template_build_logs WHERE build_id = ?",
+                       [(b.id,) for b in builds])
         return builds
 
     def is_imported(self, template_id: str) -> bool:
         """Whether every build of the template came from the cluster's catalog (none was
         built here: orchestrator/catalog.py)."""
-        rows = self.store.select("SELECT spec FROM template_builds WHERE template_id = ?",
-                                 (template_id,))
-        return bool(rows) and all(json.loads(r["spec"]).get("imported") for r in rows)
+        return all_imported(self.list_builds(template_id))
 
     def import_template(self, tmpl: TemplateRecord, builds: Sequence[BuildRecord],
                         tags: Sequence[TagRecord]) -> bool:
@@ -239,9 +249,9 @@ class TemplateStore:
         made here (this node is its home) or the copy is as current already. An alias
         another template of this node holds stays that template's."""
         with self.store.transaction() as db:
-            own = [r for r in db.execute("SELECT spec, updated_at FROM template_builds "
-                                         "WHERE template_id = ?", (tmpl.id,))]
-            if any(not json.loads(r["spec"]).get("imported") for r in own):
+            had = [_build(r) for r in db.execute(
+                "SELECT * FROM template_builds WHERE template_id = ?", (tmpl.id,))]
+            if had and not all_imported(had):
                 return False
             row = db.execute("SELECT updated_at FROM templates WHERE id = ?",
                              (tmpl.id,)).fetchone()
@@ -250,10 +260,7 @@ class TemplateStore:
             if row is not None and row["updated_at"] == tmpl.updated_at and \
                     have == {(t.tag, t.build_id) for t in tags}:
                 return False
-            for table, column in (("template_aliases", "template_id"),
-                                  ("template_tags", "template_id"),
-                                  ("template_builds", "template_id"), ("templates", "id")):
-                db.execute(f"DELETE FROM {table} WHERE {column} = ?", (tmpl.id,))
+            self._delete_rows(db, tmpl.id)
             db.execute("INSERT INTO templates (id, public, cpu_count, memory_mb, disk_mb, "
                        "created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
                        (tmpl.id, int(tmpl.public), tmpl.cpu_count, tmpl.memory_mb,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-import os
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from host.private import open_private, private_dir
+from host.private import private_dir, write_private
 
 _RENEW_BEFORE = dt.timedelta(days=30)
 
@@ -33,14 +32,6 @@ class CertPaths:
     ca_cert: Path
     cert: Path      # leaf certificate followed by the CA (full chain)
     key: Path
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    fd = open_private(tmp, os.O_WRONLY | os.O_TRUNC)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -72,7 +63,7 @@ def _load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivate
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
                            critical=False)
             .sign(key, hashes.SHA256()))
-    _write_private(key_path, _key_pem(key))
+    write_private(key_path, _key_pem(key))
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return cert, key
 
@@ -119,7 +110,7 @@ def ensure_certificates(directory: Path | str, domain: str,
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
                 ca_key.public_key()), critical=False)
             .sign(ca_key, hashes.SHA256()))
-    _write_private(paths.key, _key_pem(key))
+    write_private(paths.key, _key_pem(key))
     paths.cert.write_bytes(leaf.public_bytes(serialization.Encoding.PEM)
                            + ca_cert.public_bytes(serialization.Encoding.PEM))
     return paths

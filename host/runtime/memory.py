@@ -122,6 +122,7 @@ class MemoryFiles:
         its recorded sha256 (a mismatch is fetched again once, then SnapshotCorruptError;
         the bad copy is never left in memory/)."""
         sums: dict[str, str] = m["memory"].get("sha256") or {}
+        fetched: list[str] = []
         for name in m["memory"].get("files", ()):
             path = self.path(name)
             if path.exists():
@@ -135,6 +136,7 @@ class MemoryFiles:
                     self.hits += 1
                     continue
                 self.misses += 1
+                fetched.append(name)
                 t0 = time.perf_counter()
                 try:
                     if await self._from_peer(name, path, sums.get(name)):
@@ -157,8 +159,8 @@ class MemoryFiles:
                     self.fetching.pop(name, None)
                 log.info("fetched %s from the repository in %.2fs (%d bytes)", name,
                          time.perf_counter() - t0, path.stat().st_size)
-        if self.peers is not None:
-            await self.peers.announce(self.owners(m["memory"].get("files", ())))
+        if fetched and self.peers is not None:   # what was here already was announced
+            await self.peers.announce(self.owners(fetched))
 
     async def _from_peer(self, name: str, path: Path, sha256: str | None) -> bool:
         """From a neighbour first (with --p2p). Only files whose sha256 the manifest

@@ -121,7 +121,11 @@ def held_range(layers_dir: Path, cache_dir: Path | None, hexd: str, offset: int,
                length: int, *, chunk_size: int) -> bytes | None:
     """`length` bytes at `offset` of layer `hexd` from this node's sealed layer file, or
     the one cached chunk they are exactly; None when this node has not got them."""
-    if len(hexd) != 64 or not all(c in "0123456789abcdef" for c in hexd) or length <= 0:
+    try:
+        _hex(f"sha256:{hexd}")   # a digest's hex, nothing a path could climb out with
+    except ValueError:
+        return None
+    if length <= 0:
         return None
     try:
         with open(layers_dir / f"{hexd}.lsmt", "rb") as f:

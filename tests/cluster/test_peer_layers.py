@@ -31,6 +31,7 @@ from host.storage.peers import PeerLayers, held_layers, held_range
 from host.storage.repository import OssRepository
 
 from .harness import Served
+from .test_peers import heartbeat
 
 KEY = "e2b_" + "9" * 40
 
@@ -115,11 +116,7 @@ async def test_held_layers_are_announced_and_listed_for_the_block_server(
     store = ClusterStore.from_url(redis_url)
     registry = Registry(store)
     for node_id, port in (("a", 1), ("b", 2)):
-        await registry.publish(node_id, {
-            "address": f"http://127.0.0.1:{port}", "proxyAddress": "http://127.0.0.1:9",
-            "state": "ready", "cpuCount": 1, "memoryMiB": 1, "availableMiB": 1,
-            "maxSandboxes": 0, "usedSandboxes": 0}, alive_ms=60_000, full=True, token=node_id,
-            upserts={})
+        await heartbeat(registry, node_id, f"http://127.0.0.1:{port}")
     a, b = PeerFiles(registry, "a", KEY), PeerFiles(registry, "b", KEY)
     try:
         file_a, file_b = tmp_path / "a.json", tmp_path / "b.json"
@@ -133,8 +130,7 @@ async def test_held_layers_are_announced_and_listed_for_the_block_server(
         await a.sync_layers(lambda: {"2" * 64}, file_a)         # A's cache evicted one
         await b.sync_layers(lambda: set(), file_b)
         assert json.loads(file_b.read_text())["peers"][0]["layers"] == ["2" * 64]
-        await registry.publish("a", {"address": "http://127.0.0.1:1"}, alive_ms=1,
-                               full=True, token="a", upserts={})
+        await heartbeat(registry, "a", "http://127.0.0.1:1", alive_ms=1)
         await asyncio.sleep(0.05)
         await registry.sweep(retention_ms=60_000)   # A dead: off the list
         await b.sync_layers(lambda: set(), file_b)

@@ -29,6 +29,7 @@ from host.runtime.memory import MEMORY_KEY, MemoryFiles
 from host.storage.repository import PosixFsRepository
 
 from .harness import Served
+from .test_registry import fields
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 
@@ -36,14 +37,10 @@ KEY = "e2b_" + "7" * 40
 NAME = "snapA/mem/memory.diff"
 
 
-def fields(address: str) -> dict[str, object]:
-    return {"address": address, "proxyAddress": address, "state": "ready", "cpuCount": 2,
-            "memoryMiB": 1024, "availableMiB": 512, "maxSandboxes": 0, "usedSandboxes": 0}
-
-
 async def heartbeat(registry: Registry, node_id: str, address: str, alive_ms: int = 60_000) -> None:
-    await registry.publish(node_id, fields(address), alive_ms=alive_ms, full=True,
-                           token=node_id, upserts={})
+    """One full heartbeat of a node whose API is at `address`."""
+    await registry.publish(node_id, fields(address=address, proxyAddress=address),
+                           alive_ms=alive_ms, full=True, token=node_id, upserts={})
 
 
 @pytest_asyncio.fixture(loop_scope="function")

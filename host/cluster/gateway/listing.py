@@ -88,7 +88,7 @@ async def get_page(nodes: NodeClient, node: NodeRecord, path: str, params: dict[
 
 
 async def live_nodes(request: Request) -> list[NodeRecord]:
-    return [n for n in await ctx_of(request).registry.nodes() if n.alive]
+    return await ctx_of(request).registry.live_nodes()
 
 
 def with_unreachable(response: Response, unreachable: Sequence[str]) -> Response:

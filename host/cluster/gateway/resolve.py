@@ -87,7 +87,7 @@ class Resolver:
                 return None
             return str(answer.json()["sandboxID"]) if answer.status == 200 else None
 
-        live = [n for n in await self.registry.nodes() if n.alive]
+        live = await self.registry.live_nodes()
         found = [sid for sid in await asyncio.gather(*(ask(n) for n in live)) if sid]
         return found[0] if found else None
 
@@ -95,7 +95,7 @@ class Resolver:
         """Ask every live node for an unbound sandbox; bind it where it is found."""
         if not SANDBOX_ID.match(sandbox_id):
             raise SandboxUnknown(f"sandbox '{sandbox_id}' not found")
-        live = [n for n in await self.registry.nodes() if n.alive]
+        live = await self.registry.live_nodes()
 
         async def ask(node: NodeRecord) -> tuple[NodeRecord, str] | None:
             try:

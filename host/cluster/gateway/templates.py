@@ -82,7 +82,7 @@ async def _home(ctx: GatewayContext, ref: str) -> NodeRecord | None:
 async def _ordered(ctx: GatewayContext, ref: str) -> list[NodeRecord]:
     """Live nodes, the template's home first."""
     home = await _home(ctx, ref)
-    live = [n for n in await ctx.registry.nodes() if n.alive]
+    live = await ctx.registry.live_nodes()
     return ([home] if home else []) + [n for n in live if home is None or n.node_id != home.node_id]
 
 
