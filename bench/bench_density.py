@@ -9,6 +9,11 @@ Rows (issue 13), each with its target on this machine:
     pause written   sbx.pause() right after writing 200 MiB to /home/user  p50, / idle pause
                     (+ memory diff bytes and guest downtime from the snapshot's own stats,
                     and a sha256 of the file checked after resume)
+
+A pause is answered once the guest is stopped and written behind the sandbox's lock
+(host/orchestrator/pausing.py). Each pause is also timed until it is committed (the
+store says `paused`), printed as "committed", and the resume row starts after that,
+so it measures a restore from a written snapshot, not a wait for one.
     fork 16         parent.fork(count=16): wall time, parent's downtime, children ok
     idle N          N idle sandboxes: guest RAM promised / host PSS of their VMMs, and the
                     host CPU each VMM uses while idle (utime+stime over a window)
@@ -204,29 +209,40 @@ class Bench:
         sbx.commands.run("true")
         return sbx
 
+    def pause(self, sbx: Any) -> tuple[float, float]:
+        """sbx.pause(): (until answered, until committed), seconds."""
+        t0 = time.perf_counter()
+        sbx.pause()
+        answered = time.perf_counter() - t0
+        while self.svc.db_states().get(sbx.sandbox_id) != "paused":
+            time.sleep(0.005)
+        return answered, time.perf_counter() - t0
+
     def lifecycle(self) -> None:
         """create, idle pause, resume (connect + first command) and pause after writes."""
-        creates, pauses, resumes = [], [], []
+        creates, pauses, commits, resumes = [], [], [], []
         for i in range(self.args.n):
             t, sbx = timed(self.create)
             creates.append(t)
             sbx.commands.run("true")
             time.sleep(1.0)  # idle
-            t, _ = timed(sbx.pause)
+            t, done = self.pause(sbx)
             pauses.append(t)
+            commits.append(done)
             t, again = timed(lambda sid=sbx.sandbox_id: self.resume(sid))
             resumes.append(t)
             again.kill()
             print(f"  {i + 1}/{self.args.n}: create {creates[-1] * 1e3:6.0f} ms  pause "
-                  f"{pauses[-1] * 1e3:6.0f} ms  resume+run {resumes[-1] * 1e3:6.0f} ms",
-                  flush=True)
-        written, diffs, downs, lost = [], [], [], 0
+                  f"{pauses[-1] * 1e3:6.0f} ms (committed {done * 1e3:4.0f} ms)  "
+                  f"resume+run {resumes[-1] * 1e3:6.0f} ms", flush=True)
+        written, written_commits, diffs, downs, lost = [], [], [], [], 0
         for i in range(max(1, self.args.n // 2 + 1)):
             sbx = self.create()
             digest = sbx.commands.run(WRITE, timeout=600).stdout.strip()
             since = time.time()
-            t, _ = timed(sbx.pause)
+            t, done = self.pause(sbx)
             written.append(t)
+            written_commits.append(done)
             stats = newest_snapshot_stats(self.svc.state, since)
             diffs.append(stats.get("diff_bytes", float("nan")))
             downs.append(stats.get("downtime_ms", float("nan")) / 1e3)
@@ -234,12 +250,14 @@ class Bench:
             after = again.commands.run("sha256sum /home/user/big | cut -d' ' -f1").stdout.strip()
             lost += after != digest
             again.kill()
-            print(f"  written {i + 1}: pause {t * 1e3:6.0f} ms  diff {diffs[-1] / MIB:7.1f} MiB"
+            print(f"  written {i + 1}: pause {t * 1e3:6.0f} ms (committed {done * 1e3:5.0f} ms)"
+                  f"  diff {diffs[-1] / MIB:7.1f} MiB"
                   f"  downtime {downs[-1] * 1e3:6.0f} ms  checksum "
                   f"{'kept' if after == digest else 'LOST'}", flush=True)
         idle = statistics.median(pauses)
         self.res.update({
             "create_s": creates, "pause_idle_s": pauses, "resume_s": resumes,
+            "pause_idle_committed_s": commits, "pause_written_committed_s": written_commits,
             "pause_written_s": written, "pause_written_diff_bytes": diffs,
             "pause_written_downtime_s": downs, "pause_written_lost": lost,
             "create_p50_s": statistics.median(creates), "pause_idle_p50_s": idle,
@@ -373,6 +391,9 @@ def report(res: dict[str, Any]) -> None:
               f"{statistics.median(res['pause_written_diff_bytes']) / MIB:.1f} MiB, guest "
               f"downtime p50 {statistics.median(res['pause_written_downtime_s']) * 1e3:.0f} ms,"
               f" checksums lost {res['pause_written_lost']}")
+        print(f"  pauses committed (answered -> written behind the lock) p50: idle "
+              f"{statistics.median(res['pause_idle_committed_s']) * 1e3:.0f} ms, after "
+              f"writes {statistics.median(res['pause_written_committed_s']) * 1e3:.0f} ms")
     for kind, st in (res.get("stages_p50_ms") or {}).items():
         print(f"  {kind} stages p50: " + ", ".join(f"{n} {v:.0f}ms" for n, v in st.items()))
     if "run_parallel_p99_s" in res:

@@ -256,7 +256,7 @@ class NodeOrchestrator:
         return [r.id for r in sorted(running, key=lambda r: activity.get(r.id, r.started_at))]
 
     async def pause_for_memory(self, sandbox_id: str) -> None:
-        await pausing.pause(self._ctx, sandbox_id, memory=True)
+        await pausing.pause(self._ctx, sandbox_id, memory=True, early=False)  # to free memory
 
     async def release_spare(self) -> int:
         """Release the warm VMs (warm.py) before any sandbox is paused for memory."""

@@ -4,9 +4,22 @@ Pause moves a running sandbox to `pausing`, ends the proxy's streams into it, sn
 with the VM stopped (memory + disk, or the disk alone: a filesystem-only pause), then
 `paused` on that snapshot with the TTL left stored. Connect resumes a paused sandbox from
 its snapshot (same envd token, so SDK handles keep working) or extends a running one's TTL.
+
+A pause asked through the API is answered once the guest is stopped: from then on nothing
+it does can change what the pause keeps, and `pausing` reads as paused. The snapshot is
+written after the answer by an owned task that holds the sandbox's lock until it is
+committed, so a resume, kill or fork of the sandbox waits for it, and a crash meanwhile
+is finished by recovery (`pausing`: the stopped VM is adopted and snapshotted). Like E2B's
+deferred rootfs export and asynchronous upload, this takes the writing of what the guest
+dirtied off the caller's wait; the memory-pressure guard waits for the commit instead,
+since it pauses to free memory.
 """
 
 from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
 
 from . import handoff, ids
 from .context import Context, observed
@@ -31,24 +44,63 @@ from .records import (
 from .states import SandboxState as S
 from .store import SandboxRecord
 
+log = logging.getLogger(__name__)
+
 # ---- pause ---------------------------------------------------------------------------
 
 async def pause(ctx: Context, sandbox_id: str, *, memory: bool = True,
-                require_healthy: bool = False) -> None:
+                require_healthy: bool = False, early: bool = True) -> None:
     """Pause: memory + disk (resume continues every process), or `memory=False`: the
     disk alone (a filesystem-only pause; resume cold-boots it). A filesystem-only pause,
     and one with `require_healthy`, needs envd to answer (GuestUnresponsive, nothing
-    changed, if it does not)."""
-    await ctx.shielded(_pause(ctx, sandbox_id, memory, require_healthy))
+    changed, if it does not). `early`: return once the guest is stopped, the snapshot
+    being committed behind the sandbox's lock (module doc); else once it is committed."""
+    await ctx.shielded(_pause(ctx, sandbox_id, memory, require_healthy, early))
 
 
 @observed("pause")
-async def _pause(ctx: Context, sandbox_id: str, memory: bool, require_healthy: bool) -> None:
-    async with ctx.lock(sandbox_id):
+async def _pause(ctx: Context, sandbox_id: str, memory: bool, require_healthy: bool,
+                 early: bool) -> None:
+    lock = ctx.lock(sandbox_id)
+    stopped = asyncio.Event()
+    await lock.acquire()
+    try:  # the lock goes with the work, which releases it once the pause is committed
+        work = ctx.spawn(_pause_holding(ctx, lock, sandbox_id, memory, require_healthy,
+                                        stopped.set if early else None))
+    except BaseException:
+        lock.release()
+        raise
+    waiter = asyncio.ensure_future(stopped.wait())
+    try:
+        await asyncio.wait({work, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    if work.done():
+        work.result()  # done before the guest was stopped: its error is the answer
+
+
+async def _pause_holding(ctx: Context, lock: asyncio.Lock, sandbox_id: str, memory: bool,
+                         require_healthy: bool, stopped: Callable[[], None] | None) -> None:
+    answered = False
+
+    def answer() -> None:
+        nonlocal answered
+        answered = True
+        if stopped is not None:
+            stopped()
+
+    try:
         rec = await ctx.record(sandbox_id)
         if rec.state is S.RUNNING and (require_healthy or not memory):
             await check_guest(ctx, rec, sync=not memory)
-        await pause_locked(ctx, rec, op="paused", memory=memory)
+        await pause_locked(ctx, rec, op="paused", memory=memory, stopped=answer)
+    except OrchestratorError as exc:
+        if answered and stopped is not None:  # the caller has its answer: say it here
+            log.warning("sandbox %s: the pause failed after its answer (%s); the sandbox "
+                        "runs again", sandbox_id, exc)
+        raise
+    finally:
+        lock.release()
 
 
 async def check_guest(ctx: Context, rec: SandboxRecord, *, sync: bool) -> None:
@@ -71,18 +123,21 @@ async def check_guest(ctx: Context, rec: SandboxRecord, *, sync: bool) -> None:
 
 @observed("pause")
 async def pause_locked(ctx: Context, rec: SandboxRecord, op: str, *,
-                       memory: bool = True) -> None:
+                       memory: bool = True, stopped: Callable[[], None] | None = None
+                       ) -> None:
     """Pause `rec`'s running sandbox (op "timeout": its TTL ran out, none is left); the
-    caller holds its lock."""
+    caller holds its lock. `stopped` is called once the guest is stopped for good."""
     sid = rec.id
     snap_id = ids.new_runtime_snapshot_id("pause")
-    pending = {"store_id": snap_id, "runtime_id": snap_id, "kind": "pause"}
+    pending = {"store_id": snap_id, "runtime_id": snap_id, "kind": "pause",
+               "mode": "full" if memory else "filesystem"}
     rec = await ctx.db(ctx.store.transition, sid, {S.RUNNING}, S.PAUSING,
                        runtime=with_runtime(rec, pending=pending))
     # Streams into the VM end now, before it stops (if the pause fails they stay ended).
     ctx.end_run(sid, "paused" if op != "timeout" else "paused (its timeout ran out)")
     try:
-        ref = await ctx.runtime.snapshot(sid, snap_id, stop=True, memory=memory)
+        ref = await ctx.runtime.snapshot(sid, snap_id, stop=True, memory=memory,
+                                         stopped=stopped)
     except Exception as exc:
         await ctx.db(ctx.store.transition, sid, {S.PAUSING}, S.RUNNING,
                      event={"op": "pause_failed", "error": str(exc)},

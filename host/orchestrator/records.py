@@ -117,7 +117,16 @@ def sandbox_info(rec: SandboxRecord, *, now: float | None = None) -> SandboxInfo
         envd_access_token=rec.envd_token, traffic_access_token=rec.traffic_token,
         metadata=dict(rec.metadata), auto_pause=rec.auto_pause, auto_resume=rec.auto_resume,
         network=network_from_json(rec.network),
-        pause_mode=rec.runtime.get("pause_mode") if rec.state is SandboxState.PAUSED else None)
+        pause_mode=_pause_mode(rec))
+
+
+def _pause_mode(rec: SandboxRecord) -> str | None:
+    """"full" or "filesystem" once paused, and while its pause is being written."""
+    if rec.state is SandboxState.PAUSED:
+        return rec.runtime.get("pause_mode")
+    if rec.state is SandboxState.PAUSING:
+        return (rec.runtime.get("pending") or {}).get("mode")
+    return None
 
 
 def snapshot_info(snap: SnapshotRecord) -> SnapshotInfo:

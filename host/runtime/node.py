@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
@@ -207,12 +208,14 @@ class NodeRuntime:
                                   hold=hold)
 
     async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool,
-                       memory: bool = True) -> SnapshotRef:
+                       memory: bool = True,
+                       stopped: Callable[[], None] | None = None) -> SnapshotRef:
         """Snapshot a running sandbox: memory + disk, or (`memory=False`, only with
-        `stop=True`) its disk alone: a filesystem-only pause, resumed by a cold boot."""
+        `stop=True`) its disk alone: a filesystem-only pause, resumed by a cold boot.
+        `stopped`: see the contract."""
         self._check_open()
         return await snapshots.snapshot(self.parts, sandbox_id, snapshot_id, stop=stop,
-                                        memory=memory)
+                                        memory=memory, stopped=stopped)
 
     async def kill(self, sandbox_id: str) -> None:
         await adoption.kill(self.parts, sandbox_id)

@@ -34,14 +34,15 @@ Seal = Callable[[], Awaitable[None]]
 
 
 async def snapshot(p: NodeParts, sandbox_id: str, snapshot_id: str, *, stop: bool,
-                   memory: bool) -> SnapshotRef:
+                   memory: bool, stopped: Callable[[], None] | None = None) -> SnapshotRef:
     sb = p.get(sandbox_id)
     async with sb.lock:
         if p.sandboxes.get(sandbox_id) is not sb:
             raise SandboxNotFoundError(f"sandbox {sandbox_id} went away")
         p.memory.writing.add(snapshot_id)
         try:
-            ref = await _snapshot(p, sb, snapshot_id, stop=stop, memory=memory)
+            ref = await _snapshot(p, sb, snapshot_id, stop=stop, memory=memory,
+                                  stopped=stopped)
         finally:
             p.memory.writing.discard(snapshot_id)
     await p.trim_memory()
@@ -49,7 +50,7 @@ async def snapshot(p: NodeParts, sandbox_id: str, snapshot_id: str, *, stop: boo
 
 
 async def _snapshot(p: NodeParts, sb: RunningSandbox, snapshot_id: str, *, stop: bool,
-                    memory: bool) -> SnapshotRef:
+                    memory: bool, stopped: Callable[[], None] | None) -> SnapshotRef:
     t0 = time.perf_counter()
     root = p.memory.dir / snapshot_id
     if await p.committed(snapshot_id):
@@ -69,11 +70,15 @@ async def _snapshot(p: NodeParts, sb: RunningSandbox, snapshot_id: str, *, stop:
 
     try:
         t_stop = time.perf_counter()
-        if not memory:
+        if stop:
             if vm.alive():
                 await vm.pause()
             # else: the VM died by itself; its disk (the block server's upper) is intact
             # and is what this snapshot keeps (the watchdog's salvage, timeouts.vm_exited)
+            timings["stop_s"] = time.perf_counter() - t_stop
+            if stopped is not None:  # nothing the guest does can change this snapshot now
+                stopped()
+        if not memory:
             await seal()
             mem, new_memsnap, new_base = None, None, sb.base_dir
         elif sb.scratch is not None:

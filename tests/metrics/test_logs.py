@@ -9,7 +9,7 @@ import io
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -132,9 +132,11 @@ class LoggingRuntime(FakeRuntime):
         return await super().start(sandbox_id, snapshot, network, reboot=reboot)
 
     async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool,
-                       memory: bool = True) -> SnapshotRef:
+                       memory: bool = True,
+                       stopped: Callable[[], None] | None = None) -> SnapshotRef:
         VM_LOG.info("writing a snapshot")
-        return await super().snapshot(sandbox_id, snapshot_id, stop=stop, memory=memory)
+        return await super().snapshot(sandbox_id, snapshot_id, stop=stop, memory=memory,
+                                      stopped=stopped)
 
     async def kill(self, sandbox_id: str) -> None:
         VM_LOG.info("stopping a VM")

@@ -49,6 +49,7 @@ class FakeRuntime:
         # shared documents (the repository's, shared by the nodes of a cluster test:
         # give two runtimes the same dict, as they would share one repository)
         self.documents: dict[str, dict[str, Any]] = {}
+        self.answer_on_stop = False  # call snapshot's `stopped` (as the real runtime)
         self._n = itertools.count(1)
 
     async def _step(self, op: str, sandbox_id: str) -> None:
@@ -139,9 +140,12 @@ class FakeRuntime:
         return p
 
     async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool,
-                       memory: bool = True) -> SnapshotRef:
+                       memory: bool = True,
+                       stopped: Callable[[], None] | None = None) -> SnapshotRef:
         self.calls.append(("snapshot", (sandbox_id, snapshot_id, stop)))
         self.memory_flags.append(memory)
+        if stop and stopped is not None and self.answer_on_stop and sandbox_id in self.vms:
+            stopped()
         await self._step("snapshot", sandbox_id)
         vm = self.vms.get(sandbox_id)
         if vm is None:

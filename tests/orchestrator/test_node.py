@@ -25,6 +25,7 @@ from host.orchestrator.errors import (
     StateConflict,
 )
 from host.orchestrator.model import CreateRequest, ListFilter, NetworkConfig
+from host.orchestrator.records import PUBLIC_PAUSED
 from host.orchestrator.states import SandboxState as S
 
 from .fakes import Clock
@@ -367,6 +368,43 @@ async def test_concurrent_ops_on_one_sandbox_are_serialized(orch, rt):
     assert results[2] is None
     order = [op for op, _ in rt.calls if op in ("snapshot", "kill")]
     assert order == ["snapshot", "kill"]
+
+
+async def test_pause_answers_once_stopped_and_holds_the_sandbox_until_committed(orch, rt,
+                                                                              store):
+    """The API's pause returns once the guest is stopped; the snapshot is committed
+    behind the sandbox's lock: a resume or kill meanwhile waits for it, and the sandbox
+    reads as paused all along."""
+    rt.answer_on_stop = True
+    sid = (await orch.create(CreateRequest())).sandbox_id
+    gate = rt.gates["snapshot"] = asyncio.Event()
+    await asyncio.wait_for(orch.pause(sid), 5)  # answered while the snapshot is gated
+    assert store.get_sandbox(sid).state is S.PAUSING
+    assert (await orch.get(sid)).state in PUBLIC_PAUSED  # the API says "paused"
+    resume = asyncio.create_task(orch.connect(sid, None))
+    await asyncio.sleep(0.05)
+    assert not resume.done()  # waits for the commit, does not see `pausing`
+    gate.set()
+    info, resumed = await asyncio.wait_for(resume, 5)
+    assert resumed and info.state is S.RUNNING
+    order = [op for op, _ in rt.calls if op in ("snapshot", "start")]
+    assert order[-2:] == ["snapshot", "start"]
+    assert store.get_sandbox(sid).snapshot_id is not None
+    # a failure after the answer: logged, and the sandbox runs again (nothing lost)
+    rt.gates.pop("snapshot")
+    rt.fail["snapshot"] = lambda s: True
+    await orch.pause(sid)
+    await orch.kill(sid)  # waits for the failed pause, then kills the running sandbox
+    assert store.get_sandbox(sid).state is S.KILLED
+    assert "pause_failed" in [e.detail.get("op") for e in store.events(sid)]
+
+
+async def test_pause_for_memory_waits_for_the_commit(orch, rt, store):
+    rt.answer_on_stop = True
+    sid = (await orch.create(CreateRequest())).sandbox_id
+    await orch.pause_for_memory(sid)
+    assert store.get_sandbox(sid).state is S.PAUSED
+    assert sid not in rt.vms
 
 
 async def test_client_cancel_does_not_half_finish(orch, rt):

@@ -77,9 +77,11 @@ def test_resume_on_a_fresh_host_process_from_oss(oss_svc: HostService) -> None:
     sbx.files.write("/home/user/data.txt", "kept in the repository")
     pid = sbx.commands.run("sleep 100000", background=True).pid
     assert sbx.pause()
-    assert oss_svc.db_states()[sid] == "paused"
+    # answered once the guest stopped; written behind it: a stop waits for the commit
+    assert oss_svc.db_states()[sid] in ("pausing", "paused")
 
     deleted = _wipe_local_state(oss_svc)
+    assert oss_svc.db_states()[sid] == "paused"
     assert {"memory", "storage", "cache"} <= set(deleted), deleted
     assert not (oss_svc.state / "repo").exists()  # nothing went to a local repository
     assert {p.name for p in oss_svc.state.iterdir()} <= KEEP

@@ -26,6 +26,7 @@ Files are written to a temporary name, fsynced and renamed into place.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import mmap
 import os
@@ -138,8 +139,10 @@ def write_diff(
                 f.write(bytes(HEADER_SIZE))
                 f.write(index_bytes)
                 f.write(bytes(data_offset - HEADER_SIZE - len(index_bytes)))
-                f.write(data)
                 f.flush()
+                if not _write_direct(tmp, data, data_offset):
+                    f.write(data)
+                    f.flush()
                 hasher.join()
                 header = DiffHeader(
                     page_size, len(idx), mem_pages, DiffKind(kind), base_sha256, config_sha256,
@@ -160,6 +163,49 @@ def write_diff(
     if fsync:
         _fsync_dir(path.parent)
     return header
+
+
+# The data of a large diff goes to disk with O_DIRECT in big sequential writes: through
+# the page cache, 224 MiB took 0.2-0.7 s here (allocating the cache pages) plus 0.1 s
+# of fsync; direct, 0.11-0.13 s in all. A restore reads the file once, so the page
+# cache gains little.
+DIRECT_MIN = 4 << 20
+DIRECT_CHUNK = 8 << 20
+
+
+def _write_direct(path: str, data: memoryview, offset: int) -> bool:
+    """Write `data` at `offset` of `path` with O_DIRECT; False (nothing written) where it
+    cannot be: small data, a buffer not page-aligned, a filesystem without O_DIRECT."""
+    if data.nbytes < DIRECT_MIN or not _page_aligned(data) or offset % ALIGN:
+        return False
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        return False
+    try:
+        done = 0
+        while done < data.nbytes:
+            try:
+                done += os.pwrite(fd, data[done:done + DIRECT_CHUNK], offset + done)
+            except OSError:
+                if done:
+                    raise
+                return False  # EINVAL on the first write: no O_DIRECT here after all
+        return True
+    finally:
+        os.close(fd)
+
+
+def _page_aligned(view: memoryview) -> bool:
+    if view.readonly or not view.c_contiguous or view.nbytes % ALIGN:
+        return False
+    try:
+        anchor = ctypes.c_char.from_buffer(view)  # holds an export of `view`: dropped below
+    except (TypeError, ValueError):
+        return False
+    address = ctypes.addressof(anchor)
+    del anchor
+    return address % ALIGN == 0
 
 
 def _fsync_dir(d: Path) -> None:

@@ -42,6 +42,42 @@ def write(path: Path, pages: dict[int, bytes], mem_pages: int = 100) -> None:
                mem_pages=mem_pages, base_sha256=BASE, config_sha256=CONF)
 
 
+def test_large_page_aligned_data_is_written_direct(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture buffer (an mmap) of at least DIRECT_MIN goes to disk with O_DIRECT, the
+    same bytes as a buffered write; bytes objects and small data take the buffered path."""
+    import mmap
+
+    from host.vmm.memsnap import diff as diffmod
+
+    n = diffmod.DIRECT_MIN // PS + 3
+    buf = mmap.mmap(-1, n * PS)
+    for i in range(n):
+        buf[i * PS:(i + 1) * PS] = page(i)
+    used: list[bool] = []
+    real = diffmod._write_direct
+
+    def spy(path: str, data: memoryview, offset: int) -> bool:
+        used.append(real(path, data, offset))
+        return used[-1]
+
+    monkeypatch.setattr(diffmod, "_write_direct", spy)
+    idx = list(range(0, 2 * n, 2))
+    direct, buffered = tmp_path / "direct.diff", tmp_path / "buffered.diff"
+    view = memoryview(buf)
+    hdr = write_diff(direct, indexes=idx, data=view, page_size=PS, mem_pages=2 * n,
+                     base_sha256=BASE, config_sha256=CONF)
+    view.release()
+    write_diff(buffered, indexes=idx, data=bytes(buf), page_size=PS, mem_pages=2 * n,
+               base_sha256=BASE, config_sha256=CONF)
+    assert used == [True, False]
+    assert direct.read_bytes() == buffered.read_bytes()
+    with DiffFile.open(direct) as f:
+        f.verify()
+        assert f.header.digest == hdr.digest and f.page(2 * (n - 1)) == page(n - 1)
+    buf.close()  # no export of the buffer is left behind
+
+
 def test_round_trip_and_independent_parse(tmp_path: Path) -> None:
     pages = {3: page(1), 4: page(2), 90: page(3)}
     path = tmp_path / "a.diff"
