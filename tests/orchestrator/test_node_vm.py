@@ -311,6 +311,39 @@ def _check_consistent(svc: HostService) -> tuple[dict[str, str], set[str]]:
     return states, orphans
 
 
+def test_crash_right_after_a_pause_answer_loses_nothing(sdk_env: HostService) -> None:
+    """A pause is answered once the guest is stopped and committed after. A service
+    killed in between leaves the sandbox `pausing` with its VM stopped: recovery adopts
+    that VM and finishes the pause, so memory (a running process, 96 MiB it dirtied) and
+    disk come back on resume."""
+    from e2b import Sandbox
+
+    svc = sdk_env
+    sbx = Sandbox.create(timeout=600)
+    sid = sbx.sandbox_id
+    sbx.files.write("/home/user/data.txt", "kept")
+    digest = sbx.commands.run("head -c 96M /dev/urandom > /dev/shm/big && "
+                              "sha256sum /dev/shm/big | cut -d' ' -f1").stdout.strip()
+    pid = sbx.commands.run("sleep 100000", background=True).pid
+    assert sbx.pause()
+    at_kill = svc.db_states()[sid]
+    svc.sigkill()
+    print(f"\nstate at SIGKILL, right after the pause's answer: {at_kill}")
+    svc.start()
+    try:
+        assert svc.db_states()[sid] == "paused"
+        again = Sandbox.connect(sid, timeout=120)
+        assert again.files.read("/home/user/data.txt") == "kept"
+        assert again.commands.run(f"kill -0 {pid} && echo alive").stdout.strip() == "alive"
+        out = again.commands.run("sha256sum /dev/shm/big | cut -d' ' -f1").stdout.strip()
+        assert out == digest
+        again.kill()
+    except AssertionError:
+        print(svc.log(20000))
+        raise
+    _check_consistent(svc)
+
+
 @pytest.mark.parametrize("delay_s", [0.3, 0.8, 1.5])
 def test_crash_during_create_pause_resume_fork(sdk_env: HostService, delay_s: float) -> None:
     svc = sdk_env
