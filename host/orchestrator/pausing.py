@@ -11,8 +11,10 @@ written after the answer by an owned task that holds the sandbox's lock until it
 committed, so a resume, kill or fork of the sandbox waits for it, and a crash meanwhile
 is finished by recovery (`pausing`: the stopped VM is adopted and snapshotted). Like E2B's
 deferred rootfs export and asynchronous upload, this takes the writing of what the guest
-dirtied off the caller's wait; the memory-pressure guard waits for the commit instead,
-since it pauses to free memory.
+dirtied off the caller's wait. Two callers wait for the commit instead: the
+memory-pressure guard, which pauses to free memory, and every pause of a node in a
+cluster, whose answer promises that the sandbox resumes on another node should this one
+die (its handoff is in the shared repository once the pause is committed).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ async def pause(ctx: Context, sandbox_id: str, *, memory: bool = True,
 @observed("pause")
 async def _pause(ctx: Context, sandbox_id: str, memory: bool, require_healthy: bool,
                  early: bool) -> None:
+    early = early and not ctx.handoff  # a cluster's pause answers with its handoff made
     lock = ctx.lock(sandbox_id)
     stopped = asyncio.Event()
     await lock.acquire()

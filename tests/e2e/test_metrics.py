@@ -5,6 +5,8 @@ absolute values: the session's service has served other tests already."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from e2b import Sandbox
 
@@ -40,7 +42,15 @@ def test_metrics_follow_a_sandbox_through_its_life(env: E2EService) -> None:
     assert ran.delta(created, "aenv_proxy_bytes_total", direction="out") > 0
 
     assert sbx.pause() is True
-    paused = scrape_sync(env.api_url)
+    answered = scrape_sync(env.api_url)  # answered once stopped: written behind the answer
+    assert (answered.delta(ran, "aenv_sandboxes", state="pausing")
+            + answered.delta(ran, "aenv_sandboxes", state="paused")) == 1
+    paused = answered
+    for _ in range(600):  # the pause is committed (and the VM gone) within seconds
+        if paused.delta(ran, "aenv_sandboxes", state="paused") == 1:
+            break
+        time.sleep(0.05)
+        paused = scrape_sync(env.api_url)
     assert _ops(paused, ran)["pause"] == 1
     assert paused.delta(ran, "aenv_sandboxes", state="running") == -1
     assert paused.delta(ran, "aenv_sandboxes", state="paused") == 1

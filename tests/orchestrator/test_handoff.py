@@ -54,8 +54,9 @@ async def test_a_pause_taken_over_by_another_node(nodes, clock):
     info = await a.create(CreateRequest(metadata={"owner": "rl"}, timeout_s=600))
     sid = info.sandbox_id
     clock.advance(100)
+    rt_a.answer_on_stop = True  # in a cluster the pause still answers once committed:
     await a.pause(sid)
-    doc = rt_a.handoffs[sid]
+    doc = rt_a.handoffs[sid]    # its handoff is there when the caller has its answer
     assert doc["sandbox"]["state"] == "paused" and "placement" not in doc["sandbox"]["runtime"]
 
     adopted = await b.adopt(sid)
