@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from host.hostmem import node_available_mib
 
@@ -53,6 +54,15 @@ class Admission:
         self._available_mib = available_mib
         self.in_flight = 0              # starts past the check, not finished
         self.peak_in_flight = 0
+        # pauses answered before they were committed (pausing.py): their VMs still count
+        self.releasing: set[asyncio.Task[Any]] = set()
+
+    def releases(self, task: asyncio.Task[Any]) -> None:
+        """`task` frees a VM when it ends (a pause answered before its commit): a start
+        that would be refused meanwhile waits for such tasks, then is checked again, so
+        a create right after a pause's answer is not refused for the paused one."""
+        self.releasing.add(task)
+        task.add_done_callback(self.releasing.discard)
 
     @contextlib.asynccontextmanager
     async def start(self, sandbox_id: str, memory_mb: int,
@@ -63,7 +73,14 @@ class Admission:
         async with self._slots:
             # the count is a store query: only made when there is a limit to check
             count = await holding() if self.policy.max_sandboxes else 0
-            self._check(sandbox_id, memory_mb, count)
+            try:
+                self._check(sandbox_id, memory_mb, count)
+            except CapacityExceeded:
+                if not self.releasing:
+                    raise
+                await asyncio.wait(set(self.releasing))
+                count = await holding() if self.policy.max_sandboxes else 0
+                self._check(sandbox_id, memory_mb, count)
             self.in_flight += 1
             self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
             try:

@@ -73,6 +73,8 @@ async def _pause(ctx: Context, sandbox_id: str, memory: bool, require_healthy: b
     except BaseException:
         lock.release()
         raise
+    if early:
+        ctx.admission.releases(work)
     waiter = asyncio.ensure_future(stopped.wait())
     try:
         await asyncio.wait({work, waiter}, return_when=asyncio.FIRST_COMPLETED)

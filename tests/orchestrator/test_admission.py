@@ -51,6 +51,30 @@ async def test_sandbox_limit_refuses_then_admits_after_a_kill(store, rt, envd):
 
 
 @on_loop
+async def test_a_create_right_after_a_pause_answer_waits_for_its_commit(store, rt, envd):
+    """A pause is answered before it is committed, while its VM still counts: a create
+    that would be refused for it waits for the commit instead."""
+    o = make(store, rt, envd, AdmissionPolicy(max_sandboxes=1))
+    await o.start(ttl_interval_s=3600)
+    try:
+        rt.answer_on_stop = True
+        a = await o.create(CreateRequest())
+        gate = rt.gates["snapshot"] = asyncio.Event()
+        await asyncio.wait_for(o.pause(a.sandbox_id), 5)  # answered, not committed
+        b = asyncio.create_task(o.create(CreateRequest()))
+        await asyncio.sleep(0.05)
+        assert not b.done()  # neither refused nor started: waits for the commit
+        gate.set()
+        created = await asyncio.wait_for(b, 5)
+        assert store.get_sandbox(created.sandbox_id).state is S.RUNNING
+        assert store.get_sandbox(a.sandbox_id).state is S.PAUSED
+        with pytest.raises(CapacityExceeded):  # nothing pending: refused at once
+            await o.create(CreateRequest())
+    finally:
+        await o.aclose()
+
+
+@on_loop
 async def test_a_refused_resume_stays_paused(store, rt, envd):
     o = make(store, rt, envd, AdmissionPolicy(max_sandboxes=1))
     await o.start(ttl_interval_s=3600)
