@@ -105,7 +105,8 @@ async def serve(cfg: Config) -> None:
                                      high_mib=2 * cfg.memory_pressure_mib)
                       if cfg.memory_pressure_mib else None),
             # in a cluster, pauses leave handoffs so another node can take a sandbox over
-            metrics=metrics, handoff=bool(cfg.cluster_redis), warm_pool=cfg.warm_pool)
+            metrics=metrics, handoff=bool(cfg.cluster_redis), warm_pool=cfg.warm_pool,
+            keep_paused_s=cfg.keep_paused_s)
         await orch.start(ttl_interval_s=cfg.ttl_interval_s)
         keys = ApiKeys.load_or_create(cfg.keys_path)
         extra_routes: list[Any] = []

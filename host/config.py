@@ -40,6 +40,10 @@
     AENV_WARM_POOL   --warm-pool    1                 VMs of the template creates came from last
                                                       kept restored (stopped) for the next creates
                                                       (0: none)
+    AENV_KEEP_PAUSED --keep-paused  30                seconds a paused sandbox's VM stays
+                                                      (stopped) after its pause committed: a
+                                                      resume meanwhile continues it (given back
+                                                      first under memory pressure; 0: never)
     AENV_KSM         --ksm / --no-ksm off            start ksmd and let it merge the VMs'
                                                       identical pages (more sandboxes per GiB;
                                                       off: merged pages are a side channel
@@ -121,6 +125,7 @@ class Config:
     memory_reserve_mib: int = 1024
     memory_pressure_mib: int = 768
     warm_pool: int = 1
+    keep_paused_s: float = 30.0
     ksm: bool = False
     cluster_redis: str | None = None
     p2p: bool = False
@@ -216,6 +221,9 @@ def _parser() -> argparse.ArgumentParser:
                         "(0: never)")
     p.add_argument("--warm-pool", type=int,
                    help="VMs kept restored for the next creates from a template (0: none)")
+    p.add_argument("--keep-paused", dest="keep_paused_s", type=float,
+                   help="seconds a paused sandbox's VM stays, stopped, for a fast resume "
+                        "(0: never)")
     p.add_argument("--ksm", action=argparse.BooleanOptionalAction, default=None,
                    help="start ksmd and let it merge the VMs' identical pages")
     p.add_argument("--cluster-redis", help="join the cluster whose store is this Redis URL")
@@ -254,7 +262,8 @@ _ENV: dict[str, tuple[str, type]] = {
     "max_starts": ("AENV_MAX_STARTS", int), "max_sandboxes": ("AENV_MAX_SANDBOXES", int),
     "memory_reserve_mib": ("AENV_MEMORY_RESERVE_MIB", int),
     "memory_pressure_mib": ("AENV_MEMORY_PRESSURE_MIB", int),
-    "warm_pool": ("AENV_WARM_POOL", int), "ksm": ("AENV_KSM", bool),
+    "warm_pool": ("AENV_WARM_POOL", int), "keep_paused_s": ("AENV_KEEP_PAUSED", float),
+    "ksm": ("AENV_KSM", bool),
     "cluster_redis": ("AENV_CLUSTER_REDIS", str), "p2p": ("AENV_P2P", bool), "node_id": ("AENV_NODE_ID", str),
     "advertise_url": ("AENV_ADVERTISE_URL", str),
     "advertise_proxy_url": ("AENV_ADVERTISE_PROXY_URL", str),
@@ -315,9 +324,9 @@ def _validate(cfg: Config) -> None:
     if cfg.template_upload_mib < 1:
         raise ConfigError(f"template_upload_mib must be at least 1, got {cfg.template_upload_mib}")
     if cfg.max_starts < 1 or cfg.max_sandboxes < 0 or cfg.memory_reserve_mib < 0 or \
-            cfg.memory_pressure_mib < 0 or cfg.warm_pool < 0:
+            cfg.memory_pressure_mib < 0 or cfg.warm_pool < 0 or cfg.keep_paused_s < 0:
         raise ConfigError("max_starts >= 1, max_sandboxes >= 0, memory_reserve_mib >= 0, "
-                          "memory_pressure_mib >= 0, warm_pool >= 0")
+                          "memory_pressure_mib >= 0, warm_pool >= 0, keep_paused >= 0")
     _validate_cluster(cfg)
     if cfg.cache_mib < 64:
         raise ConfigError(f"cache_mib must be at least 64, got {cfg.cache_mib}")

@@ -176,15 +176,17 @@ class SandboxRuntime(Protocol):
         ...
 
     async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool,
-                       memory: bool = True,
-                       stopped: Callable[[], None] | None = None) -> SnapshotRef:
+                       memory: bool = True, stopped: Callable[[], None] | None = None,
+                       keep: bool = False) -> SnapshotRef:
         """Snapshot a running sandbox, complete and durable before returning. stop=True is
         pause: the VM and its local runtime files are released, its network and disk stack
         right after (a start or kill of the same id waits for that). stop=False:
         the VM continues (fork, named snapshots). memory=False (with stop=True): the disk
         only, a filesystem-only pause (`facts["memory"]` is None). `stopped` (stop=True):
         called once the guest is stopped for good, before the snapshot is written; a
-        snapshot that fails after it leaves the guest running again."""
+        snapshot that fails after it leaves the guest running again. `keep` (stop=True
+        with memory): the committed snapshot's VM stays, stopped, like a held start's: a
+        start of the same id from this snapshot continues it, `kill` releases it."""
         ...
 
     async def kill(self, sandbox_id: str) -> None:

@@ -9,6 +9,8 @@ refused with E2B's capacity error before they could exhaust the node.
   needs at first (`first_touch_mib`, its memory is otherwise overcommitted: a restored
   guest maps its snapshot's pages copy-on-write and touches few of them). The check is
   made when the start gets its turn, against the memory the node really has then.
+  Before refusing, a start waits for the pauses that are freeing VMs and releases the
+  spare ones (warm VMs, VMs kept after pauses), then is checked again.
 
 Refusing is what keeps the host out of its OOM killer; the SDKs see a RateLimit error
 (the Python SDK retries it after Retry-After).
@@ -56,6 +58,9 @@ class Admission:
         self.peak_in_flight = 0
         # pauses answered before they were committed (pausing.py): their VMs still count
         self.releasing: set[asyncio.Task[Any]] = set()
+        # releases what holds memory for work not asked for (warm and kept VMs): tried
+        # before a start is refused; how many VMs it released
+        self.spare: Callable[[], Awaitable[int]] | None = None
 
     def releases(self, task: asyncio.Task[Any]) -> None:
         """`task` frees a VM when it ends (a pause answered before its commit): a start
@@ -76,9 +81,8 @@ class Admission:
             try:
                 self._check(sandbox_id, memory_mb, count)
             except CapacityExceeded:
-                if not self.releasing:
+                if not await self._make_room():
                     raise
-                await asyncio.wait(set(self.releasing))
                 count = await holding() if self.policy.max_sandboxes else 0
                 self._check(sandbox_id, memory_mb, count)
             self.in_flight += 1
@@ -87,6 +91,16 @@ class Admission:
                 yield
             finally:
                 self.in_flight -= 1
+
+    async def _make_room(self) -> bool:
+        """Before a start is refused: wait for the pauses that are freeing VMs, release
+        the spare ones; whether anything was freed (the start is then checked again)."""
+        freed = bool(self.releasing)
+        if freed:
+            await asyncio.wait(set(self.releasing))
+        if self.spare is not None:
+            freed = bool(await self.spare()) or freed
+        return freed
 
     def _check(self, sandbox_id: str, memory_mb: int, holding: int) -> None:
         p = self.policy

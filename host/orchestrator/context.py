@@ -45,6 +45,22 @@ class WarmVms(Protocol):
         ...
 
 
+class KeptVms(Protocol):
+    """Kept VMs of paused sandboxes (kept.py)."""
+
+    def admits(self, memory_mb: int) -> bool:
+        """Whether a pause starting now may keep its VM."""
+        ...
+
+    def kept(self, sandbox_id: str) -> None:
+        """The pause of `sandbox_id` committed and kept its VM."""
+        ...
+
+    def take(self, sandbox_id: str) -> bool:
+        """Forget `sandbox_id`'s kept VM (its lock held); whether there was one."""
+        ...
+
+
 class Spawn(Protocol):
     """Runs `coro` as a task owned by the orchestrator (awaited or cancelled by its
     `aclose`); raises OperationFailed, and closes `coro`, once it is shutting down."""
@@ -68,6 +84,7 @@ class Context:
     files_dir: Path                   # uploaded COPY archives, one file per filesHash
     admission: Admission = dataclasses.field(default_factory=Admission)
     warm: WarmVms | None = None       # node.py's warm pool (warm.py), if it keeps one
+    kept: KeptVms | None = None       # node.py's kept VMs of paused sandboxes (kept.py)
     handoff: bool = False             # in a cluster: pauses leave a handoff (handoff.py)
     metrics: Metrics = dataclasses.field(default_factory=Metrics)  # the service's (node.py)
     locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)

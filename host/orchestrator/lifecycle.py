@@ -267,6 +267,8 @@ async def kill_locked(ctx: Context, rec: SandboxRecord, op: str) -> None:
     movable = {s for s in S if s not in GONE}
     await ctx.db(ctx.store.transition, rec.id, movable, S.KILLING, event={"op": op})
     ctx.end_run(rec.id, "killed" if op != "timeout" else "killed (its timeout ran out)")
+    if ctx.kept is not None:
+        ctx.kept.take(rec.id)  # a paused sandbox's kept VM goes with the kill below
     try:
         await ctx.runtime.kill(rec.id)
     except Exception as exc:

@@ -48,6 +48,7 @@ from .admission import Admission, AdmissionPolicy
 from .context import Context
 from .envd import EnvdClient
 from .errors import OperationFailed, OrchestratorError
+from .kept import KeptVms
 from .model import (
     BuildRequest,
     BuildStart,
@@ -88,7 +89,8 @@ class NodeOrchestrator:
     `metrics`: the service's (operations are timed there, and it reads the sandboxes by
     state from the store at each scrape); by default one of its own. `warm_pool`: how
     many VMs of the template creates came from last are kept restored for the next
-    creates (warm.py; 0: none).
+    creates (warm.py; 0: none). `keep_paused_s`: how long a paused sandbox's VM stays,
+    stopped, for a fast resume (kept.py; 0: not at all).
     """
 
     def __init__(self, store: Store, runtime: SandboxRuntime, *, domain: str | None = None,
@@ -101,7 +103,7 @@ class NodeOrchestrator:
                  admission: AdmissionPolicy | None = None,
                  pressure: PressurePolicy | None = None,
                  metrics: Metrics | None = None, handoff: bool = False,
-                 warm_pool: int = 0) -> None:
+                 warm_pool: int = 0, keep_paused_s: float = 0.0) -> None:
         self.domain = domain
         # the host-side inputs of built-in templates (pip trees, archives): like the
         # kernel and image, reusable across state dirs
@@ -134,6 +136,9 @@ class NodeOrchestrator:
         self.pressure: PressureGuard | None = None
         self.warm = WarmPool(self._ctx, warm_pool, room=self._room_for_warm)
         self._ctx.warm = self.warm
+        self.kept = KeptVms(self._ctx, keep_paused_s, room=self._room_for_warm)
+        self._ctx.kept = self.kept
+        self._ctx.admission.spare = self.release_spare
         self._closed = False
 
     # ---- lifecycle of the orchestrator -------------------------------------------------
@@ -160,6 +165,7 @@ class NodeOrchestrator:
         if self.pressure is not None:
             await self.pressure.aclose()
         await self.warm.aclose()
+        await self.kept.aclose()
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=grace_s)
             for task in pending:
@@ -256,14 +262,17 @@ class NodeOrchestrator:
         return [r.id for r in sorted(running, key=lambda r: activity.get(r.id, r.started_at))]
 
     async def pause_for_memory(self, sandbox_id: str) -> None:
-        await pausing.pause(self._ctx, sandbox_id, memory=True, early=False)  # to free memory
+        # to free memory: answered once committed, its VM not kept
+        await pausing.pause(self._ctx, sandbox_id, memory=True, early=False, keep=False)
 
     async def release_spare(self) -> int:
-        """Release the warm VMs (warm.py) before any sandbox is paused for memory."""
-        return await self.warm.drain()
+        """Release the warm VMs (warm.py) and the kept VMs of paused sandboxes (kept.py)
+        before any sandbox is paused for memory or a start is refused."""
+        return await self.warm.drain() + await self.kept.drain()
 
     def _room_for_warm(self, memory_mb: int) -> bool:
-        """A warm VM is restored only while the node keeps well clear of memory pressure."""
+        """A warm VM is restored, and a paused sandbox's VM kept, only while the node
+        keeps well clear of memory pressure."""
         admission = self._ctx.admission.policy
         floor = (self._pressure_policy.high_mib if self._pressure_policy is not None
                  else admission.reserve_mib)

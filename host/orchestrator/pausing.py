@@ -51,25 +51,26 @@ log = logging.getLogger(__name__)
 # ---- pause ---------------------------------------------------------------------------
 
 async def pause(ctx: Context, sandbox_id: str, *, memory: bool = True,
-                require_healthy: bool = False, early: bool = True) -> None:
+                require_healthy: bool = False, early: bool = True, keep: bool = True) -> None:
     """Pause: memory + disk (resume continues every process), or `memory=False`: the
     disk alone (a filesystem-only pause; resume cold-boots it). A filesystem-only pause,
     and one with `require_healthy`, needs envd to answer (GuestUnresponsive, nothing
     changed, if it does not). `early`: return once the guest is stopped, the snapshot
-    being committed behind the sandbox's lock (module doc); else once it is committed."""
-    await ctx.shielded(_pause(ctx, sandbox_id, memory, require_healthy, early))
+    being committed behind the sandbox's lock (module doc); else once it is committed.
+    `keep`: the VM may stay, stopped, for a fast resume (kept.py)."""
+    await ctx.shielded(_pause(ctx, sandbox_id, memory, require_healthy, early, keep))
 
 
 @observed("pause")
 async def _pause(ctx: Context, sandbox_id: str, memory: bool, require_healthy: bool,
-                 early: bool) -> None:
+                 early: bool, keep: bool) -> None:
     early = early and not ctx.handoff  # a cluster's pause answers with its handoff made
     lock = ctx.lock(sandbox_id)
     stopped = asyncio.Event()
     await lock.acquire()
     try:  # the lock goes with the work, which releases it once the pause is committed
         work = ctx.spawn(_pause_holding(ctx, lock, sandbox_id, memory, require_healthy,
-                                        stopped.set if early else None))
+                                        stopped.set if early else None, keep))
     except BaseException:
         lock.release()
         raise
@@ -85,7 +86,8 @@ async def _pause(ctx: Context, sandbox_id: str, memory: bool, require_healthy: b
 
 
 async def _pause_holding(ctx: Context, lock: asyncio.Lock, sandbox_id: str, memory: bool,
-                         require_healthy: bool, stopped: Callable[[], None] | None) -> None:
+                         require_healthy: bool, stopped: Callable[[], None] | None,
+                         keep: bool) -> None:
     answered = False
 
     def answer() -> None:
@@ -98,7 +100,7 @@ async def _pause_holding(ctx: Context, lock: asyncio.Lock, sandbox_id: str, memo
         rec = await ctx.record(sandbox_id)
         if rec.state is S.RUNNING and (require_healthy or not memory):
             await check_guest(ctx, rec, sync=not memory)
-        await pause_locked(ctx, rec, op="paused", memory=memory, stopped=answer)
+        await pause_locked(ctx, rec, op="paused", memory=memory, stopped=answer, keep=keep)
     except OrchestratorError as exc:
         if answered and stopped is not None:  # the caller has its answer: say it here
             log.warning("sandbox %s: the pause failed after its answer (%s); the sandbox "
@@ -128,11 +130,13 @@ async def check_guest(ctx: Context, rec: SandboxRecord, *, sync: bool) -> None:
 
 @observed("pause")
 async def pause_locked(ctx: Context, rec: SandboxRecord, op: str, *,
-                       memory: bool = True, stopped: Callable[[], None] | None = None
-                       ) -> None:
+                       memory: bool = True, stopped: Callable[[], None] | None = None,
+                       keep: bool = True) -> None:
     """Pause `rec`'s running sandbox (op "timeout": its TTL ran out, none is left); the
-    caller holds its lock. `stopped` is called once the guest is stopped for good."""
+    caller holds its lock. `stopped` is called once the guest is stopped for good.
+    `keep`: the VM may stay, stopped, once the pause is committed (kept.py)."""
     sid = rec.id
+    keep = keep and memory and ctx.kept is not None and ctx.kept.admits(rec.memory_mb)
     snap_id = ids.new_runtime_snapshot_id("pause")
     pending = {"store_id": snap_id, "runtime_id": snap_id, "kind": "pause",
                "mode": "full" if memory else "filesystem"}
@@ -142,7 +146,7 @@ async def pause_locked(ctx: Context, rec: SandboxRecord, op: str, *,
     ctx.end_run(sid, "paused" if op != "timeout" else "paused (its timeout ran out)")
     try:
         ref = await ctx.runtime.snapshot(sid, snap_id, stop=True, memory=memory,
-                                         stopped=stopped)
+                                         stopped=stopped, keep=keep)
     except Exception as exc:
         await ctx.db(ctx.store.transition, sid, {S.PAUSING}, S.RUNNING,
                      event={"op": "pause_failed", "error": str(exc)},
@@ -156,6 +160,8 @@ async def pause_locked(ctx: Context, rec: SandboxRecord, op: str, *,
                  snapshot_id=snap_id, end_at=None, ttl_left_s=ttl_left,
                  runtime=with_runtime(rec, pending=None, placement=None,
                                       pause_mode="full" if memory else "filesystem"))
+    if keep and ctx.kept is not None:
+        ctx.kept.kept(sid)
     await handoff.publish(ctx, sid)
 
 
@@ -198,6 +204,9 @@ async def _resume_locked(ctx: Context, rec: SandboxRecord, timeout_s: int | None
     ref = snapshot_ref(snap)
     # a cold boot (reboot, or a filesystem-only snapshot) starts an envd with no token
     reboot = reboot or (ref.facts or {}).get("memory", True) is None
+    # A VM kept since the pause (kept.py): runtime.start continues it, unless rebooting
+    if ctx.kept is not None and ctx.kept.take(sid) and reboot:
+        await ctx.release(sid)
     try:
         async with ctx.admission.start(sid, rec.memory_mb, ctx.vm_holders):
             placement = await ctx.runtime.start(sid, ref, network_from_json(rec.network),

@@ -7,8 +7,8 @@ service) at random. Instead, every tick the guard reads what the node has left
 (`host.hostmem.node_available_mib`: the host's MemAvailable, or what the service's memory
 cgroup leaves, whichever is less); below `low_mib` it pauses running sandboxes, coldest first
 (longest since a request reached them through the proxy, or since they started), one at
-a time until `high_mib` is available again (warm VMs, which are no sandboxes yet, go
-first: warm.py). A paused sandbox keeps everything (memory
+a time until `high_mib` is available again (warm VMs, which are no sandboxes yet, and
+the VMs paused sandboxes kept go first: warm.py, kept.py). A paused sandbox keeps everything (memory
 and disk) and resumes on its next request, like a TTL pause. Admission (admission.py)
 refuses new starts from the same number before they could push the node there.
 
@@ -53,7 +53,8 @@ class PressureOwner(Protocol):
         ...
 
     async def release_spare(self) -> int:
-        """Release what holds memory for work not yet asked for (warm VMs); how many."""
+        """Release what holds memory for work not yet asked for (warm VMs, kept VMs of
+        paused sandboxes); how many."""
         ...
 
 
@@ -87,7 +88,8 @@ class PressureGuard:
             return []
         if await self.owner.release_spare():
             available = await asyncio.to_thread(self.available_mib)
-            log.warning("memory pressure: released the warm VMs; %d MiB available", available)
+            log.warning("memory pressure: released the warm and kept VMs; %d MiB available",
+                        available)
         paused: list[str] = []
         for sid in await self.owner.coldest_running():
             if available >= p.high_mib:

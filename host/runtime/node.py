@@ -208,14 +208,14 @@ class NodeRuntime:
                                   hold=hold)
 
     async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool,
-                       memory: bool = True,
-                       stopped: Callable[[], None] | None = None) -> SnapshotRef:
+                       memory: bool = True, stopped: Callable[[], None] | None = None,
+                       keep: bool = False) -> SnapshotRef:
         """Snapshot a running sandbox: memory + disk, or (`memory=False`, only with
         `stop=True`) its disk alone: a filesystem-only pause, resumed by a cold boot.
-        `stopped`: see the contract."""
+        `stopped`, `keep`: see the contract."""
         self._check_open()
         return await snapshots.snapshot(self.parts, sandbox_id, snapshot_id, stop=stop,
-                                        memory=memory, stopped=stopped)
+                                        memory=memory, stopped=stopped, keep=keep)
 
     async def kill(self, sandbox_id: str) -> None:
         await adoption.kill(self.parts, sandbox_id)

@@ -34,7 +34,8 @@ Seal = Callable[[], Awaitable[None]]
 
 
 async def snapshot(p: NodeParts, sandbox_id: str, snapshot_id: str, *, stop: bool,
-                   memory: bool, stopped: Callable[[], None] | None = None) -> SnapshotRef:
+                   memory: bool, stopped: Callable[[], None] | None = None,
+                   keep: bool = False) -> SnapshotRef:
     sb = p.get(sandbox_id)
     async with sb.lock:
         if p.sandboxes.get(sandbox_id) is not sb:
@@ -42,7 +43,7 @@ async def snapshot(p: NodeParts, sandbox_id: str, snapshot_id: str, *, stop: boo
         p.memory.writing.add(snapshot_id)
         try:
             ref = await _snapshot(p, sb, snapshot_id, stop=stop, memory=memory,
-                                  stopped=stopped)
+                                  stopped=stopped, keep=keep)
         finally:
             p.memory.writing.discard(snapshot_id)
     await p.trim_memory()
@@ -50,7 +51,8 @@ async def snapshot(p: NodeParts, sandbox_id: str, snapshot_id: str, *, stop: boo
 
 
 async def _snapshot(p: NodeParts, sb: RunningSandbox, snapshot_id: str, *, stop: bool,
-                    memory: bool, stopped: Callable[[], None] | None) -> SnapshotRef:
+                    memory: bool, stopped: Callable[[], None] | None,
+                    keep: bool = False) -> SnapshotRef:
     t0 = time.perf_counter()
     root = p.memory.dir / snapshot_id
     if await p.committed(snapshot_id):
@@ -128,9 +130,14 @@ async def _snapshot(p: NodeParts, sb: RunningSandbox, snapshot_id: str, *, stop:
     log.info("sandbox %s: snapshot %s (%s) in %.0f ms: %s; %d memory pages", sb.sandbox_id,
              snapshot_id, "pause" if stop else "live", timings["total_s"] * 1e3,
              stages(timings), int(timings.get("diff_pages", 0)))
-    if stop:  # committed: the network and stack go after the caller has its answer
+    if stop and not (keep and mem is not None and sb.vm.alive()):
+        # committed: the network and stack go after the caller has its answer
         await p.release(sb, wait=False)
     else:
+        # The VM goes on from this snapshot: running (a live snapshot), or stopped and
+        # kept (`keep`: its disk stack already writes over the sealed layer, its memory
+        # is this snapshot's), so a resume continues it instead of restoring.
+        sb.held = stop
         sb.base_dir, sb.memsnap_dir = new_base, new_memsnap
         sb.snapshot_id = snapshot_id
         if mem is not None:

@@ -132,11 +132,11 @@ class LoggingRuntime(FakeRuntime):
         return await super().start(sandbox_id, snapshot, network, reboot=reboot)
 
     async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool,
-                       memory: bool = True,
-                       stopped: Callable[[], None] | None = None) -> SnapshotRef:
+                       memory: bool = True, stopped: Callable[[], None] | None = None,
+                       keep: bool = False) -> SnapshotRef:
         VM_LOG.info("writing a snapshot")
         return await super().snapshot(sandbox_id, snapshot_id, stop=stop, memory=memory,
-                                      stopped=stopped)
+                                      stopped=stopped, keep=keep)
 
     async def kill(self, sandbox_id: str) -> None:
         VM_LOG.info("stopping a VM")

@@ -8,6 +8,7 @@ events). No VM runs; the VM-backed behaviour is tested in test_node_vm.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import time
@@ -140,8 +141,8 @@ class FakeRuntime:
         return p
 
     async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool,
-                       memory: bool = True,
-                       stopped: Callable[[], None] | None = None) -> SnapshotRef:
+                       memory: bool = True, stopped: Callable[[], None] | None = None,
+                       keep: bool = False) -> SnapshotRef:
         self.calls.append(("snapshot", (sandbox_id, snapshot_id, stop)))
         self.memory_flags.append(memory)
         if stop and stopped is not None and self.answer_on_stop and sandbox_id in self.vms:
@@ -156,7 +157,11 @@ class FakeRuntime:
         self.snapshots[snapshot_id] = ref
         if self.envd is not None:
             self.held[snapshot_id] = self.envd.tokens.get(vm.envd_host)
-        if stop:
+        if stop and keep and memory:  # kept, stopped: a start from this snapshot continues it
+            self.vms[sandbox_id] = dataclasses.replace(
+                vm, facts={**vm.facts, "from": snapshot_id})
+            self.warm.add(sandbox_id)
+        elif stop:
             del self.vms[sandbox_id]
         return ref
 

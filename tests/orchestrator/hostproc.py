@@ -43,8 +43,10 @@ class HostService:
         self.pool = pool
         self.memory_mb = memory_mb
         self.ttl_interval_s = ttl_interval_s
-        # no warm VMs unless a test asks: VM counts and memory stay what the test made
+        # no warm VMs, and no VMs kept after pauses, unless a test asks: VM counts and
+        # memory stay what the test made
         self.warm_pool = 0
+        self.keep_paused_s = 0.0
         self.api_port = free_port()
         self.proxy_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
@@ -75,6 +77,7 @@ class HostService:
                 "--proxy-port", str(self.proxy_port), "--memory-mb", str(self.memory_mb),
                 "--network-prefix", self.prefix, "--network-pool", self.pool,
                 "--ttl-interval", str(self.ttl_interval_s), "--warm-pool", str(self.warm_pool),
+                "--keep-paused", str(self.keep_paused_s),
                 # 20 concurrent TCG restores on a shared 2-core host can take minutes
                 "--envd-timeout", "240", *self.extra]
         self.proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
