@@ -9,13 +9,16 @@ tests/e2e/test_cluster.py.
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import pytest
 
 from host.contract import BuildStep
 from host.orchestrator import NodeOrchestrator, Store
 from host.orchestrator.envd import EnvdClient
 from host.orchestrator.errors import InvalidRequest, SnapshotNotFound, TemplateNotFound
-from host.orchestrator.model import CreateRequest
+from host.orchestrator.model import BuildStatus, CreateRequest, RequestedBuild
 
 from .fakes import FakeRuntime
 from .templating import build, run
@@ -54,13 +57,30 @@ async def nodes(tmp_path, rt, envd):
         o.store.close()
 
 
+async def built(o: NodeOrchestrator, rt: FakeRuntime, name: str, **kw: Any
+                ) -> tuple[RequestedBuild, BuildStatus]:
+    """build() on `o`, then until `o` published it: right after the build reads ready
+    (builds._succeed), so a test that saw it ready may not see it published yet."""
+    req, st = await build(o, name, **kw)
+
+    def published() -> bool:
+        doc = rt.documents.get(f"template-{req.template_id}") or {}
+        return (f"alias-{name}" in rt.documents
+                and any(b["id"] == req.build_id for b in doc.get("builds", ())))
+
+    async with asyncio.timeout(5):
+        while not published():
+            await asyncio.sleep(0.005)
+    return req, st
+
+
 def _deleted(rt: FakeRuntime) -> set[str]:
     return {args[0] for op, args in rt.calls if op == "delete_snapshot"}
 
 
 async def test_a_template_built_on_one_node_starts_sandboxes_on_another(nodes, envd):
     a, b, rt_a, rt_b = nodes
-    req, st = await build(a, "app", steps=GUEST_STEPS)
+    req, st = await built(a, rt_a, "app", steps=GUEST_STEPS)
     assert st.status == "ready"
     assert rt_a.documents["alias-app"] == {"templateId": req.template_id}
     snap = rt_a.build_specs[0].snapshot_id
@@ -81,12 +101,12 @@ async def test_a_template_built_on_one_node_starts_sandboxes_on_another(nodes, e
 
 async def test_b_follows_moved_tags_and_leaves_them_to_the_home_node(nodes):
     a, b, rt_a, rt_b = nodes
-    await build(a, "app", steps=run("echo 1"))
+    await built(a, rt_a, "app", steps=run("echo 1"))
     first = rt_a.build_specs[0].snapshot_id
     assert ("start", ((await b.create(CreateRequest(template_id="app"))).sandbox_id,
                       first)) in rt_b.calls
     await a.assign_tags("app:default", ["v1"])
-    await build(a, "app", steps=run("echo 2"))   # default moves to the new build
+    await built(a, rt_a, "app", steps=run("echo 2"))   # default moves to the new build
     second = rt_a.build_specs[1].snapshot_id
     info = await b.create(CreateRequest(template_id="app"))
     assert ("start", (info.sandbox_id, second)) in rt_b.calls
@@ -101,7 +121,7 @@ async def test_b_follows_moved_tags_and_leaves_them_to_the_home_node(nodes):
 
 async def test_deleted_at_home_is_dropped_elsewhere_and_b_never_deletes_a_files(nodes):
     a, b, rt_a, rt_b = nodes
-    req, _ = await build(a, "app")
+    req, _ = await built(a, rt_a, "app")
     snap = rt_a.build_specs[0].snapshot_id
     sbx = await b.create(CreateRequest(template_id="app"))
     with pytest.raises(InvalidRequest, match="used by 1 sandbox"):  # B's user counts on B
