@@ -139,6 +139,10 @@ class NodeOrchestrator:
         self.kept = KeptVms(self._ctx, keep_paused_s, room=self._room_for_warm)
         self._ctx.kept = self.kept
         self._ctx.admission.spare = self.release_spare
+        self.service_metrics.track_counts(
+            "aenv_spare_vms", "VMs this node holds for speed, given back first under "
+            "memory pressure: warm (restored ahead for creates), kept (paused sandboxes' "
+            "VMs, for fast resumes)", "kind", self.spare_counts)
         self._closed = False
 
     # ---- lifecycle of the orchestrator -------------------------------------------------
@@ -195,6 +199,10 @@ class NodeOrchestrator:
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         return sandbox_info(await self._ctx.record(sandbox_id), now=self.clock())
+
+    async def spare_counts(self) -> dict[str, int]:
+        """The warm and kept VMs held now; read at each metrics scrape."""
+        return {"warm": len(self.warm.ready), "kept": len(self.kept.until)}
 
     async def state_counts(self) -> dict[str, int]:
         """How many sandboxes are in each state but `killed` (every state listed, 0

@@ -3,7 +3,8 @@ stopped once the snapshot is committed; a resume within the window continues tha
 QEMU process (no restore: what the guest had translated and cached is still there), and
 after the window the VM is gone and a resume restores the snapshot. Either way the
 sandbox has everything it had: a process started before the pause, a file in its memory
-(tmpfs) and on its disk. A kill of a paused sandbox takes its kept VM along. Its own
+(tmpfs) and on its disk. A kill of a paused sandbox takes its kept VM along; /metrics
+counts kept VMs (`aenv_spare_vms{kind="kept"}`). Its own
 service: the session one keeps no VM after a pause."""
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
+
+from tests.metrics.scrape import scrape_sync
 
 from .conftest import E2EService, private_service, use_sdk
 
@@ -103,8 +106,10 @@ def test_a_kill_of_a_paused_sandbox_releases_its_kept_vm(
     pause_committed(kept, sbx)
     assert len(kept.netns()) == len(namespaces) + 1  # kept with its VM
     assert vm_pid(kept, sbx.sandbox_id) is not None
+    assert scrape_sync(kept.api_url).value("aenv_spare_vms", kind="kept") == 1
     assert Sandbox.kill(sbx.sandbox_id)
     assert vm_pid(kept, sbx.sandbox_id) is None
+    assert scrape_sync(kept.api_url).value("aenv_spare_vms", kind="kept") == 0
     assert kept.db_states()[sbx.sandbox_id] == "killed"
     assert kept.netns() == namespaces  # its network went with it
 

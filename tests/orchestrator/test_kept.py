@@ -17,6 +17,7 @@ from host.orchestrator.errors import CapacityExceeded
 from host.orchestrator.model import CreateRequest
 from host.orchestrator.pressure import PressureGuard, PressurePolicy
 from host.orchestrator.states import SandboxState as S
+from tests.metrics.scrape import parse
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 
@@ -66,6 +67,20 @@ async def test_a_resume_continues_the_vm_its_pause_kept(make, rt, envd, store) -
     assert sid in o.kept.until
     await o.connect(sid, 60)
     assert rt.vms[sid].facts["vm"] == vm
+
+
+async def test_kept_vms_are_counted_at_each_scrape(make) -> None:
+    o = await make()
+
+    async def spare(kind: str) -> float:
+        return parse((await o.service_metrics.render()).decode()).value(
+            "aenv_spare_vms", kind=kind)
+
+    assert (await spare("kept"), await spare("warm")) == (0, 0)
+    sid, _ = await paused(o)
+    assert await spare("kept") == 1
+    await o.connect(sid, 60)
+    assert await spare("kept") == 0
 
 
 async def test_the_kept_vm_goes_when_its_window_ends(make, rt, store) -> None:
