@@ -235,7 +235,7 @@ class Bench:
     def lifecycle(self) -> None:
         """create, idle pause, resume (connect + first command: of the kept VM, then
         restored) and pause after writes."""
-        creates, pauses, commits, resumes, restores = [], [], [], [], []
+        creates, pauses, commits, resumes, restores, kills = [], [], [], [], [], []
         for i in range(self.args.n):
             t, sbx = timed(self.create)
             creates.append(t)
@@ -252,7 +252,7 @@ class Bench:
             self.pause(again)
             t, again = timed(lambda sid=sbx.sandbox_id: self.resume(sid))
             resumes.append(t)
-            again.kill()
+            kills.append(timed(again.kill)[0])
             print(f"  {i + 1}/{self.args.n}: create {creates[-1] * 1e3:6.0f} ms  pause "
                   f"{pauses[-1] * 1e3:6.0f} ms (committed {done * 1e3:4.0f} ms)  "
                   f"resume+run {resumes[-1] * 1e3:6.0f} ms (restored "
@@ -282,6 +282,7 @@ class Bench:
             "create_s": creates, "pause_idle_s": pauses, "resume_s": resumes,
             "resume_restored_s": restores,
             "resume_restored_p50_s": statistics.median(restores),
+            "kill_s": kills, "kill_p50_s": statistics.median(kills),
             "pause_idle_committed_s": commits, "pause_written_committed_s": written_commits,
             "pause_written_s": written, "pause_written_diff_bytes": diffs,
             "pause_written_downtime_s": downs, "pause_written_lost": lost,
@@ -420,6 +421,8 @@ def report(res: dict[str, Any]) -> None:
         print(f"  pauses committed (answered -> written behind the lock) p50: idle "
               f"{statistics.median(res['pause_idle_committed_s']) * 1e3:.0f} ms, after "
               f"writes {statistics.median(res['pause_written_committed_s']) * 1e3:.0f} ms")
+    if "kill_p50_s" in res:
+        print(f"  kill of a running sandbox p50: {res['kill_p50_s'] * 1e3:.0f} ms (no target)")
     for kind, st in (res.get("stages_p50_ms") or {}).items():
         print(f"  {kind} stages p50: " + ", ".join(f"{n} {v:.0f}ms" for n, v in st.items()))
     if "run_parallel_p99_s" in res:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from host.network import (
@@ -39,9 +41,9 @@ def test_destroy_removes_everything_and_is_idempotent(world: World) -> None:
     assert try_tcp(guest, INET_A, PORT) == "inet-a"
     world.loop.run(world.manager.destroy("sbx1"))
     assert not netns_exists(net.netns)
-    assert net.host_ifname not in links(world.host)
     assert "sbx1" not in world.manager.networks
-    # its veth goes with the sandbox namespace (the kernel frees namespaces asynchronously)
+    # the veths go with the sandbox namespace (the kernel frees namespaces asynchronously)
+    assert wait_until(lambda: net.host_ifname not in links(world.host))
     assert wait_until(lambda: links(guest) == ["lo"])
     world.loop.run(world.manager.destroy("sbx1"))  # again: no error
     world.loop.run(world.manager.destroy("neverexisted"))
@@ -70,21 +72,57 @@ def test_failed_create_rolls_back(world: World, monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(NetworkCommandError, match="injected"):
         world.loop.run(world.manager.create("sbx1"))
     assert not netns_exists(f"{PREFIX}sbx1")
-    assert not [x for x in links(world.host) if x.startswith(PREFIX)]
+    assert wait_until(lambda: not [x for x in links(world.host) if x.startswith(PREFIX)])
     assert world.manager.pool.in_use == frozenset()
 
 
 def test_destroy_reports_processes_still_in_namespace(world: World) -> None:
     net, _ = world.create("sbx1", guest=False)
     proc = __import__("subprocess").Popen(net.wrap_argv(["sleep", "30"]))
+    inside = f"net:[{os.stat(net.netns_path).st_ino}]"
+
+    def entered() -> bool:  # `ip netns exec` has setns'ed before it exec'ed sleep
+        try:
+            return os.readlink(f"/proc/{proc.pid}/ns/net") == inside
+        except OSError:
+            return False
+
     try:
+        assert wait_until(entered)
         with pytest.raises(NetworkCleanupError, match="still in"):
             world.loop.run(world.manager.destroy("sbx1"))
     finally:
         proc.kill()
         proc.wait()
     assert not netns_exists(net.netns)
-    assert net.host_ifname not in links(world.host)
+    assert net.host_ifname not in links(world.host)  # cut off at once, the process inside
+
+
+def test_a_slot_comes_round_while_its_old_veth_is_still_going(world: World) -> None:
+    """A destroyed network's host veth goes when the kernel frees its namespace, which
+    something else may delay (here: an open handle on it). A create that gets the same
+    slot meanwhile (a one-slot pool) deletes the old veth and builds its own."""
+    host = world.host
+    cfg = NetworkManagerConfig(prefix="t3rd-", pool="10.214.0.32/30", host_netns=host)
+    nm = world.loop.run(NetworkManager(cfg).open())
+    try:
+        old = world.loop.run(nm.create("first"))
+        pinned = os.open(f"/run/netns/{old.netns}", os.O_RDONLY)
+        try:
+            world.loop.run(nm.destroy("first"))
+            assert not netns_exists(old.netns)
+            assert old.host_ifname in links(host)  # its namespace lives on, pinned
+            new = world.loop.run(nm.create("second"))
+            assert new.host_ifname == old.host_ifname
+            shown = sh(["ip", "-n", host, "-d", "link", "show", new.host_ifname])
+            assert f"alias {new.netns}" in shown
+            assert "eth0" in links(new.netns)
+        finally:
+            os.close(pinned)
+        world.loop.run(nm.destroy("second"))
+        assert wait_until(lambda: not [x for x in links(host) if x.startswith("t3rd-")])
+    finally:
+        world.loop.run(nm.aclose())
 
 
 def test_aclose_removes_networks_host_table_and_restores_forwarding(world: World) -> None:
@@ -129,7 +167,9 @@ def test_recover_cleans_leftovers_and_adopts_kept_networks(world: World) -> None
     assert adopted == [kept.__class__(**{**kept.__dict__, "policy": NetworkPolicy()})]
     assert not netns_exists(f"{PREFIX}gone1") and not netns_exists(f"{PREFIX}gone2")
     assert f"{PREFIX}63" not in links(world.host)
-    assert [e.sandbox_id for e in world.loop.run(world.manager.list_existing())] == ["kept"]
+    # the veths of gone1 and gone2 go with their namespaces, freed asynchronously
+    assert wait_until(lambda: [e.sandbox_id for e in
+                               world.loop.run(world.manager.list_existing())] == ["kept"])
     # the adopted network works with its re-applied policy, and its slot stays taken
     assert try_tcp(guest, INET_A, PORT) == "inet-a"
     assert world.manager.pool.in_use == frozenset({kept.slot})
@@ -168,7 +208,7 @@ def test_concurrent_creates_and_destroys(world: World) -> None:
 
     world.loop.run(destroy_all())
     assert not world.manager.networks and world.manager.pool.in_use == frozenset()
-    assert not [x for x in links(world.host) if x.startswith(PREFIX)]
+    assert wait_until(lambda: not [x for x in links(world.host) if x.startswith(PREFIX)])
     assert not [x for x in sh(["ip", "netns", "list"]).split() if x.startswith(PREFIX)]
 
 

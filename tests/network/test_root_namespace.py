@@ -16,7 +16,17 @@ import pytest
 from host.network import NetworkManager, NetworkManagerConfig, NetworkPolicy
 
 from .conftest import INFRA, PORT, TAG, World, _add_netns, _del_netns, _make_internet
-from .netns_util import LoopThread, TcpServer, links, netns_exists, nft_tables, sh, sysctl, try_tcp
+from .netns_util import (
+    LoopThread,
+    TcpServer,
+    links,
+    netns_exists,
+    nft_tables,
+    sh,
+    sysctl,
+    try_tcp,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(120)
 UPLINK = f"{TAG}up"
@@ -65,7 +75,7 @@ def root_world(loop: LoopThread, netns_capable: None) -> Iterator[World]:
         sh(["ip", "link", "del", UPLINK], check=False)  # netns teardown is asynchronous
         _del_netns(inet)
     assert UPLINK not in links(None)
-    assert not [x for x in links(None) if x.startswith(f"{TAG}-")]
+    assert wait_until(lambda: not [x for x in links(None) if x.startswith(f"{TAG}-")])
 
 
 def test_root_namespace_egress_dnat_and_cleanup(root_world: World) -> None:
@@ -87,6 +97,6 @@ def test_root_namespace_egress_dnat_and_cleanup(root_world: World) -> None:
     assert table in nft_tables(None)
     w.loop.run(w.manager.aclose())
     assert not netns_exists(net.netns)
-    assert net.host_ifname not in links(None)
+    assert wait_until(lambda: net.host_ifname not in links(None))
     assert table not in nft_tables(None)
     assert sysctl(None, f"net.ipv4.conf.{UPLINK}.forwarding") == "0"  # restored
