@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from host.contract import BuildFailed, BuildLog, BuildSpec, GuestDefaults, SnapshotRef
-from host.images import ImageError, RegistryConfig, pull
+from host.images import ImageError, PullProgress, RegistryConfig, pull
 from host.network import NetworkPolicy
 from host.vmm.driver import MemoryBacking, Vm
 from host.vmm.errors import VmmError
@@ -34,7 +34,7 @@ from host.vmm.image import find_image
 from . import steps as guest_steps
 from .buildcache import BuildCache, CacheEntry, source_key, step_key
 from .errors import NodeRuntimeError, SandboxStartError, SnapshotNotFoundError
-from .guest import GuestCommandError, GuestShell
+from .guest import GuestCommandError, GuestShell, OnOutput
 from .imports import import_image
 from .layers import image_layers
 from .manifests import VERSION
@@ -85,6 +85,12 @@ class _Build:
         self.cache = BuildCache(p.manifests)
         self.disk_mib = 0
 
+    def _step_output(self, step_no: str) -> OnOutput:
+        """What a step's command prints goes to the build log, under its step number."""
+        def on_output(_stream: str, line: str) -> None:
+            self.log("info", line, step_no)
+        return on_output
+
     async def run(self) -> SnapshotRef:
         t0 = time.perf_counter()
         guest_steps.validate(self.spec.steps, self.spec.files_dir)
@@ -132,10 +138,14 @@ class _Build:
         reg = RegistryConfig(cache_dir=cfg.oci_cache_dir, mirror=cfg.registry_mirror,
                              insecure_registries=cfg.insecure_registries)
         self.log("info", f"Pulling {reference}", "base")
+
+        def progress(pr: PullProgress) -> None:
+            if pr.message:
+                self.log("info", pr.message, "base")
+
         try:
             image = await pull(reference, reg, credentials=self.spec.registry,
-                               progress=lambda pr: pr.message and self.log("info", pr.message,
-                                                                           "base"))
+                               progress=progress)
         except ImageError as exc:
             raise BuildFailed(f"pulling {reference}: {exc}", step="base") from exc
         base = await asyncio.to_thread(find_image, self.spec.machine.image, cfg.image_cache)
@@ -199,7 +209,7 @@ class _Build:
             t = time.perf_counter()
             touched_disk, guest = await guest_steps.execute(
                 self.shell, step, guest, spec.files_dir, index=i + 1,
-                on_output=lambda _s, line, step_no=str(i + 1): self.log("info", line, step_no))
+                on_output=self._step_output(str(i + 1)))
             if touched_disk:
                 layers = await self._seal_step()
             await self.cache.put(keys[i], CacheEntry(tuple(layers), guest))

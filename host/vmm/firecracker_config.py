@@ -20,6 +20,7 @@ from .accel import _kvm_openable, _pvm_loaded
 from .driver import NbdDisk, TapNet, UserNet, VmSpec
 from .errors import VmmError
 from .identity import binary_version
+from .vmbase import VmHost
 
 DEFAULT_FIRECRACKER = "firecracker"
 IFACE_ID = "eth0"
@@ -28,19 +29,18 @@ _DRIVE_ID = re.compile(r"^[A-Za-z0-9_]+$")  # Firecracker accepts only these in 
 Request = tuple[str, str, dict[str, Any]]
 
 
-class FirecrackerHost(Protocol):
+class FirecrackerHost(VmHost, Protocol):
     """What a Firecracker VM uses of the driver that made it (the driver is
     `FirecrackerDriver`; VM modules name this protocol instead, so they need not import
     the driver's module)."""
 
     firecracker: str
     track_dirty_pages: bool
+    balloon: BalloonConfig | None
     jailer: Any   # JailerConfig | None
     block: Any    # NbdAttacher
 
     def config_digest(self, spec: VmSpec) -> str: ...
-
-    def _track(self, vm: Any) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)

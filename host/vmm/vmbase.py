@@ -17,7 +17,7 @@ import shlex
 import shutil
 import tempfile
 from pathlib import Path
-from typing import IO, Any, Generic, Self, TypeVar
+from typing import IO, Any, Generic, Protocol, Self, TypeVar
 
 from . import proc as procs
 from .driver import BootTimeouts, VmSpec, VmState
@@ -84,14 +84,27 @@ class DriverBase(Generic[VmT]):
             self._vms.remove(vm)
 
 
+class VmHost(Protocol):
+    """What `VmBase` uses of the driver that made its VM (a `DriverBase`); a driver's VM
+    class narrows it to its own driver, or to a protocol of what it uses."""
+
+    name: str
+    run_dir: Path
+    die_with_parent: bool
+
+    def _track(self, vm: Any) -> None: ...
+
+    def _forget(self, vm: Any) -> None: ...
+
+
 class VmBase:
     """One VMM process running one guest; the driver-independent half of a Vm."""
 
     _VMM = "VMM"  # the VMM's name in messages: "QEMU", "Firecracker"
     _log = logging.getLogger(__name__)
-    _driver: DriverBase[Any]
+    _driver: VmHost
 
-    def __init__(self, driver: DriverBase[Any], spec: VmSpec, timeouts: BootTimeouts) -> None:
+    def __init__(self, driver: VmHost, spec: VmSpec, timeouts: BootTimeouts) -> None:
         self._driver = driver
         self._spec = spec
         self.timeouts = timeouts
