@@ -15,6 +15,7 @@ from host.network import (
     SandboxNetworkExistsError,
     SandboxNetworkNotFoundError,
 )
+from host.network.commands import netns_inode, pids_in_netns
 from host.network.errors import NetworkCleanupError, NetworkCommandError, NetworkError
 from host.network.manager import NetworkManager as _NM
 
@@ -79,16 +80,11 @@ def test_failed_create_rolls_back(world: World, monkeypatch: pytest.MonkeyPatch)
 def test_destroy_reports_processes_still_in_namespace(world: World) -> None:
     net, _ = world.create("sbx1", guest=False)
     proc = __import__("subprocess").Popen(net.wrap_argv(["sleep", "30"]))
-    inside = f"net:[{os.stat(net.netns_path).st_ino}]"
-
-    def entered() -> bool:  # `ip netns exec` has setns'ed before it exec'ed sleep
-        try:
-            return os.readlink(f"/proc/{proc.pid}/ns/net") == inside
-        except OSError:
-            return False
-
+    ino = netns_inode(net.netns)
+    assert ino is not None
     try:
-        assert wait_until(entered)
+        # `ip netns exec` has setns'ed (before it execs sleep): what destroy looks for
+        assert wait_until(lambda: str(proc.pid) in pids_in_netns(ino))
         with pytest.raises(NetworkCleanupError, match="still in"):
             world.loop.run(world.manager.destroy("sbx1"))
     finally:
@@ -107,7 +103,7 @@ def test_a_slot_comes_round_while_its_old_veth_is_still_going(world: World) -> N
     nm = world.loop.run(NetworkManager(cfg).open())
     try:
         old = world.loop.run(nm.create("first"))
-        pinned = os.open(f"/run/netns/{old.netns}", os.O_RDONLY)
+        pinned = os.open(old.netns_path, os.O_RDONLY)
         try:
             world.loop.run(nm.destroy("first"))
             assert not netns_exists(old.netns)
