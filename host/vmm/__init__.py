@@ -1,4 +1,4 @@
-"""VMM drivers: one interface (driver.py), the QEMU driver (qemu.py), a fake for unit
+"""VMM drivers: one interface (driver.py), the QEMU driver (qemu/), a fake for unit
 tests (fake.py), and the lookup of built kernels and images (image.py)."""
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ def _without(kw: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
 def _firecracker(**kw: Any) -> VmmDriver:
     try:
         mod = importlib.import_module(".firecracker", __package__)
-        jail = importlib.import_module(".jailer", __package__)
+        jail = importlib.import_module(".firecracker.jailer", __package__)
     except ImportError as exc:
         raise VmmError("the Firecracker driver is not available in this build") from exc
     uid, gid = kw.pop("jailer_uid", 0), kw.pop("jailer_gid", 0)
@@ -52,7 +52,7 @@ def _firecracker(**kw: Any) -> VmmDriver:
 def firecracker_check(binary: str = DEFAULT_FIRECRACKER) -> tuple[bool, str]:
     """(usable, why) for Firecracker: `firecracker_usable` (binary + standard KVM)."""
     try:
-        mod = importlib.import_module(".firecracker_config", __package__)
+        mod = importlib.import_module(".firecracker.config", __package__)
     except ImportError:
         return False, "the Firecracker driver is not available in this build"
     ok, why = mod.firecracker_usable(binary)

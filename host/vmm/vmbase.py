@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import shlex
 import shutil
@@ -27,6 +28,17 @@ from .readiness import wait_for_health
 TAIL_LINES = 30
 
 VmT = TypeVar("VmT", bound="VmBase")
+
+
+def default_run_dir() -> Path:
+    """Parent of per-VM work dirs: $AENV_RUN_DIR, else /run/aenv/vms (root), else /tmp.
+    Kept short: unix socket paths are limited to 107 bytes."""
+    env = os.environ.get("AENV_RUN_DIR")
+    if env:
+        return Path(env)
+    if os.geteuid() == 0 and Path("/run").is_dir():
+        return Path("/run/aenv/vms")
+    return Path(tempfile.gettempdir()) / "aenv-vms"
 
 
 class DriverBase(Generic[VmT]):

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-import host.vmm.qemu_memory as node_mod  # where the QEMU driver calls memsnap
+import host.vmm.qemu.memory as node_mod  # where the QEMU driver calls memsnap
 from host.contract import SnapshotRef
 from host.orchestrator.model import NetworkConfig
 from host.runtime import NodeRuntime, NodeRuntimeError, SnapshotCorruptError

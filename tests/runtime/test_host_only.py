@@ -13,7 +13,7 @@ from host.runtime import NodeRuntime, RuntimeConfig, SnapshotNotFoundError
 from host.runtime.manifests import ManifestStore
 from host.vmm.driver import MemoryBacking, NbdDisk, TapNet, UserNet, VmSpec
 from host.vmm.procscan import is_vmm_for, pid_alive
-from host.vmm.qemu_cmdline import QemuRunFiles, build_argv, config_digest
+from host.vmm.qemu.cmdline import QemuRunFiles, build_argv, config_digest
 
 
 def _spec(tmp: Path, *, mem: str, sock: str, export: str, net: TapNet | UserNet,

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from host.vmm import FileDisk, TapNet, VmSpec
-from host.vmm.firecracker import FirecrackerDriver
+from host.vmm.firecracker.driver import FirecrackerDriver
 
 from .helpers import procs_mentioning
 

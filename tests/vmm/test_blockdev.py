@@ -1,4 +1,4 @@
-"""NbdDisk -> /dev/nbdN attachment (host/vmm/blockdev.py) against a fake sysfs and a
+"""NbdDisk -> /dev/nbdN attachment (host/vmm/firecracker/blockdev.py) against a fake sysfs and a
 fake `nbd-client` (tests/vmm/fake_nbd_client.py).
 
 This host has no nbd kernel module (`ls /sys/module | grep nbd` finds nothing) and no
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from host.vmm import NbdDisk, VmmError
-from host.vmm.blockdev import NbdAttacher
+from host.vmm.firecracker.blockdev import NbdAttacher
 
 from .fakefc import HERE, script
 
@@ -109,7 +109,7 @@ async def test_ublk_without_a_ublk_server_falls_back_to_nbd(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
         ) -> None:
     nbd = FakeNbd(tmp_path, monkeypatch, modules=("nbd", "ublk_drv"))
-    with caplog.at_level("INFO", logger="host.vmm.blockdev"):
+    with caplog.at_level("INFO", logger="host.vmm.firecracker.blockdev"):
         found = await nbd.attacher().check()
     assert found.kind == "nbd"
     assert found.note == "ublk_drv present but no ublk server: using NBD"

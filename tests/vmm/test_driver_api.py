@@ -7,7 +7,7 @@ from pathlib import Path
 from host import vmm
 from host.vmm import BootTimeouts, QemuDriver, Vm, VmmDriver, VmSpec
 from host.vmm.errors import VmmBootTimeout, VmmError, VmmTimeout
-from host.vmm.qemu import QemuVm
+from host.vmm.qemu.driver import QemuVm
 
 
 def test_qemu_driver_and_vm_implement_the_protocols() -> None:

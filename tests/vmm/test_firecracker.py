@@ -37,14 +37,14 @@ from host.vmm import (
     VmState,
     pick_driver,
 )
-from host.vmm import firecracker_config as fcconfig
-from host.vmm.firecracker import (
+from host.vmm.firecracker.driver import (
     BalloonConfig,
     FirecrackerDriver,
     FirecrackerVm,
     firecracker_usable,
     snapshot_mem_path,
 )
+from host.vmm.firecracker import config as fcconfig
 
 from .fakefc import FakeFc, boot_calls
 from .firecracker_openapi import OpenApi, RequestRejected

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from host.vmm import FileDisk, MemoryBacking, NbdDisk, TapNet, VmSpec, VmState
-from host.vmm.firecracker import FirecrackerDriver
-from host.vmm.jailer import JailerConfig, JailRoot, find_jailer, mounts_under
+from host.vmm.firecracker.driver import FirecrackerDriver
+from host.vmm.firecracker.jailer import JailerConfig, JailRoot, find_jailer, mounts_under
 
 from .fakefc import FAKE_JAILER, FakeFc, boot_calls, script
 from .test_blockdev import FakeNbd

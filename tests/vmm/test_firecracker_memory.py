@@ -22,7 +22,7 @@ import pytest
 
 from host.vmm import FileDisk, MemoryBacking, TapNet, VmSpec, VmState
 from host.vmm.errors import VmmSnapshotError, VmmStateError
-from host.vmm.firecracker import FirecrackerDriver, FirecrackerVm
+from host.vmm.firecracker.driver import FirecrackerDriver, FirecrackerVm
 from host.vmm.memsnap import PAGE_SIZE, BaseImage, DiffFile, DiffKind, MemSnapshot
 
 from .fakefc import FakeFc
@@ -322,7 +322,7 @@ async def test_snapshot_on_another_branch_is_a_content_delta(
 
 
 def test_dirty_page_of_zeros_is_kept_and_holes_are_not_pages(tmp_path: Path) -> None:
-    from host.vmm import firecracker_memory as fcmem
+    from host.vmm.firecracker import memory as fcmem
 
     f = tmp_path / "diff.mem"
     with open(f, "wb") as out:
@@ -338,7 +338,7 @@ def test_dirty_page_of_zeros_is_kept_and_holes_are_not_pages(tmp_path: Path) -> 
 
 def test_filesystem_without_hole_reporting_is_refused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from host.vmm import firecracker_memory as fcmem
+    from host.vmm.firecracker import memory as fcmem
     from host.vmm.memsnap import MemSnapError
 
     f = tmp_path / "diff.mem"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from host.vmm.driver import UserNet, VmSpec
 from host.vmm.identity import VmmIdentity, describe, host_cpu_model
-from host.vmm.qemu import QemuDriver
-from host.vmm.qemu_cmdline import QemuRunFiles, build_argv
+from host.vmm.qemu.cmdline import QemuRunFiles, build_argv
+from host.vmm.qemu.driver import QemuDriver
 
 from .fakefc import FakeFc
 

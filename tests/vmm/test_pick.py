@@ -11,10 +11,10 @@ import pytest
 from host.vmm import VmmError, pick
 from host.vmm.accel import AccelChoice
 from host.vmm.fake import FakeDriver
-from host.vmm.firecracker import FirecrackerDriver
-from host.vmm.jailer import JailerConfig
+from host.vmm.firecracker.driver import FirecrackerDriver
+from host.vmm.firecracker.jailer import JailerConfig
 from host.vmm.pick import pick_driver
-from host.vmm.qemu import QemuDriver
+from host.vmm.qemu.driver import QemuDriver
 
 
 def test_explicit_and_env(monkeypatch: pytest.MonkeyPatch) -> None:

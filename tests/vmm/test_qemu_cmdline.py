@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from host.vmm import FileDisk, MemoryBacking, NbdDisk, TapNet, UserNet, VmSpec
-from host.vmm.qemu_cmdline import (
+from host.vmm.qemu.cmdline import (
     TCG_TB_MIB,
     QemuRunFiles,
     build_argv,
@@ -134,7 +134,7 @@ def test_ksm_marks_guest_ram_mergeable_outside_the_digest() -> None:
     assert merged == [("memory-backend-file,id=mem0,size=256M,mem-path=/snap/mem,share=off,"
                        "merge=on")]
     # snapshots taken with --ksm restore without it and back: one digest
-    from host.vmm.qemu import QemuDriver
+    from host.vmm.qemu.driver import QemuDriver
     on, off = QemuDriver(accel="tcg", ksm=True), QemuDriver(accel="tcg")
     assert on.config_digest(spec) == off.config_digest(spec)
 

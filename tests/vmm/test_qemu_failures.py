@@ -143,7 +143,7 @@ async def test_explicit_work_dir_is_kept_when_asked(tmp_path: Path, junk_kernel:
 
 
 async def test_state_errors_before_start(junk_kernel: Path) -> None:
-    from host.vmm.qemu import QemuVm
+    from host.vmm.qemu.driver import QemuVm
 
     vm = QemuVm(QemuDriver(accel="tcg"), VmSpec(kernel=junk_kernel), BootTimeouts())
     with pytest.raises(VmmStateError):

@@ -14,24 +14,24 @@ import os
 import shlex
 import shutil
 import socket
-import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qemu.qmp import ExecuteError, QMPClient, QMPError
 
-from . import proc as procs
-from . import procscan, qemu_memory
-from .accel import DEFAULT_QEMU, detect_accel, host_tsc_khz
-from .driver import BootTimeouts, TapNet, UserNet, VmSpec, VmState
-from .errors import VmmError, VmmStartError, VmmStateError, VmmTimeout
-from .identity import VmmIdentity, binary_version, host_cpu_model
-from .qemu_cmdline import TCG_TB_MIB, QemuRunFiles, build_argv, config_digest, cpu_model
+from .. import proc as procs
+from .. import procscan
+from ..accel import DEFAULT_QEMU, detect_accel, host_tsc_khz
+from ..driver import BootTimeouts, TapNet, UserNet, VmSpec, VmState
+from ..errors import VmmError, VmmStartError, VmmStateError, VmmTimeout
+from ..identity import VmmIdentity, binary_version, host_cpu_model
+from . import memory as qemu_memory
+from .cmdline import TCG_TB_MIB, QemuRunFiles, build_argv, config_digest, cpu_model
 
 if TYPE_CHECKING:
-    from .memsnap import BaseImage, MemSnapshot
-from .vmbase import TAIL_LINES, DriverBase, VmBase
+    from ..memsnap import BaseImage, MemSnapshot
+from ..vmbase import TAIL_LINES, DriverBase, VmBase, default_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -39,17 +39,6 @@ _PORT_ATTEMPTS = 5
 _QMP_CALL_S = 10.0
 _MIGRATE_S = 120.0
 _MAX_BANDWIDTH = 100 * 1024**3  # bytes/s; the 7.2 default (32 MiB/s) makes snapshots slow
-
-
-def default_run_dir() -> Path:
-    """Parent of per-VM work dirs: $AENV_RUN_DIR, else /run/aenv/vms (root), else /tmp.
-    Kept short: unix socket paths are limited to 107 bytes."""
-    env = os.environ.get("AENV_RUN_DIR")
-    if env:
-        return Path(env)
-    if os.geteuid() == 0 and Path("/run").is_dir():
-        return Path("/run/aenv/vms")
-    return Path(tempfile.gettempdir()) / "aenv-vms"
 
 
 class _PortTaken(Exception):

@@ -26,7 +26,7 @@ from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
-from .memsnap import (
+from ..memsnap import (
     PAGE_SIZE,
     BaseImage,
     DiffFile,
@@ -38,9 +38,9 @@ from .memsnap import (
     write_delta,
     write_diff,
 )
-from .memsnap.base import PRIVATE_MODE, install_base
-from .memsnap.devstate import write_atomic
-from .memsnap.snapshot import SNAPSHOT_MANIFEST
+from ..memsnap.base import PRIVATE_MODE, install_base
+from ..memsnap.devstate import write_atomic
+from ..memsnap.snapshot import SNAPSHOT_MANIFEST
 
 BASE_TEMPLATE = "base.vmstate"
 DEVSTATE = "devstate.vmstate"

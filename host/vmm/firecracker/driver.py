@@ -1,16 +1,16 @@
 """The Firecracker driver: one `FirecrackerVm` per `firecracker` process, controlled over
 its REST API on a unix socket.
 
-A `FirecrackerVm` (firecracker_vm.py) owns the process (its own session; started through `jailer` when one
+A `FirecrackerVm` (vm.py) owns the process (its own session; started through `jailer` when one
 is configured), the API socket, the serial log (the process's stdout: Firecracker writes
 the guest's ttyS0 there), its stderr and log file, the kernel block devices its NbdDisks
 are attached as (blockdev.py), the chroot if jailed (jailer.py) and the work dir;
 `kill()` leaves none of them behind.
 
 Boot: PUT /machine-config, /boot-source, /drives/{id}, /network-interfaces/{id},
-optionally /balloon, then PUT /actions InstanceStart (bodies: firecracker_config.py).
+optionally /balloon, then PUT /actions InstanceStart (bodies: config.py).
 Pause/resume: PATCH /vm. Memory snapshots in memsnap's form (freeze_memory,
-snapshot_memory, restore_memory: firecracker_snapshots.py). The older whole-VM pair:
+snapshot_memory, restore_memory: snapshots.py). The older whole-VM pair:
 `save_state(dest)` writes the device state to `dest` and guest memory to
 `snapshot_mem_path(dest)`; `restore()` loads both into a fresh process.
 
@@ -30,27 +30,26 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import proc as procs
+from .. import proc as procs
+from ..driver import BootTimeouts, VmSpec
+from ..errors import VmmError
+from ..identity import VmmIdentity, host_cpu_model
+from ..vmbase import DriverBase, default_run_dir
 from .blockdev import NbdAttacher
-from .driver import BootTimeouts, VmSpec
-from .errors import VmmError
-from .firecracker_config import (
+from .config import (
     DEFAULT_FIRECRACKER,
     BalloonConfig,
     config_digest,
     firecracker_usable,
     firecracker_version,
 )
-from .firecracker_leftovers import belongs_to, find_leftovers, recorded_devices
-from .firecracker_snapshots import snapshot_mem_path
-from .firecracker_vm import FirecrackerVm
-from .identity import VmmIdentity, host_cpu_model
 from .jailer import JailerConfig, release_jail
-from .qemu import default_run_dir
-from .vmbase import DriverBase
+from .leftovers import belongs_to, find_leftovers, recorded_devices
+from .snapshots import snapshot_mem_path
+from .vm import FirecrackerVm
 
 if TYPE_CHECKING:
-    from .memsnap import BaseImage, MemSnapshot
+    from ..memsnap import BaseImage, MemSnapshot
 
 __all__ = ["BalloonConfig", "FirecrackerDriver", "FirecrackerVm", "firecracker_usable",
            "snapshot_mem_path"]

@@ -12,7 +12,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from .driver import FileDisk, MemoryBacking, NbdDisk, TapNet, UserNet, VmSpec
+from ..driver import FileDisk, MemoryBacking, NbdDisk, TapNet, UserNet, VmSpec
 
 
 @dataclass(frozen=True, kw_only=True)

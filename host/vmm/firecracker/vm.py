@@ -4,7 +4,7 @@ It owns the process (its own session; through `jailer` when configured), the API
 connection, the serial log (the process's stdout: Firecracker writes the guest's ttyS0
 there), its stderr and log file, the /dev/nbdN its NbdDisks are attached as, the chroot
 if jailed, and the work dir; `kill()` leaves none of them behind. Snapshots are in
-firecracker_snapshots.py (`MemoryMixin`).
+snapshots.py (`MemoryMixin`).
 """
 
 from __future__ import annotations
@@ -16,28 +16,21 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import proc as procs
-from . import procscan
-from .driver import ENVD_PORT, BootTimeouts, FileDisk, TapNet, VmSpec, VmState
-from .errors import VmmError, VmmStartError, VmmStateError
-from .firecracker_api import API_CALL_S, FirecrackerApi
-from .firecracker_config import (
-    FirecrackerHost,
-    boot_requests,
-    check_spec,
-    drive_ids,
-    drive_path,
-    load_request,
-)
-from .firecracker_leftovers import DEVICES_FILE, record_devices
-from .firecracker_snapshots import MemoryMixin, snapshot_mem_path
+from .. import proc as procs
+from .. import procscan
+from ..driver import ENVD_PORT, BootTimeouts, FileDisk, TapNet, VmSpec, VmState
+from ..errors import VmmError, VmmStartError, VmmStateError
+from ..vmbase import TAIL_LINES, VmBase
+from .api import API_CALL_S, FirecrackerApi
+from .config import FirecrackerHost, boot_requests, check_spec, drive_ids, drive_path, load_request
 from .jailer import API_SOCKET, HostRoot, JailRoot, jail_record, release_jail
-from .vmbase import TAIL_LINES, VmBase
+from .leftovers import DEVICES_FILE, record_devices
+from .snapshots import MemoryMixin, snapshot_mem_path
 
 if TYPE_CHECKING:
-    from .memsnap import BaseImage, MemSnapshot
+    from ..memsnap import BaseImage, MemSnapshot
 
-log = logging.getLogger("host.vmm.firecracker")
+log = logging.getLogger(__package__)
 
 SNAPSHOT_S = 120.0
 

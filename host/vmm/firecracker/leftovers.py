@@ -15,7 +15,7 @@ import contextlib
 import json
 from pathlib import Path
 
-from . import procscan
+from .. import procscan
 from .jailer import API_SOCKET, jail_id, jail_record
 
 DEVICES_FILE = "blockdevs.json"

@@ -12,9 +12,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from .driver import MemoryBacking
-from .errors import VmmError, memory_snapshot_errors
-from .memsnap import (
+from ..driver import MemoryBacking
+from ..errors import VmmError, memory_snapshot_errors
+from ..memsnap import (
     BaseImage,
     MemSnapshot,
     freeze_base,

@@ -25,9 +25,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .driver import NbdDisk
-from .errors import VmmError
-from .proc import run_command
+from ..driver import NbdDisk
+from ..errors import VmmError
+from ..proc import run_command
 
 log = logging.getLogger(__name__)
 

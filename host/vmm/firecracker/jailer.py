@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import VmmError
-from .proc import run_command
+from ..errors import VmmError
+from ..proc import run_command
 
 log = logging.getLogger(__name__)
 

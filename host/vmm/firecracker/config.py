@@ -16,11 +16,11 @@ import shutil
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from .accel import _kvm_openable, _pvm_loaded
-from .driver import NbdDisk, TapNet, UserNet, VmSpec
-from .errors import VmmError
-from .identity import binary_version
-from .vmbase import VmHost
+from ..accel import _kvm_openable, _pvm_loaded
+from ..driver import NbdDisk, TapNet, UserNet, VmSpec
+from ..errors import VmmError
+from ..identity import binary_version
+from ..vmbase import VmHost
 
 DEFAULT_FIRECRACKER = "firecracker"
 IFACE_ID = "eth0"

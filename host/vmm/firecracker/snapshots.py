@@ -5,7 +5,7 @@
 into a memsnap diff on the chain) and the restore side used by
 `FirecrackerDriver.restore_memory` (verify every file, materialise base + chain into a
 private memory file, PUT /snapshot/load). The file conversions are in
-firecracker_memory.py; memsnap errors become `VmmSnapshotError` here.
+memory.py; memsnap errors become `VmmSnapshotError` here.
 
 A Diff snapshot holds the pages dirtied since the last snapshot *or load*: the VM keeps
 its `Lineage` (the base and snapshot its memory equalled at that moment) so every diff
@@ -23,15 +23,15 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import firecracker_memory as fcmem
-from .driver import VmState
-from .errors import VmmStateError, memory_snapshot_errors
-from .firecracker_config import FirecrackerHost
-from .memsnap import BaseImage, MemSnapError, MemSnapshot
+from ..driver import VmState
+from ..errors import VmmStateError, memory_snapshot_errors
+from ..memsnap import BaseImage, MemSnapError, MemSnapshot
+from . import memory as fcmem
+from .config import FirecrackerHost
 
 if TYPE_CHECKING:
+    from ..vmbase import VmBase as _Base
     from .jailer import HostRoot
-    from .vmbase import VmBase as _Base
 else:
     _Base = object
 

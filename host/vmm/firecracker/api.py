@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from .errors import VmmError, VmmStartError, VmmTimeout
+from ..errors import VmmError, VmmStartError, VmmTimeout
 
 API_CALL_S = 10.0
 
