@@ -229,7 +229,7 @@ class SandboxRuntime(Protocol):
 
     # Shared documents (cluster): small JSON records kept in the repository next to the
     # snapshots, so that every node sharing the repository reads them: a paused sandbox's
-    # handoff (orchestrator/handoff.py), the template catalog (orchestrator/catalog.py).
+    # handoff (orchestrator/handoff.py), the template catalog (orchestrator/templates/catalog.py).
     # Names: letters, digits and `-_.%:`, no `/`. (Optional: a runtime without them
     # serves a node that is not in a cluster.)
     async def put_document(self, name: str, doc: dict[str, Any]) -> None: ...

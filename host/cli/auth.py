@@ -10,9 +10,9 @@ from typing import Any
 import click
 
 from . import credentials
-from .context import LOGIN_HINT, Settings, same_url, settings
 from .credentials import Credentials
 from .errors import EXIT_AUTH, ApiError, CliError, ConnectionFailed
+from .invocation import LOGIN_HINT, Settings, same_url, settings
 from .output import emit_json, output_option
 from .rest import ApiClient
 

@@ -1,6 +1,6 @@
 """The `aenv` click group, its global options, and the sandbox commands that are one REST
 call each: thin wrappers over rest.ApiClient. The other commands live in their own
-modules (guest.py: inside a sandbox; snapshots.py, templates.py, auth.py, completion.py)
+modules (in_sandbox.py: inside a sandbox; snapshots.py, templates.py, auth.py, completion.py)
 and are added to the group at the end."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from collections.abc import Sequence
 
 import click
 
-from . import auth, completion, guest, nodes, snapshots, templates
-from .context import (
+from . import auth, completion, in_sandbox, nodes, snapshots, templates
+from .errors import EXIT_GENERIC
+from .invocation import (
     API_KEY_ENV,
     API_URL_ENV,
     DEFAULT_API_URL,
@@ -22,7 +23,6 @@ from .context import (
     resolve_settings,
     settings,
 )
-from .errors import EXIT_GENERIC
 from .output import echo_fields, echo_table, emit_json, output_option, rfc3339
 
 SANDBOX_ID = click.argument("sandbox_id", shell_complete=completion.sandbox_ids)
@@ -200,7 +200,7 @@ def metrics(ctx: click.Context, sandbox_id: str, output: str) -> None:
     echo_table(rows)
 
 
-for _command in (*guest.COMMANDS, *snapshots.COMMANDS, *templates.COMMANDS, *auth.COMMANDS,
+for _command in (*in_sandbox.COMMANDS, *snapshots.COMMANDS, *templates.COMMANDS, *auth.COMMANDS,
                  *completion.COMMANDS, nodes.nodes):
     cli.add_command(_command)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import click
 from click.shell_completion import CompletionItem, get_completion_class
 
-from .context import resolve_settings
 from .errors import CliError
+from .invocation import resolve_settings
 from .rest import ApiClient
 
 SHELLS = ("bash", "zsh", "fish")

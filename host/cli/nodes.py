@@ -8,7 +8,7 @@ from urllib.parse import quote
 
 import click
 
-from .context import settings
+from .invocation import settings
 from .output import echo_table, emit_json, output_option
 
 HEADER = ("NODE", "STATE", "SANDBOXES", "VMS", "MEMORY MiB", "LOAD", "LAST HEARTBEAT",

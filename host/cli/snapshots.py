@@ -8,7 +8,7 @@ import re
 
 import click
 
-from .context import settings
+from .invocation import settings
 from .output import echo_table, emit_json, output_option
 
 # `aenv snapshot <arg>` with an <arg> that is no subcommand: a sandbox id when it looks

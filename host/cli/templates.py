@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from .context import settings
+from .invocation import settings
 from .output import echo_table, emit_json, output_option, rfc3339
 from .progress import BuildProgress, is_terminal
 

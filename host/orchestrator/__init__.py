@@ -27,7 +27,7 @@ from .recovery import recover
 from .service import Orchestrator
 from .states import SandboxState
 from .store import Store
-from .template_store import TemplateStore
+from .templates.store import TemplateStore
 from .ttl import TtlLoop, TtlOwner
 
 __all__ = ["AliasConflict", "AliasTaken", "BuildNotFound", "EnvdClient",

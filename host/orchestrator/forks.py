@@ -9,9 +9,9 @@ import asyncio
 from collections.abc import Sequence
 
 from . import lifecycle
-from .context import Context, observed
 from .errors import InvalidRequest, OrchestratorError
 from .model import ForkResult
+from .opcontext import Context, observed
 from .records import network_from_json, snapshot_record, with_runtime
 from .snapshots import live_snapshot
 from .states import SandboxState as S

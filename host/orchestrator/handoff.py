@@ -19,9 +19,9 @@ import dataclasses
 import logging
 from typing import Any
 
-from .context import Context
 from .errors import OperationFailed, SandboxNotFound
 from .model import SandboxInfo
+from .opcontext import Context
 from .records import sandbox_info
 from .states import SandboxState as S
 from .store import SandboxRecord, SnapshotRecord

@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 from host.tasks import cancel_and_wait
 
-from .context import Context
+from .opcontext import Context
 from .states import SandboxState as S
 
 log = logging.getLogger(__name__)

@@ -19,8 +19,7 @@ import logging
 from host.contract import NetworkConfig
 from host.metrics import bind_sandbox
 
-from . import catalog, handoff, ids, snapshots, templates
-from .context import Context, observed
+from . import handoff, ids, snapshots
 from .errors import (
     IdempotencyMismatch,
     IncompatibleSnapshot,
@@ -30,6 +29,7 @@ from .errors import (
     start_failed,
 )
 from .model import CreateRequest, SandboxInfo
+from .opcontext import Context, observed
 from .records import (
     GONE,
     guest_of,
@@ -43,6 +43,8 @@ from .records import (
 )
 from .states import SandboxState as S
 from .store import SandboxRecord, SnapshotRecord
+from .templates import catalog
+from .templates import lookup as templates
 
 log = logging.getLogger(__name__)
 

@@ -8,12 +8,12 @@ disconnects never half-finishes a VM operation. Requests for one sandbox are ser
 its lock; one that no longer fits the state it finds raises `StateConflict` (409).
 
 This class is the facade: it owns the tasks, the TTL loop (ttl.py) and the `Context` the
-operations share (context.py), serves get/list, and hands every other operation to the
+operations share (opcontext.py), serves get/list, and hands every other operation to the
 module of its job: lifecycle.py (create, kill), pausing.py (pause, connect), snapshots.py,
-forks.py, timeouts.py (TTLs, expiry, VMs that exited), guest.py (metrics, logs,
-network, route), and for templates builds.py (request, start, status), templates.py (list,
-get, delete, aliases, tags) and template_files.py (COPY uploads). Recovery after a restart
-is in recovery.py (sandboxes) and builds.recover (builds).
+forks.py, timeouts.py (TTLs, expiry, VMs that exited), guest_access.py (metrics, logs,
+network, route), and for templates the templates/ package: builds.py (request, start, status),
+lookup.py (list, get, delete, aliases, tags), files.py (COPY uploads) and builtin.py.
+Recovery after a restart is in recovery.py (sandboxes) and templates/builds.recover (builds).
 """
 
 from __future__ import annotations
@@ -31,21 +31,8 @@ from host.contract import MachineSpec, NetworkConfig, SandboxRuntime
 from host.hostmem import node_available_mib
 from host.metrics import Metrics
 
-from . import (
-    builds,
-    builtin_templates,
-    forks,
-    guest,
-    handoff,
-    lifecycle,
-    pausing,
-    snapshots,
-    template_files,
-    templates,
-    timeouts,
-)
+from . import forks, guest_access, handoff, lifecycle, pausing, snapshots, timeouts
 from .admission import Admission, AdmissionPolicy
-from .context import Context
 from .envd import EnvdClient
 from .errors import OperationFailed, OrchestratorError
 from .kept import KeptVms
@@ -65,12 +52,25 @@ from .model import (
     TemplateInfo,
     TemplateTag,
 )
+from .opcontext import Context
 from .pressure import PressureGuard, PressurePolicy
 from .records import expand_states, sandbox_info
 from .recovery import recover as run_recovery
 from .states import SandboxState
 from .store import Store
-from .template_store import TemplateStore
+from .templates import (
+    builds,
+)
+from .templates import (
+    builtin as builtin_templates,
+)
+from .templates import (
+    files as template_files,
+)
+from .templates import (
+    lookup as templates,
+)
+from .templates.store import TemplateStore
 from .ttl import TtlLoop
 from .warm import WarmPool
 
@@ -330,22 +330,22 @@ class NodeOrchestrator:
     async def fork(self, sandbox_id: str, count: int, timeout_s: int | None) -> Sequence[ForkResult]:
         return await forks.fork(self._ctx, sandbox_id, count, timeout_s)
 
-    # ---- observability, network, routing (guest.py) ------------------------------------
+    # ---- observability, network, routing (guest_access.py) ------------------------------------
 
     async def metrics(self, sandbox_id: str) -> Sequence[Metric]:
-        return await guest.metrics(self._ctx, sandbox_id)
+        return await guest_access.metrics(self._ctx, sandbox_id)
 
     async def logs(self, sandbox_id: str, start_ms: int | None, limit: int) -> Sequence[LogLine]:
-        return await guest.logs(self._ctx, sandbox_id, start_ms, limit)
+        return await guest_access.logs(self._ctx, sandbox_id, start_ms, limit)
 
     async def update_network(self, sandbox_id: str, network: NetworkConfig) -> None:
-        await guest.update_network(self._ctx, sandbox_id, network)
+        await guest_access.update_network(self._ctx, sandbox_id, network)
 
     async def route(self, sandbox_id: str, port: int, *, resume: bool) -> Route:
         self._ctx.activity[sandbox_id] = self.clock()  # its coldness (pressure.py)
-        return await guest.route(self._ctx, sandbox_id, port, resume=resume)
+        return await guest_access.route(self._ctx, sandbox_id, port, resume=resume)
 
-    # ---- templates (builds.py, templates.py, template_files.py) ------------------------
+    # ---- templates (templates/: builds.py, lookup.py, files.py) ------------------------
 
     async def request_build(self, req: BuildRequest) -> RequestedBuild:
         return await builds.request_build(self._ctx, req)

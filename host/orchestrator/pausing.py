@@ -24,7 +24,6 @@ import logging
 from collections.abc import Callable
 
 from . import handoff, ids
-from .context import Context, observed
 from .errors import (
     GuestUnresponsive,
     OperationFailed,
@@ -33,6 +32,7 @@ from .errors import (
     start_failed,
 )
 from .model import SandboxInfo
+from .opcontext import Context, observed
 from .records import (
     guest_of,
     network_from_json,

@@ -10,14 +10,15 @@ from collections.abc import Sequence
 
 from host.contract import SnapshotRef
 
-from . import catalog, ids
-from .context import Context, observed
+from . import ids
 from .errors import AliasConflict, InvalidRequest, OperationFailed, SnapshotNotFound
 from .model import SnapshotInfo
+from .opcontext import Context, observed
 from .records import GONE, snapshot_info, snapshot_record, snapshot_ref, with_runtime
 from .states import SandboxState as S
 from .store import SandboxRecord
-from .template_names import TEAM
+from .templates import catalog
+from .templates.names import TEAM
 
 
 async def snapshot(ctx: Context, sandbox_id: str, name: str | None) -> SnapshotInfo:

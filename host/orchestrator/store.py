@@ -187,7 +187,7 @@ class Store:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
 
-    # ---- for the store's extensions (template_store.py): same connection and thread ----
+    # ---- for the store's extensions (templates/store.py): same connection and thread ----
     def add_schema(self, script: str) -> None:
         """Create an extension's tables (`CREATE ... IF NOT EXISTS`: an older database
         gains them when it is opened, its data untouched)."""

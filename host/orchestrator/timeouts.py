@@ -12,8 +12,8 @@ import contextlib
 import logging
 
 from . import lifecycle, pausing, snapshots
-from .context import Context
 from .errors import GuestUnresponsive, SandboxNotFound
+from .opcontext import Context
 from .recovery import settle_exited
 from .states import SandboxState as S
 

@@ -27,8 +27,8 @@ from host.contract import NetworkConfig, SnapshotRef
 from host.tasks import cancel_and_wait
 
 from . import ids
-from .context import Context
 from .errors import CapacityExceeded
+from .opcontext import Context
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from host.vmm.image import find_image
 from . import steps as guest_steps
 from .buildcache import BuildCache, CacheEntry, source_key, step_key
 from .errors import NodeRuntimeError, SandboxStartError, SnapshotNotFoundError
-from .guest import GuestCommandError, GuestShell, OnOutput
+from .guest_shell import GuestCommandError, GuestShell, OnOutput
 from .imports import import_image
 from .layers import image_layers
 from .manifests import VERSION

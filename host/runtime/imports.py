@@ -36,7 +36,7 @@ from host.storage.errors import RepositoryError
 from host.vmm.driver import Vm
 from host.vmm.image import GuestImage
 
-from .guest import GuestCommandError, GuestShell
+from .guest_shell import GuestCommandError, GuestShell
 from .layers import image_layers
 from .parts import NodeParts
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from host.contract import STEP_TYPES, BuildFailed, BuildStep, GuestDefaults
 
-from .guest import GuestCommandError, GuestShell, OnOutput
+from .guest_shell import GuestCommandError, GuestShell, OnOutput
 
 _GLOB = set("*?[")
 

@@ -1,4 +1,4 @@
-"""Templates in a cluster (host/cluster/gateway/templates.py, host/orchestrator/catalog.py):
+"""Templates in a cluster (host/cluster/gateway/templates.py, host/orchestrator/templates/catalog.py):
 the real Python SDK's `Template.build` through the gateway builds on one node (COPY upload
 relayed to it), sandboxes from the template start on every node, tags and rebuilds go to
 its home node, the list shows it once, a delete is refused while any node runs a sandbox

@@ -1,4 +1,4 @@
-"""Built-in templates built on first use (host/orchestrator/builtin_templates.py) over the
+"""Built-in templates built on first use (host/orchestrator/templates/builtin.py) over the
 fake runtime, with a test recipe in place of the code interpreter's (whose pip tree and
 real build run in tests/e2e/test_code_interpreter.py): one build however many creates
 race, an ordinary template afterwards, a failure reported and retried, a user's template
@@ -16,10 +16,10 @@ from host.builtin import archives, recipes
 from host.builtin.recipes import Archive, Prepared, Recipe
 from host.contract import BuildStep
 from host.orchestrator import NodeOrchestrator
-from host.orchestrator.builtin_templates import recipe_for
 from host.orchestrator.envd import EnvdClient
 from host.orchestrator.errors import OperationFailed
 from host.orchestrator.model import CreateRequest
+from host.orchestrator.templates.builtin import recipe_for
 
 from .templating import build, files_hash
 

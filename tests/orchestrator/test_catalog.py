@@ -1,4 +1,4 @@
-"""The cluster's template catalog (host/orchestrator/catalog.py): a template built on node
+"""The cluster's template catalog (host/orchestrator/templates/catalog.py): a template built on node
 A, or a named snapshot taken there, starts sandboxes on node B; B follows A's tag moves
 and deletes, never changes A's tags and never deletes A's files.
 

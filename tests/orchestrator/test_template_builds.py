@@ -12,7 +12,6 @@ import pytest
 
 from host.contract import BuildFailed, BuildStep, MachineSpec, RegistryAuth, SnapshotRef
 from host.orchestrator import NodeOrchestrator
-from host.orchestrator.builds import INTERNAL, INTERRUPTED
 from host.orchestrator.envd import EnvdClient
 from host.orchestrator.errors import (
     AliasConflict,
@@ -22,7 +21,8 @@ from host.orchestrator.errors import (
     TemplateNotFound,
 )
 from host.orchestrator.model import BuildRequest, BuildStart, CreateRequest
-from host.orchestrator.template_store import LogRecord, TemplateStore
+from host.orchestrator.templates.builds import INTERNAL, INTERRUPTED
+from host.orchestrator.templates.store import LogRecord, TemplateStore
 
 from .templating import build, files_hash, run, upload, wait_build
 

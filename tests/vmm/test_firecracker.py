@@ -37,6 +37,7 @@ from host.vmm import (
     VmState,
     pick_driver,
 )
+from host.vmm.firecracker import config as fcconfig
 from host.vmm.firecracker.driver import (
     BalloonConfig,
     FirecrackerDriver,
@@ -44,7 +45,6 @@ from host.vmm.firecracker.driver import (
     firecracker_usable,
     snapshot_mem_path,
 )
-from host.vmm.firecracker import config as fcconfig
 
 from .fakefc import FakeFc, boot_calls
 from .firecracker_openapi import OpenApi, RequestRejected

@@ -1,7 +1,7 @@
 """Templates through the gateway: built on one node, used on every node.
 
 A template is built on one node, its *home*, which publishes it to the cluster's catalog
-in the shared repository when a build turns ready (host/orchestrator/catalog.py); every
+in the shared repository when a build turns ready (host/orchestrator/templates/catalog.py); every
 other node imports it from there the first time a create, a `fromTemplate` or a lookup
 names it. So creates need nothing from the gateway, and the template API goes to the home:
 
@@ -39,7 +39,7 @@ from starlette.types import Receive, Scope, Send
 from host.api import template_models as tm
 from host.api.types import encode_cursor
 from host.api.validation import validate
-from host.orchestrator.template_names import lookup_name
+from host.orchestrator.templates.names import lookup_name
 
 from ..errors import NodeUnreachable, SandboxUnknown
 from ..registry import NodeRecord

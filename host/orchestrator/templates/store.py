@@ -17,8 +17,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import AliasConflict, BuildNotFound, InvalidRequest, TemplateNotFound
-from .store import Store
+from ..errors import AliasConflict, BuildNotFound, InvalidRequest, TemplateNotFound
+from ..store import Store
 
 WAITING, BUILDING, READY, ERROR = "waiting", "building", "ready", "error"
 IMPORTED = "imported"   # a build's spec: it came from the cluster's catalog, not built here
@@ -134,7 +134,7 @@ class TagRecord:
 
 def all_imported(builds: Sequence[BuildRecord]) -> bool:
     """Whether these builds of a template all came from the cluster's catalog (its home is
-    another node: orchestrator/catalog.py). False for none."""
+    another node: orchestrator/templates/catalog.py). False for none."""
     return bool(builds) and all(b.spec.get(IMPORTED) for b in builds)
 
 
@@ -239,7 +239,7 @@ class TemplateStore:
 
     def is_imported(self, template_id: str) -> bool:
         """Whether every build of the template came from the cluster's catalog (none was
-        built here: orchestrator/catalog.py)."""
+        built here: orchestrator/templates/catalog.py)."""
         return all_imported(self.list_builds(template_id))
 
     def import_template(self, tmpl: TemplateRecord, builds: Sequence[BuildRecord],

@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from .template_store import LEVELS, LogRecord
+from .store import LEVELS, LogRecord
 
 MAX_ENTRIES = 20_000       # per build; later entries are dropped (one warning says so)
 MAX_MESSAGE = 16_384       # characters per entry

@@ -18,12 +18,14 @@ from pathlib import Path
 
 from host.builtin.recipes import RECIPES, Recipe, RecipeError
 
-from . import builds, template_files, templates
-from .context import Context
-from .errors import OperationFailed, TemplateNotFound
-from .model import BuildRequest, BuildStart
-from .template_names import lookup_name
-from .template_store import BUILDING, ERROR, READY
+from ..errors import OperationFailed, TemplateNotFound
+from ..model import BuildRequest, BuildStart
+from ..opcontext import Context
+from . import builds
+from . import files as template_files
+from . import lookup as templates
+from .names import lookup_name
+from .store import BUILDING, ERROR, READY
 
 log = logging.getLogger(__name__)
 

@@ -15,14 +15,15 @@ import contextlib
 import dataclasses
 import logging
 
-from . import catalog, snapshots
-from .context import Context
-from .errors import InvalidRequest, SnapshotNotFound, TemplateNotFound
-from .model import BuildInfo, TemplateInfo, TemplateTag
-from .records import ENVD_VERSION, GONE
-from .store import SnapshotRecord
-from .template_names import DEFAULT_TAG, TEAM, check_tag, lookup_name, parse_name
-from .template_store import BUILDING, READY, BuildRecord, TemplateRecord
+from .. import snapshots
+from ..errors import InvalidRequest, SnapshotNotFound, TemplateNotFound
+from ..model import BuildInfo, TemplateInfo, TemplateTag
+from ..opcontext import Context
+from ..records import ENVD_VERSION, GONE
+from ..store import SnapshotRecord
+from . import catalog
+from .names import DEFAULT_TAG, TEAM, check_tag, lookup_name, parse_name
+from .store import BUILDING, READY, BuildRecord, TemplateRecord
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import string
 import uuid
 from dataclasses import dataclass
 
-from .errors import InvalidRequest
+from ..errors import InvalidRequest
 
 TEAM = "aenv"                 # this node's one team (its namespace, `names` entries)
 DEFAULT_TAG = "default"

@@ -24,10 +24,8 @@ from collections.abc import Sequence
 
 from host.contract import BuildFailed, BuildSpec, BuildStep, MachineSpec, SnapshotRef
 
-from . import catalog, ids, lifecycle, template_files, templates
-from .build_log import BuildLogBuffer, page
-from .context import Context
-from .errors import (
+from .. import ids, lifecycle
+from ..errors import (
     AliasConflict,
     AliasTaken,
     BuildNotFound,
@@ -37,12 +35,17 @@ from .errors import (
     SnapshotNotFound,
     TemplateNotFound,
 )
-from .model import BuildLogLine, BuildRequest, BuildStart, BuildStatus, RequestedBuild
-from .records import ENVD_VERSION, ref_to_json, snapshot_ref
-from .store import SnapshotRecord
-from .template_names import TEAM, build_tags, is_files_hash, is_uuid, new_build_id, parse_name
-from .template_names import new_template_id as fresh_template_id
-from .template_store import ERROR, READY, WAITING, BuildRecord, LogRecord
+from ..model import BuildLogLine, BuildRequest, BuildStart, BuildStatus, RequestedBuild
+from ..opcontext import Context
+from ..records import ENVD_VERSION, ref_to_json, snapshot_ref
+from ..store import SnapshotRecord
+from . import catalog
+from . import files as template_files
+from . import lookup as templates
+from .build_log import BuildLogBuffer, page
+from .names import TEAM, build_tags, is_files_hash, is_uuid, new_build_id, parse_name
+from .names import new_template_id as fresh_template_id
+from .store import ERROR, READY, WAITING, BuildRecord, LogRecord
 
 log = logging.getLogger(__name__)
 

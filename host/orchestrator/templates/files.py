@@ -18,10 +18,10 @@ from collections.abc import AsyncIterable
 from pathlib import Path
 from typing import BinaryIO
 
-from . import templates
-from .context import Context
-from .errors import InvalidRequest, UploadTooLarge
-from .template_names import is_files_hash
+from ..errors import InvalidRequest, UploadTooLarge
+from ..opcontext import Context
+from . import lookup as templates
+from .names import is_files_hash
 
 _PARTIAL = ".upload-"
 _BATCH = 1 << 20  # bytes handed to the writer thread at a time

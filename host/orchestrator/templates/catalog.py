@@ -31,16 +31,9 @@ import logging
 from typing import Any
 from urllib.parse import quote
 
-from .context import Context
-from .store import SnapshotRecord
-from .template_store import (
-    IMPORTED,
-    READY,
-    BuildRecord,
-    TagRecord,
-    TemplateRecord,
-    all_imported,
-)
+from ..opcontext import Context
+from ..store import SnapshotRecord
+from .store import IMPORTED, READY, BuildRecord, TagRecord, TemplateRecord, all_imported
 
 log = logging.getLogger(__name__)
 

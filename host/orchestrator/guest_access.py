@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from host.contract import NetworkConfig
 
 from . import pausing
-from .context import Context
 from .errors import OperationFailed, StateConflict
 from .model import LogLine, Metric, Route, RunEnded
+from .opcontext import Context
 from .records import LIVE, network_from_json, network_to_json, placement_of
 from .states import SandboxState as S
 

@@ -1,8 +1,8 @@
 """`Context`: what the orchestrator's operation modules share.
 
 `NodeOrchestrator` (node.py) builds one and passes it to the functions of lifecycle.py,
-pausing.py, snapshots.py, forks.py, timeouts.py, guest.py, templates.py, builds.py and
-template_files.py. It holds the store (and its template tables), the runtime, the envd
+pausing.py, snapshots.py, forks.py, timeouts.py, guest_access.py and of templates/
+(lookup.py, builds.py, files.py, builtin.py). It holds the store (and its template tables), the runtime, the envd
 client, the clock and the settings, and the node-wide state every operation needs: the
 per-sandbox locks, the orchestrator's task spawner, the proxy's run events, and the
 running builds' logs and per-template queues. It owns no task and closes nothing: the
@@ -23,13 +23,13 @@ from host.contract import MachineSpec, NetworkConfig, SandboxRuntime, SnapshotRe
 from host.metrics import Metrics
 
 from .admission import HOLDS_VM, Admission
-from .build_log import BuildLogBuffer
 from .envd import EnvdClient
 from .errors import InvalidRequest, SandboxNotFound
 from .model import RunEnded, SandboxInfo
 from .records import GONE
 from .store import SandboxRecord, Store
-from .template_store import TemplateStore
+from .templates.build_log import BuildLogBuffer
+from .templates.store import TemplateStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -12,9 +12,9 @@ from typing import Any
 import click
 
 from .completion import sandbox_ids
-from .context import pairs, settings
 from .envd import shell_command
 from .errors import EXIT_GENERIC, CliError
+from .invocation import pairs, settings
 from .output import rfc3339
 from .progress import TransferProgress, is_terminal
 
@@ -60,7 +60,7 @@ def exec_command(ctx: click.Context, sandbox_id: str, command: tuple[str, ...], 
 
 def _terminal(ctx: click.Context, sandbox_id: str, command: str | None, user: str | None,
               cwd: str | None) -> None:
-    from .terminal import run_terminal  # termios: POSIX only, loaded when used
+    from .terminal import run_terminal
 
     envd = settings(ctx).envd(sandbox_id)
     try:
