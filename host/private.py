@@ -56,21 +56,30 @@ def tighten(path: str | os.PathLike[str], mode: int = FILE_MODE) -> None:
         pass
 
 
+def create_private(path: str | os.PathLike[str], data: bytes) -> bool:
+    """Create `path` as a 0600 file holding `data` unless it exists (its directory made
+    0700 if missing); False when it existed. O_EXCL: of two services starting at once,
+    one writes and both then read the same secret."""
+    path = Path(path)
+    if not path.parent.exists():
+        private_dir(path.parent)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return True
+
+
 def secret_file(path: str | os.PathLike[str], nbytes: int = 32) -> bytes:
-    """The secret kept in `path` as hex, made (0600, `nbytes` random bytes) on first use.
-    O_EXCL: two services starting at once end up with one secret."""
+    """The secret kept in `path` as hex, made (0600, `nbytes` random bytes) on first use."""
     path = Path(path)
     if not path.exists():
         private_dir(path.parent)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
-        except FileExistsError:
-            pass
-        else:
-            with os.fdopen(fd, "w") as f:
-                f.write(os.urandom(nbytes).hex() + "\n")
+        create_private(path, (os.urandom(nbytes).hex() + "\n").encode())
     return bytes.fromhex(path.read_text().strip())
 
 
-__all__ = ["DIR_MODE", "FILE_MODE", "FROZEN_MODE", "open_private", "private_dir", "secret_file",
-           "tighten"]
+__all__ = ["DIR_MODE", "FILE_MODE", "FROZEN_MODE", "create_private", "open_private", "private_dir",
+           "secret_file", "tighten", "write_private"]
