@@ -19,6 +19,14 @@
     AENV_FIRECRACKER --firecracker  firecracker       the Firecracker binary (name on PATH or path)
     AENV_JAILER      --jailer       auto              auto (jailer on PATH, as root) | off | path
     AENV_JAILER_UID / AENV_JAILER_GID  (0 / 0)        uid:gid a jailed Firecracker runs as
+    AENV_VM_JAIL     --vm-jail / --no-vm-jail  on     confine every VMM process (host/vmm/jail):
+                                                      its own uid, no capabilities, no_new_privs,
+                                                      seccomp, a private mount namespace and
+                                                      root, a cgroup with the sandbox's limits
+    AENV_VM_UID_RANGE --vm-uid-range 1879048192-1879113727   the uids (and gids) VMMs run as,
+                                                      one per VM; a block nothing else uses
+    AENV_VM_OVERHEAD_MIB --vm-overhead-mib 256        a VMM's memory on top of guest RAM in its
+                                                      cgroup's limit
     AENV_NETWORK     --network      auto              auto | netns | user (user-mode networking,
                                                       where netns is unavailable: guests get no
                                                       outbound network, only their envd port)
@@ -82,6 +90,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
+from host.vmm.jail.config import DEFAULT_UID_RANGE, JailConfig, parse_uid_range
+
 VMM_DRIVERS = ("auto", "qemu", "firecracker")
 NETWORK_MODES = ("auto", "netns", "user")
 LOG_FORMATS = ("text", "json")
@@ -127,6 +137,9 @@ class Config:
     warm_pool: int = 1
     keep_paused_s: float = 30.0
     ksm: bool = False
+    vm_jail: bool = True
+    vm_uid_range: str = DEFAULT_UID_RANGE
+    vm_overhead_mib: int = 256
     cluster_redis: str | None = None
     p2p: bool = False
     node_id: str | None = None
@@ -139,6 +152,12 @@ class Config:
     log_level: str = "info"
     log_format: str = "text"
     metrics: bool = True
+
+    def jail(self) -> JailConfig:
+        """The VMM jail's settings (host/vmm/jail)."""
+        first, count = parse_uid_range(self.vm_uid_range)
+        return JailConfig(enabled=self.vm_jail, uid_range=(first, count),
+                          overhead_mib=self.vm_overhead_mib)
 
     @property
     def db_path(self) -> Path:
@@ -226,6 +245,12 @@ def _parser() -> argparse.ArgumentParser:
                         "(0: never)")
     p.add_argument("--ksm", action=argparse.BooleanOptionalAction, default=None,
                    help="start ksmd and let it merge the VMs' identical pages")
+    p.add_argument("--vm-jail", action=argparse.BooleanOptionalAction, default=None,
+                   help="confine every VMM process (own uid, no capabilities, seccomp, "
+                        "private mount namespace, cgroup); default on")
+    p.add_argument("--vm-uid-range", help="FIRST-LAST: the uids VMMs run as, one per VM")
+    p.add_argument("--vm-overhead-mib", type=int,
+                   help="a VMM's memory on top of guest RAM in its cgroup's limit")
     p.add_argument("--cluster-redis", help="join the cluster whose store is this Redis URL")
     p.add_argument("--p2p", action=argparse.BooleanOptionalAction, default=None,
                    help="in a cluster: memory files from neighbours before the repository")
@@ -263,7 +288,8 @@ _ENV: dict[str, tuple[str, type]] = {
     "memory_reserve_mib": ("AENV_MEMORY_RESERVE_MIB", int),
     "memory_pressure_mib": ("AENV_MEMORY_PRESSURE_MIB", int),
     "warm_pool": ("AENV_WARM_POOL", int), "keep_paused_s": ("AENV_KEEP_PAUSED", float),
-    "ksm": ("AENV_KSM", bool),
+    "ksm": ("AENV_KSM", bool), "vm_jail": ("AENV_VM_JAIL", bool),
+    "vm_uid_range": ("AENV_VM_UID_RANGE", str), "vm_overhead_mib": ("AENV_VM_OVERHEAD_MIB", int),
     "cluster_redis": ("AENV_CLUSTER_REDIS", str), "p2p": ("AENV_P2P", bool), "node_id": ("AENV_NODE_ID", str),
     "advertise_url": ("AENV_ADVERTISE_URL", str),
     "advertise_proxy_url": ("AENV_ADVERTISE_PROXY_URL", str),
@@ -311,6 +337,12 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("firecracker must name a binary")
     if cfg.jailer_uid < 0 or cfg.jailer_gid < 0:
         raise ConfigError("jailer_uid and jailer_gid must be >= 0")
+    try:
+        parse_uid_range(cfg.vm_uid_range)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.vm_overhead_mib < 32:
+        raise ConfigError(f"vm_overhead_mib must be at least 32, got {cfg.vm_overhead_mib}")
     if cfg.log_format not in LOG_FORMATS:
         raise ConfigError(f"log_format must be one of {LOG_FORMATS}, got {cfg.log_format!r}")
     if cfg.network not in NETWORK_MODES:

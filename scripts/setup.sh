@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(
-  qemu-system-x86 qemu-utils            # VMM, qemu-io / qemu-img / qemu-storage-daemon
+  qemu-utils                            # qemu-io / qemu-img / qemu-storage-daemon
   debootstrap e2fsprogs erofs-utils     # rootfs layers
   linux-source-6.12 build-essential flex bison bc libelf-dev libssl-dev dwarves  # guest kernel
   python3.11-venv python3.11-dev patchelf scons  # frozen envd (PyInstaller + staticx, Debian python)
@@ -34,6 +34,26 @@ if [ "${#missing[@]}" -gt 0 ]; then
   echo "setup: apt-get install ${missing[*]}"
   apt-get update -q
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}"
+fi
+
+# QEMU 10 from bookworm-backports (same Debian mirror): the VM jail runs QEMU unprivileged,
+# which needs `memory-backend-file,readonly=on,rom=off` (8.2+) to map a shared base memory
+# file copy-on-write without opening it for writing; bookworm's own QEMU is 7.2.
+QEMU_MIN_MAJOR=10
+qemu_major() { qemu-system-x86_64 --version 2>/dev/null | sed -n 's/.*version \([0-9]*\)\..*/\1/p' | head -1; }
+if [ "$(qemu_major || true)" != "" ] && [ "$(qemu_major)" -ge "$QEMU_MIN_MAJOR" ]; then
+  :
+else
+  src=/etc/apt/sources.list.d/aenv-backports.sources
+  if ! grep -rqs "bookworm-backports" /etc/apt/sources.list /etc/apt/sources.list.d/; then
+    uri=$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)
+    echo "setup: adding bookworm-backports (${uri:-http://deb.debian.org/debian}) for QEMU $QEMU_MIN_MAJOR"
+    printf 'Types: deb\nURIs: %s\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+      "${uri:-http://deb.debian.org/debian}" > "$src"
+  fi
+  echo "setup: apt-get install -t bookworm-backports qemu-system-x86 qemu-utils"
+  apt-get update -q
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q -t bookworm-backports qemu-system-x86 qemu-utils
 fi
 
 if [ ! -x .venv/bin/python ]; then

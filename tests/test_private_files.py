@@ -97,4 +97,4 @@ def test_frozen_memory_base(tmp_path: Path) -> None:
     d.mkdir()
     (d / "base.dev").write_bytes(b"devices")
     base = install_base(d, ram, d / "base.dev", t0=time.perf_counter())
-    assert mode(base.mem_path) == 0o400
+    assert mode(base.mem_path) == 0o444

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from host.storage.control import CONTROL_SOCKET, NBD_SOCKET, BlockServerClient
+from host.storage.control import CONTROL_SOCKET, NBD_SOCKET, BlockServerClient, own_socket
 from host.storage.errors import StorageError
 
 from .config import RuntimeConfig
@@ -36,6 +36,10 @@ class BlockServerHandle:
         self.log_file = config.state_dir / "blockserver.log"
         self.client = BlockServerClient(self.control_socket)
         self.started_here = False
+
+    def export_socket(self, stack: str) -> Path:
+        """The socket serving `stack` alone: what a (jailed) VMM of that stack connects to."""
+        return own_socket(self.socket_dir, stack)
 
     async def ping(self) -> bool:
         try:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from host.vmm.jail import JailConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +49,8 @@ class RuntimeConfig:
     jailer_gid: int = 0
     vms_survive_service: bool = True
     ksm: bool = False  # ksmd merges VMs' identical pages (host.hostmem.KsmSwitch)
+    # every VMM confined (host/vmm/jail); JailConfig(enabled=False) runs them as root
+    jail: JailConfig = field(default_factory=JailConfig)
     p2p: bool = False  # the block server reads layers from neighbours first (peers_file)
     max_chain: int = 8  # memory diff chain length before a pause writes a cumulative diff
     envd_timeout_s: float = 60.0  # restore -> envd /health

@@ -60,7 +60,7 @@ def make_driver(cfg: RuntimeConfig) -> VmmDriver:
     kw: dict[str, Any] = {"run_dir": cfg.vms_dir, "die_with_parent": not cfg.vms_survive_service,
                           "qemu": cfg.qemu, "firecracker": cfg.firecracker,
                           "jailer": cfg.jailer, "jailer_uid": cfg.jailer_uid,
-                          "jailer_gid": cfg.jailer_gid, "ksm": cfg.ksm}
+                          "jailer_gid": cfg.jailer_gid, "ksm": cfg.ksm, "jail": cfg.jail}
     try:
         return pick_driver(None if cfg.vmm == "auto" else cfg.vmm, **kw)
     except VmmError as exc:
@@ -120,7 +120,7 @@ class Machines:
         """The VM of manifest-like `m` (kernel, cmdline, machine): its root disk is
         `stack`, then one disk per `extra_stacks` (/dev/vdb, ...)."""
         machine = m["machine"]
-        disks = tuple(NbdDisk(socket=self.block.nbd_socket, export=s)
+        disks = tuple(NbdDisk(socket=self.block.export_socket(s), export=s)
                       for s in (stack, *extra_stacks))
         return VmSpec(kernel=Path(m["kernel"]), cmdline=m["cmdline"],
                       vcpus=int(machine["cpu_count"]), mem_mib=int(machine["memory_mb"]),

@@ -3,8 +3,10 @@
     python -m host.storage.blockserver --socket-dir DIR --state-dir DIR [--repo SPEC]
         [--cache-dir DIR --cache-mib N]
 
-Sockets: DIR/nbd.sock (all exports; the export name is the stack name) and
-DIR/control.sock (JSON control API, see control.py). State dir:
+Sockets: DIR/nbd.sock (all exports; the export name is the stack name; root's only),
+DIR/x/<stack>/nbd.sock (that stack's export alone, for the VM that runs on it: the VM's jail
+exposes this directory and nothing else of the block server, so a VMM cannot ask for
+another sandbox's disk) and DIR/control.sock (JSON control API, see control.py). State dir:
 
     layers/<hex>.lsmt        sealed layers made or imported on this node
     uppers/<id>/             writable uppers (data.lsmt + index.lsmt journal)
@@ -34,7 +36,7 @@ from typing import Any
 
 from .blob import Blob, FileBlob
 from .cache import ChunkCache
-from .control import CONTROL_SOCKET, NBD_SOCKET, StackInfo, error_reply
+from .control import CONTROL_SOCKET, NBD_SOCKET, StackInfo, error_reply, own_socket
 from .errors import LayerNotFoundError, StackExistsError, StackNotFoundError, StorageError
 from .lsmt import SealedLayer, Upper, digest_of_file
 from .nbd import NbdServer, Piece
@@ -147,10 +149,23 @@ class BlockServer:
         self._stacks: dict[str, StackExport] = {}
         self._ops_lock = asyncio.Lock()  # control operations run one at a time
         self._nbd = NbdServer(self.nbd_socket, self._lookup, lambda: sorted(self._stacks))
+        self._own: dict[str, NbdServer] = {}  # stack -> the server of its own socket
         self._control: asyncio.Server | None = None
 
     def _lookup(self, name: str) -> StackExport | None:
         return self._stacks.get(name)
+
+    async def _serve_own(self, name: str) -> None:
+        """Listen on the stack's own socket. Its directory is kept across restarts (a
+        jail binds the directory, so a restarted server's new socket is seen inside);
+        the socket is 0666 inside a 0700 directory that the jail hands to the VM's uid."""
+        path = own_socket(self.socket_dir, name)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        server = NbdServer(path, lambda n, name=name: self._stacks.get(n) if n == name else None,
+                           lambda name=name: [name] if name in self._stacks else [])
+        await server.start()
+        os.chmod(path, 0o666)
+        self._own[name] = server
 
     # --- lifecycle ---
     async def start(self) -> None:
@@ -159,6 +174,8 @@ class BlockServer:
         self.socket_dir.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(self._recover)
         await self._nbd.start()
+        for name in sorted(self._stacks):
+            await self._serve_own(name)
         with contextlib.suppress(FileNotFoundError):
             self.control_socket.unlink()
         self._control = await asyncio.start_unix_server(self._handle_control,
@@ -173,6 +190,9 @@ class BlockServer:
             with contextlib.suppress(FileNotFoundError):
                 self.control_socket.unlink()
         await self._nbd.aclose()
+        for server in self._own.values():
+            await server.aclose()
+        self._own.clear()
         for exp in self._stacks.values():
             with contextlib.suppress(OSError):
                 exp.stack.flush()
@@ -313,6 +333,7 @@ class BlockServer:
             exp = StackExport(Stack(name, opened, upper), upper_id)
             await asyncio.to_thread(self._save, exp)
             self._stacks[name] = exp
+            await self._serve_own(name)
             return exp.info(self.nbd_socket)
 
     async def _seal_locked(self, exp: StackExport, user_tag: str) -> str:
@@ -364,6 +385,7 @@ class BlockServer:
                 exp = StackExport(src.stack.fork(name, upper), upper_id)
             await asyncio.to_thread(self._save, exp)
             self._stacks[name] = exp
+            await self._serve_own(name)
         if upload and digest:
             await self.push(digest)
         return exp.info(self.nbd_socket)
@@ -373,6 +395,10 @@ class BlockServer:
             exp = self._get(name)
             del self._stacks[name]
             await self._nbd.disconnect(name)
+            own = self._own.pop(name, None)
+            if own is not None:
+                await own.aclose()
+            await asyncio.to_thread(shutil.rmtree, own_socket(self.socket_dir, name).parent, True)
             async with exp.lock:
                 exp.stack.close()
                 (self.state_dir / "stacks" / f"{name}.json").unlink(missing_ok=True)

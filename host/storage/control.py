@@ -11,6 +11,7 @@ host.storage.errors come back as those classes; anything else as ControlError.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import socket
 from dataclasses import dataclass
@@ -22,6 +23,13 @@ from .errors import ControlError, StorageError
 
 NBD_SOCKET = "nbd.sock"
 CONTROL_SOCKET = "control.sock"
+_OWN_NAME_MAX = 40  # longer stack names are hashed: a unix socket path has 107 bytes
+
+
+def own_socket(socket_dir: Path, stack: str) -> Path:
+    """The socket that serves `stack` alone (`<socket dir>/x/<stack>/nbd.sock`)."""
+    key = stack if len(stack) <= _OWN_NAME_MAX else hashlib.sha256(stack.encode()).hexdigest()[:32]
+    return socket_dir / "x" / key / NBD_SOCKET
 
 
 @dataclass(frozen=True)

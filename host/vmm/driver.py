@@ -46,6 +46,8 @@ class FileDisk:
     # Optional virtio-blk serial (visible in the guest at /sys/block/vdX/serial), lets an
     # init find a layer by name instead of by probe order.
     serial: str | None = None
+    # the file a qcow2 overlay reads through (QEMU opens it too: a jail exposes it)
+    backing: Path | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -81,7 +81,7 @@ class GuestImage:
                 from exc
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise VmmError(f"qemu-img create {dest} failed: {exc}") from exc
-        return FileDisk(path=dest, format="qcow2")
+        return FileDisk(path=dest, format="qcow2", backing=self.rootfs)
 
     def vm_spec(self, *, root: Disk, **kw: Any) -> VmSpec:
         """A `VmSpec` booting this image from `root` (e.g. `overlay()`, or an NBD export

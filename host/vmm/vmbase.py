@@ -16,7 +16,9 @@ import os
 import re
 import shlex
 import shutil
+import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, Generic, Protocol, Self, TypeVar
 
@@ -248,15 +250,18 @@ class VmBase:
             raise VmmStartError(f"work dir path too long for a unix socket: {self._work_dir}")
 
     async def _exec(self, *, stdout: int | IO[bytes], stderr: IO[bytes],
-                    cwd: Path | None = None) -> None:
-        """Spawn `argv` in a new session (killed with us if the driver says so)."""
+                    cwd: Path | None = None, preexec_fn: Callable[[], None] | None = None,
+                    pass_fds: tuple[int, ...] = ()) -> None:
+        """Spawn `argv` in a new session (killed with us if the driver says so; a jail's
+        `preexec_fn` sets that up itself, after its change of uid clears it)."""
         loop = asyncio.get_running_loop()
+        if preexec_fn is None and self._driver.die_with_parent:
+            preexec_fn = procs.die_with_parent
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=stdout, stderr=stderr,
-                start_new_session=True, cwd=cwd,
-                preexec_fn=procs.die_with_parent if self._driver.die_with_parent else None)
-        except OSError as exc:
+                start_new_session=True, cwd=cwd, preexec_fn=preexec_fn, pass_fds=pass_fds)
+        except (OSError, subprocess.SubprocessError) as exc:
             raise VmmStartError(f"{self._spec.name}: cannot run {self.argv[0]}: {exc}") \
                 from exc
         self.started_at = loop.time()
@@ -382,6 +387,7 @@ class VmBase:
         self.argv = list(facts.get("argv", []))
         pid, started = int(facts["pid"]), facts.get("pid_start")
         if started is None or procs.start_time(pid) != started:
+            await self._release_host()
             self._remove_files()
             self._state = VmState.KILLED
             return False

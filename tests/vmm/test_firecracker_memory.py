@@ -92,7 +92,7 @@ async def test_freeze_memory_writes_a_memsnap_base(fake_fc: FakeFc, mspec: VmSpe
     assert BaseImage.load(base.dir) == base
     manifest = json.loads((base.dir / "base.json").read_text())
     assert manifest["template"] == "base.vmstate" and manifest["vmm"] == "firecracker"
-    assert base.size == 16 << 20 and base.mem_path.stat().st_mode & 0o777 == 0o400
+    assert base.size == 16 << 20 and base.mem_path.stat().st_mode & 0o777 == 0o444
     assert pages_of(base.mem_path) == {**BOOT, 5: fill(0xAA), 9: fill(0xBB)}
     assert base.mem_path.stat().st_blocks * 512 < base.size  # zeros left as holes
     assert sorted(p.name for p in base.dir.iterdir()) == ["base.json", "base.mem",
@@ -173,7 +173,7 @@ async def test_guest_memory_and_work_dirs_are_root_only(fake_fc: FakeFc, mspec: 
     try:
         driver = fake_fc.driver()
         base = await frozen_base(fake_fc, driver, mspec, tmp_path / "base")
-        assert stat.S_IMODE(base.mem_path.stat().st_mode) == 0o400
+        assert stat.S_IMODE(base.mem_path.stat().st_mode) == 0o444
         async with await driver.restore_memory(child_spec(mspec, base), base=base) as vm:
             assert stat.S_IMODE(vm.work_dir.stat().st_mode) == 0o700
             fake_fc.guest_writes({9: 0xCC})

@@ -25,7 +25,9 @@ from .errors import CorruptSnapshotError, MemSnapError, SnapshotMismatchError
 
 # Guest RAM is root's only: copies 0600, frozen bases read-only 0400.
 PRIVATE_MODE = 0o600
-FROZEN_MODE = 0o400
+# read by every VM of the family, jailed ones too (each as its own uid); the state dir
+# above it is root's only
+FROZEN_MODE = 0o444
 
 BASE_MANIFEST = "base.json"
 _CHUNK = 1 << 20

@@ -6,15 +6,25 @@ with ``-incoming`` QEMU never re-runs ``rom_reset``, so those would stay zero. T
 splice the RAM sections of a *template* stream (``migrate`` with ``x-ignore-shared`` from the
 share=on base VM: only the ROM blocks' pages are in it) in front of the xen device sections.
 
-QEMU 7.2 stream layout, with ``-global migration.send-configuration=off``::
+Stream layout (QEMU 7.2 and 10)::
 
-    "QEVM" be32 3 | RAM sections | device FULL sections | EOF 0x00 | VMDESC 0x06 be32 len json
+    "QEVM" be32 3 | [configuration] | RAM sections | device FULL sections | EOF 0x00 |
+    VMDESC 0x06 be32 len json
 
+The configuration section (0x07, be32 len + machine type, then subsections 0x05: u8 len
+idstr, be32 version, fields) is kept from the template: the loading VM checks it (machine
+type, migration capabilities such as x-ignore-shared). QEMU 10.0 aborts when asked to
+save with `migration.send-configuration=off`, so every stream carries one now.
 Section headers: START 0x01 / FULL 0x04: be32 id, u8 len, idstr, be32 instance, be32 version;
+COMMAND 0x08: be16 command, be16 length, data;
 PART 0x02 / END 0x03: be32 id; each followed by its data and the footer 0x7e be32 id. RAM
 section data are records ``be64 addr|flags``: MEM_SIZE 0x04 (+ block list: u8 len, idstr, be64
 length, be64 addr with x-ignore-shared), ZERO 0x02 (+ [idstr] u8 fill), PAGE 0x08 (+ [idstr]
 4096 bytes), CONTINUE 0x20 (no idstr), EOS 0x10 ends the section.
+
+Files go to and from QEMU as file descriptors the host opened (`add-fd` / `getfd`), never
+through a path QEMU opens or a helper it spawns: a jailed QEMU sees neither the snapshot
+directories nor a shell (`-sandbox spawn=deny`).
 """
 
 from __future__ import annotations
@@ -23,10 +33,11 @@ import asyncio
 import contextlib
 import json
 import os
-import shlex
 import struct
 import tempfile
 import time
+import weakref
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +52,8 @@ SECTION_END = 0x03
 SECTION_FULL = 0x04
 VMDESC = 0x06
 CONFIGURATION = 0x07
+SUBSECTION = 0x05
+COMMAND = 0x08
 FOOTER = 0x7E
 
 RAM_FULL = 0x01
@@ -69,6 +82,11 @@ class _Reader:
         self.pos += 1
         return self.buf[self.pos - 1]
 
+    def be16(self) -> int:
+        self.need(2)
+        self.pos += 2
+        return int(struct.unpack_from(">H", self.buf, self.pos - 2)[0])
+
     def be32(self) -> int:
         self.need(4)
         self.pos += 4
@@ -92,10 +110,26 @@ def _check_header(r: _Reader) -> None:
     if v != QEVM_VERSION:
         raise UnsupportedStreamError(f"{r.name}: migration stream version {v}, expected {QEVM_VERSION}")
     if r.pos < len(r.buf) and r.buf[r.pos] == CONFIGURATION:
-        raise UnsupportedStreamError(
-            f"{r.name} has a configuration section: run every VM of the family with "
-            "-global migration.send-configuration=off"
-        )
+        _skip_configuration(r)
+
+
+def _skip_configuration(r: _Reader) -> None:
+    """Skip the configuration section and its subsections (vmstate_configuration)."""
+    r.u8()
+    r.take(r.be32())  # machine type
+    while r.pos < len(r.buf) and r.buf[r.pos] == SUBSECTION:
+        r.u8()
+        idstr = r.take(r.u8())
+        r.be32()  # version
+        if idstr == b"configuration/capabilities":
+            for _ in range(r.be32()):
+                r.take(r.u8())
+        elif idstr == b"configuration/target-page-bits":
+            r.be32()
+        elif idstr == b"configuration/uuid":
+            r.take(16)
+        else:
+            raise UnsupportedStreamError(f"{r.name}: unknown configuration subsection {idstr!r}")
 
 
 def _ram_section_data(r: _Reader) -> None:
@@ -162,6 +196,12 @@ def parse_ram_prefix(stream: bytes, *, name: str = "template") -> int:
                 raise UnsupportedStreamError(f"{name}: PART/END of unknown section {sid}")
             _ram_section_data(r)
             _section_footer(r, sid)
+        elif kind == COMMAND:
+            # QEMU 10 sends MIG_CMD_SWITCHOVER_START between the RAM passes: kept with
+            # them (the loading side only takes note of it)
+            r.u8()
+            r.be16()
+            r.take(r.be16())
         elif kind == EOF_:
             if not ram_ids:
                 raise CorruptSnapshotError(f"{name}: no RAM section in the template")
@@ -230,9 +270,58 @@ async def qmp_execute(qmp: Any, cmd: str, args: dict[str, object] | None = None)
         raise MemSnapError(f"QMP {cmd} failed: {type(exc).__name__}: {exc}") from exc
 
 
+async def qemu_major(qmp: Any) -> int:
+    """QEMU's major version (asked once per connection)."""
+    cached = _MAJOR.get(qmp)
+    if cached is None:
+        info = await qmp_execute(qmp, "query-version")
+        cached = _MAJOR[qmp] = int(info["qemu"]["major"])
+    return cached
+
+
+_MAJOR: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+@contextlib.asynccontextmanager
+async def fd_path(qmp: Any, fd: int, *, what: str) -> AsyncIterator[str]:
+    """Lend QEMU `fd` (the caller keeps and closes its own copy) as a file-descriptor set;
+    yields the path QEMU opens it by (`/dev/fdset/N`). The set is removed afterwards."""
+    qmp.send_fd_scm(fd)
+    info = await qmp_execute(qmp, "add-fd", {"opaque": what})
+    fdset = int(info["fdset-id"])
+    try:
+        yield f"/dev/fdset/{fdset}"
+    finally:
+        with contextlib.suppress(MemSnapError):
+            await qmp_execute(qmp, "remove-fd", {"fdset-id": fdset})
+
+
+@contextlib.asynccontextmanager
+async def migration_uri(qmp: Any, fd: int, *, what: str) -> AsyncIterator[str]:
+    """A `migrate` / `migrate-incoming` URI over `fd`: `file:/dev/fdset/N` where QEMU has
+    it (9.0+; `fd:` on a regular file is deprecated there), else `fd:NAME` (`getfd`)."""
+    if await qemu_major(qmp) >= 9:
+        async with fd_path(qmp, fd, what=what) as path:
+            yield f"file:{path}"
+        return
+    qmp.send_fd_scm(fd)
+    await qmp_execute(qmp, "getfd", {"fdname": "aenv-migration"})
+    try:
+        yield "fd:aenv-migration"
+    finally:
+        with contextlib.suppress(MemSnapError):
+            await qmp_execute(qmp, "closefd", {"fdname": "aenv-migration"})
+
+
 async def save_device_state(qmp: Any, path: str | os.PathLike[str]) -> None:
-    """``xen-save-devices-state`` of a stopped VM to ``path`` (CPU + devices, no RAM)."""
-    await qmp_execute(qmp, "xen-save-devices-state", {"filename": os.fspath(path), "live": False})
+    """``xen-save-devices-state`` of a stopped VM to ``path`` (CPU + devices, no RAM),
+    written through a descriptor opened here."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        async with fd_path(qmp, fd, what="device state") as qpath:
+            await qmp_execute(qmp, "xen-save-devices-state", {"filename": qpath, "live": False})
+    finally:
+        os.close(fd)
 
 
 async def enable_ignore_shared(qmp: Any) -> None:
@@ -266,28 +355,40 @@ async def save_template(qmp: Any, path: str | os.PathLike[str], *, timeout_s: fl
 
 async def migrate_to_file(qmp: Any, path: str | os.PathLike[str], *, timeout_s: float,
                           what: str) -> None:
-    """`migrate` into `path` through an `exec:` helper. QEMU reports the migration
-    completed once it has written the stream into the helper's pipe, while `cat` may
-    still be writing the file: the helper renames `path.part` to `path` when done, and
-    only then is the file complete."""
+    """`migrate` into `path.part` through a descriptor opened here; renamed to `path` once
+    QEMU reports the migration completed (it has written everything into the file)."""
     dest = os.fspath(path)
     part = dest + ".part"
     with contextlib.suppress(FileNotFoundError):
         os.unlink(dest)
-    uri = f"exec:cat > {shlex.quote(part)} && mv {shlex.quote(part)} {shlex.quote(dest)}"
-    await qmp_execute(qmp, "migrate", {"uri": uri})
-    await wait_migration(qmp, timeout_s=timeout_s, what=what)
-    deadline = time.monotonic() + timeout_s
-    while not os.path.exists(dest):
-        if time.monotonic() > deadline:
-            raise MemSnapError(f"{what}: {dest} was not written within {timeout_s} s")
-        await asyncio.sleep(0.002)
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        async with migration_uri(qmp, fd, what=what) as uri:
+            await qmp_execute(qmp, "migrate", {"uri": uri})
+            await wait_migration(qmp, timeout_s=timeout_s, what=what)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(part)
+        raise
+    finally:
+        os.close(fd)
+    os.rename(part, dest)
 
 
 async def load_device_state(qmp: Any, path: str | os.PathLike[str], *, timeout_s: float = 60.0) -> None:
-    """``migrate-incoming exec:cat FILE`` into a ``-incoming defer`` VM; wait until loaded."""
+    """``migrate-incoming`` FILE (as a descriptor) into a ``-incoming defer`` VM; wait
+    until loaded."""
     await enable_ignore_shared(qmp)
-    await qmp_execute(qmp, "migrate-incoming", {"uri": "exec:cat " + shlex.quote(os.fspath(path))})
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        async with migration_uri(qmp, fd, what="incoming state") as uri:
+            await qmp_execute(qmp, "migrate-incoming", {"uri": uri})
+            await _wait_loaded(qmp, path, timeout_s=timeout_s)
+    finally:
+        os.close(fd)
+
+
+async def _wait_loaded(qmp: Any, path: str | os.PathLike[str], *, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     delay = 0.001
     while True:

@@ -76,6 +76,9 @@ def cpu_model(accel: str) -> str:
     return "max" if accel == "tcg" else "host"
 
 
+# QEMU's seccomp filter in every jailed VM: no obsolete calls, no set*id, no fork/exec
+# (files reach QEMU as descriptors), no scheduler, affinity or priority changes
+SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 NBD_RECONNECT_DELAY_S = 60
 # TCG's translated-code buffer. QEMU 7.2 reserves 1 GiB and madvises it for huge pages:
 # a guest that ran a few commands kept 536 MiB of it resident (2 MiB pages, each touched
@@ -121,9 +124,16 @@ def build_argv(
     qemu: str = "qemu-system-x86_64",
     tcg_tb_mib: int = TCG_TB_MIB,
     merge: bool = False,
+    jailed: bool = False,
+    tap_fd: int | None = None,
+    readonly_private_ram: bool = False,
 ) -> list[str]:
-    """The full argv (including an `ip netns exec` prefix for a TAP in a netns).
-    `merge`: guest RAM may be merged by KSM (`--ksm`).
+    """The full argv (including an `ip netns exec` prefix for a TAP in a netns, unless
+    the jail puts QEMU in the namespace and hands it the TAP as `tap_fd`).
+    `merge`: guest RAM may be merged by KSM (`--ksm`). `jailed`: QEMU's seccomp filter
+    (`-sandbox`), the half of the jail QEMU installs itself. `readonly_private_ram`
+    (QEMU 8.2+): a share=off memory file is opened read-only and mapped copy-on-write
+    (`readonly=on,rom=off`), so QEMU needs no write access to a base file it shares.
 
     `host_port` is the concrete host port for `UserNet` (the driver picks it when the spec
     leaves it open). `incoming=True` starts QEMU waiting for `migrate-incoming` (restore).
@@ -140,13 +150,13 @@ def build_argv(
         "-smp", str(spec.vcpus),
         "-m", f"{spec.mem_mib}M",
         "-nodefaults", "-no-user-config", "-no-reboot", "-display", "none",
-        "-chardev", f"file,id=ser0,path={qopt(files.serial_log)}",
+        # append: the host may truncate the log when it rotates it (VmBase.rotate_serial)
+        "-chardev", f"file,id=ser0,path={qopt(files.serial_log)},append=on",
         "-serial", "chardev:ser0",
         "-qmp", f"unix:{qopt(files.qmp_socket)},server=on,wait=off",
-        # Every VM is started the same way so a saved state can be restored into any of
-        # them, including device-state-only streams that carry no configuration section.
-        "-global", "migration.send-configuration=off",
     ]
+    if jailed:
+        argv += ["-sandbox", SANDBOX]
     if spec.kernel is not None:
         argv += ["-kernel", str(spec.kernel),
                  "-append", guest_cmdline(spec.cmdline, accel=accel, tsc_khz=tsc_khz)]
@@ -157,8 +167,9 @@ def build_argv(
         # merge=on (--ksm): ksmd may merge the pages a guest copied on write with other
         # guests' identical ones; they stay anonymous, so memory diffs (memsnap) see the
         # same private pages either way
+        ro = ",readonly=on,rom=off" if readonly_private_ram and not spec.memory.shared else ""
         argv += ["-object", (f"memory-backend-file,id=mem0,size={spec.mem_mib}M,"
-                             f"mem-path={qopt(spec.memory.path)},share={share},"
+                             f"mem-path={qopt(spec.memory.path)},share={share}{ro},"
                              f"merge={'on' if merge else 'off'}")]
     for i, disk in enumerate(spec.disks):
         argv += _disk_args(i, disk)
@@ -171,9 +182,10 @@ def build_argv(
         argv += ["-netdev", f"user,id=net0{restrict},hostfwd={fwd}",
                  "-device", f"virtio-net-device,netdev=net0,mac={net.mac}"]
     elif isinstance(net, TapNet):
-        argv += ["-netdev", f"tap,id=net0,ifname={qopt(net.tap)},script=no,downscript=no",
-                 "-device", f"virtio-net-device,netdev=net0,mac={net.mac}"]
-        if net.netns:
+        tap = (f"tap,id=net0,fd={tap_fd}" if tap_fd is not None
+               else f"tap,id=net0,ifname={qopt(net.tap)},script=no,downscript=no")
+        argv += ["-netdev", tap, "-device", f"virtio-net-device,netdev=net0,mac={net.mac}"]
+        if net.netns and tap_fd is None:
             argv = ["ip", "netns", "exec", net.netns, *argv]
     if incoming:
         # -S: a restored guest stays stopped until told to run (memsnap injects pages
@@ -206,8 +218,8 @@ def config_digest(spec: VmSpec, *, accel: str, tsc_khz: int | None, qemu: str,
             # host-side block options: no part of what a restore must match
             a = ",".join(p for p in a.split(",") if not p.startswith((
                 "file.export=", "file.server.path=", "file.reconnect-delay=")))
-        if a.startswith("user,id=net0"):
-            a = "user,id=net0"
+        if a.startswith(("user,id=net0", "tap,id=net0")):
+            a = a.split(",", 2)[0] + ",id=net0"  # how the host end is made
         if a.startswith("tcg,"):
             a = "tcg"  # the code buffer's size is the host's business
         out.append(a)

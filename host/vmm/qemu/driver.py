@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
-import shlex
+import re
 import shutil
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,9 +23,13 @@ from qemu.qmp import ExecuteError, QMPClient, QMPError
 from .. import proc as procs
 from .. import procscan
 from ..accel import DEFAULT_QEMU, detect_accel, host_tsc_khz
-from ..driver import BootTimeouts, TapNet, UserNet, VmSpec, VmState
+from ..driver import BootTimeouts, NbdDisk, TapNet, UserNet, VmSpec, VmState
 from ..errors import VmmError, VmmStartError, VmmStateError, VmmTimeout
 from ..identity import VmmIdentity, binary_version, host_cpu_model
+from ..jail import Bind, Jail, JailConfig, UidPool
+from ..jail import forget as forget_jail
+from ..memsnap import MemSnapError
+from ..memsnap.devstate import migration_uri
 from . import memory as qemu_memory
 from .cmdline import TCG_TB_MIB, QemuRunFiles, build_argv, config_digest, cpu_model
 
@@ -59,10 +63,14 @@ class QemuDriver(DriverBase["QemuVm"]):
         die_with_parent: bool = True,
         tcg_tb_mib: int | None = None,
         ksm: bool = False,
+        jail: JailConfig | None = None,
     ) -> None:
         super().__init__(run_dir=run_dir or default_run_dir(), die_with_parent=die_with_parent)
         self.qemu = qemu
         self.ksm = ksm  # VMs' memory may be merged by ksmd (`--ksm`)
+        # every VM confined (host/vmm/jail) when given and enabled
+        self.jail = jail if jail is not None and jail.enabled else None
+        self.uids = UidPool(*self.jail.uid_range) if self.jail is not None else None
         self._accel = accel
         # $AENV_TCG_TB_MIB: the TCG code buffer per VM (0: QEMU's default, 1 GiB)
         self.tcg_tb_mib = (tcg_tb_mib if tcg_tb_mib is not None
@@ -75,6 +83,29 @@ class QemuDriver(DriverBase["QemuVm"]):
 
     def _new_vm(self, spec: VmSpec, timeouts: BootTimeouts | None) -> QemuVm:
         return QemuVm(self, spec, timeouts or BootTimeouts())
+
+    def version(self) -> tuple[int, int]:
+        """(major, minor) of the QEMU binary (cached per binary file)."""
+        m = re.search(r"version (\d+)\.(\d+)", binary_version(self.qemu))
+        return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+    def readonly_private_ram(self) -> bool:
+        """QEMU 8.2+ opens a share=off memory file read-only (`readonly=on,rom=off`); older
+        releases open it read-write even when they map it copy-on-write."""
+        return self.version() >= (8, 2)
+
+    def new_jail(self, name: str) -> Jail | None:
+        if self.jail is None:
+            return None
+        assert self.uids is not None
+        if not self.readonly_private_ram():
+            major, minor = self.version()
+            raise VmmStartError(
+                f"{name}: the VM jail needs QEMU 8.2 or later ({self.qemu} is {major}.{minor}):"
+                " an unprivileged QEMU cannot open a shared memory file read-write. Run"
+                " `make setup` (QEMU 10 from bookworm-backports) or turn the jail off"
+                " (--vm-jail off)")
+        return Jail(self.jail, self.uids, name=name)
 
     async def restore(
         self, spec: VmSpec, state: Path, *, timeouts: BootTimeouts | None = None,
@@ -114,6 +145,7 @@ class QemuDriver(DriverBase["QemuVm"]):
                 gone = await procs.terminate(procs.AdoptedProcess(pid, started), grace_s=2.0)
                 if not gone:
                     raise VmmError(f"QEMU pid {pid} survived SIGKILL")
+        await asyncio.to_thread(forget_jail, work_dir)
         await asyncio.to_thread(shutil.rmtree, work_dir, True)
 
 
@@ -132,6 +164,7 @@ class QemuVm(VmBase):
         self.qmp_ready_s: float | None = None  # spawn -> QMP negotiated
         self.restore_stats: dict[str, float] = {}
         self._config_sha256: str | None = None  # adopted VMs: from their facts
+        self._jail: Jail | None = None
 
     # -- properties -----------------------------------------------------------------
 
@@ -206,14 +239,24 @@ class QemuVm(VmBase):
         taken between our pick and QEMU's bind."""
         net = self._spec.network
         assert self.accel is not None
+        self._jail = self._driver.new_jail(self._spec.name)
+        if self._jail is not None:
+            self._jail.prepare(
+                work_dir=self.work_dir, binds=await asyncio.to_thread(self._jail_binds),
+                vcpus=self._spec.vcpus, mem_mib=self._spec.mem_mib,
+                netns=net.netns if isinstance(net, TapNet) else None,
+                tap=net.tap if isinstance(net, TapNet) else None, kvm=self.accel == "kvm",
+                die_with_parent=self._driver.die_with_parent)
         for attempt in range(1, _PORT_ATTEMPTS + 1):
             if isinstance(net, UserNet):
                 self._host_port = net.host_port or procs.free_port(net.host_addr)
             self.argv = build_argv(self._spec, files=self.files, accel=self.accel,
                                    tsc_khz=tsc_khz, host_port=self._host_port,
-                                   incoming=incoming, qemu=self._driver.qemu,
+                                   incoming=incoming, qemu=self._qemu_path(),
                                    tcg_tb_mib=self._driver.tcg_tb_mib,
-                                   merge=self._driver.ksm)
+                                   merge=self._driver.ksm, jailed=self._jail is not None,
+                                   tap_fd=self._jail.tap_fd if self._jail else None,
+                                   readonly_private_ram=self._driver.readonly_private_ram())
             procs.no_huge_pages_for_children()
             if self._driver.ksm:
                 procs.merge_memory_of_children()
@@ -235,10 +278,66 @@ class QemuVm(VmBase):
             stale.unlink(missing_ok=True)
         err = await asyncio.to_thread(open, self.stderr_log, "wb")
         with err:
-            await self._exec(stdout=asyncio.subprocess.DEVNULL, stderr=err)
+            if self._jail is None:
+                await self._exec(stdout=asyncio.subprocess.DEVNULL, stderr=err)
+            else:
+                await self._exec(stdout=asyncio.subprocess.DEVNULL, stderr=err,
+                                 preexec_fn=self._jail.preexec(),
+                                 pass_fds=self._jail.pass_fds)
+                self._jail.spawned()
         # recorded at once: a service killed during the QMP wait leaves a findable VM
         assert self._proc is not None
         (self.work_dir / "pid").write_text(str(self._proc.pid))
+
+    def _qemu_path(self) -> str:
+        """An absolute path when jailed: the binary is looked up before the jail's root
+        replaces the host's (it is the same path inside, under the read-only /usr)."""
+        if self._jail is None:
+            return self._driver.qemu
+        found = shutil.which(self._driver.qemu)
+        if found is None:
+            raise VmmStartError(f"{self._spec.name}: {self._driver.qemu} not found")
+        return os.path.realpath(found)
+
+    def _jail_binds(self) -> list[Bind]:
+        """What QEMU opens besides its work dir, each exposed at its host path: kernel and
+        initrd, the memory file (a private base read-only; a shared scratch file made here
+        at its full size, RLIMIT_FSIZE forbids QEMU to grow it), the disks (a stack's own
+        NBD socket directory; file disks and their backing file)."""
+        spec, work = self._spec, self.work_dir
+        binds = [Bind(p) for p in (spec.kernel, spec.initrd) if p is not None]
+        if spec.memory is not None:
+            path = spec.memory.path
+            if spec.memory.shared:
+                size = spec.mem_mib << 20
+                with open(path, "ab") as f:
+                    if os.fstat(f.fileno()).st_size < size:
+                        f.truncate(size)
+                if not path.is_relative_to(work):
+                    binds.append(Bind(path, writable=True))
+                else:
+                    path.chmod(0o600)
+            else:
+                if not path.stat().st_mode & 0o004:
+                    path.chmod(0o444)  # a frozen base: never written, read by every VM
+                binds.append(Bind(path))
+        for disk in spec.disks:
+            if isinstance(disk, NbdDisk):
+                if disk.socket.parent.parent.name != "x":
+                    raise VmmStartError(
+                        f"{spec.name}: a jailed VM needs its stack's own NBD socket "
+                        f"(<socket dir>/x/<stack>/nbd.sock), not {disk.socket}")
+                binds.append(Bind(disk.socket.parent, writable=True))
+            else:
+                binds.append(Bind(disk.path, writable=not disk.read_only))
+                if disk.backing is not None:
+                    binds.append(Bind(disk.backing))
+        return binds
+
+    async def _release_host(self) -> None:
+        if self._jail is not None:
+            await asyncio.to_thread(self._jail.release)
+            self._jail = None
 
     async def _connect_qmp(self) -> None:
         assert self._proc is not None and self.started_at is not None
@@ -406,34 +505,41 @@ class QemuVm(VmBase):
         await self.pause()
         await self.qmp("migrate-set-parameters", {"max-bandwidth": _MAX_BANDWIDTH})
         await self._set_ignore_shared()
-        # the exec: helper renames the file when `cat` is done: QEMU reports "completed"
-        # once the stream is in the pipe, before the file is complete
         dest.unlink(missing_ok=True)
-        q_part, q_dest = shlex.quote(str(part)), shlex.quote(str(dest))
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            await self.qmp("migrate", {"uri": f"exec:cat > {q_part} && mv {q_part} {q_dest}"})
-            info = await self._wait_migration(timeout_s)
+            assert self._qmp is not None
+            async with migration_uri(self._qmp, fd, what="snapshot") as uri:
+                await self.qmp("migrate", {"uri": uri})
+                info = await self._wait_migration(timeout_s)
             if info.get("status") != "completed":
                 raise VmmError(f"{self._spec.name}: snapshot failed: "
                                f"{info.get('error-desc', info.get('status'))}")
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + timeout_s
-            while not dest.exists():
-                if loop.time() > deadline:
-                    raise VmmTimeout(f"{self._spec.name}: {dest} not written in {timeout_s}s")
-                await asyncio.sleep(0.002)
+            part.rename(dest)
+        except MemSnapError as exc:
+            raise VmmError(f"{self._spec.name}: snapshot failed: {exc}") from exc
         finally:
+            os.close(fd)
             part.unlink(missing_ok=True)
 
     async def _load_state(self, state_file: Path, *, resume: bool) -> None:
         await self._set_ignore_shared()
-        await self.qmp("migrate-incoming", {"uri": f"exec:cat {shlex.quote(str(state_file))}"})
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + _MIGRATE_S
-        while (status := await self.query_status()) in ("inmigrate", "prelaunch"):
-            if loop.time() > deadline:
-                raise VmmTimeout(f"{self._spec.name}: restore not done in {_MIGRATE_S}s")
-            await asyncio.sleep(0.005)
+        assert self._qmp is not None
+        fd = os.open(state_file, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            async with migration_uri(self._qmp, fd, what="restore") as uri:
+                await self.qmp("migrate-incoming", {"uri": uri})
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + _MIGRATE_S
+                while (status := await self.query_status()) in ("inmigrate", "prelaunch"):
+                    if loop.time() > deadline:
+                        raise VmmTimeout(f"{self._spec.name}: restore not done in "
+                                         f"{_MIGRATE_S}s")
+                    await asyncio.sleep(0.005)
+        except MemSnapError as exc:
+            raise VmmError(f"{self._spec.name}: restore failed: {exc}") from exc
+        finally:
+            os.close(fd)
         info = await self.qmp("query-migrate")
         if info.get("status") not in (None, "completed"):
             raise VmmError(f"{self._spec.name}: restore failed: {info}", **self._tails())
@@ -469,12 +575,21 @@ class QemuVm(VmBase):
 
     def _facts_extra(self) -> dict[str, Any]:
         return {"host_port": self._host_port, "accel": self.accel,
-                "config_sha256": self.config_sha256}
+                "config_sha256": self.config_sha256,
+                "jail": self._jail.facts() if self._jail is not None else None}
 
     def _adopt_extra(self, facts: dict[str, Any]) -> None:
         self._host_port = facts.get("host_port")
         self.accel = facts.get("accel")
         self._config_sha256 = facts.get("config_sha256") or None
+        jail_facts = facts.get("jail")
+        if jail_facts:
+            jail = self._driver.new_jail(self._spec.name)
+            if jail is None:  # adopted by a service with the jail off: still cleaned up
+                jail = Jail(JailConfig(), UidPool(int(jail_facts["uid"]), 1),
+                            name=self._spec.name)
+            jail.adopt(jail_facts, Path(facts["work_dir"]))
+            self._jail = jail
 
     async def _connect(self) -> None:
         await self._connect_qmp()

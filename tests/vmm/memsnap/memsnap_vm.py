@@ -107,7 +107,6 @@ class VmShape:
             "-chardev", f"socket,id=con,path={workdir / 'con.sock'},server=on,wait=off",
             "-serial", "chardev:con",
             "-qmp", f"unix:{workdir / 'qmp.sock'},server=on,wait=off",
-            "-global", "migration.send-configuration=off",
         ]
         if incoming:
             argv += ["-incoming", "defer", "-S"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,25 @@ class FakeQmp:
     def __init__(self, status: str) -> None:
         self.status = status
         self.log: list[str] = []
+        self._pending: int | None = None  # an fd sent ahead of add-fd (SCM_RIGHTS)
+        self._fdsets: dict[int, int] = {}
+
+    def send_fd_scm(self, fd: int) -> None:
+        self._pending = os.dup(fd)
 
     async def execute(self, cmd: str, args: dict[str, Any] | None = None) -> Any:
         self.log.append(cmd)
+        if cmd == "query-version":
+            return {"qemu": {"major": 10, "minor": 0, "micro": 2}}
+        if cmd == "add-fd":
+            assert self._pending is not None, "add-fd without a descriptor"
+            fdset = len(self._fdsets) + 1
+            self._fdsets[fdset], self._pending = self._pending, None
+            return {"fdset-id": fdset, "fd": 99}
+        if cmd == "remove-fd":
+            assert args is not None
+            os.close(self._fdsets.pop(args["fdset-id"]))
+            return {}
         if cmd == "query-status":
             return {"status": self.status}
         if cmd == "stop":
@@ -46,7 +63,9 @@ class FakeQmp:
             self.status = "running"
         elif cmd == "xen-save-devices-state":
             assert args is not None
-            Path(args["filename"]).write_bytes(xen())
+            # memsnap hands QEMU a descriptor it opened: QEMU never opens a host path
+            assert args["filename"].startswith("/dev/fdset/"), args
+            os.write(self._fdsets[int(args["filename"].rsplit("/", 1)[1])], xen())
         elif cmd == "migrate-incoming":
             self.status = "paused"
         elif cmd == "query-migrate":
@@ -76,7 +95,8 @@ async def test_snapshot_chain_and_restore(base: BaseImage, tmp_path: Path, child
     s1 = await snapshot_incremental(qmp, src.pid, base.mem_path, base, tmp_path / "s1",
                                     config_sha256=CFG, buffer=buf)
     mm = buf.reserve(1)
-    assert qmp.log == ["query-status", "stop", "xen-save-devices-state", "cont"]
+    assert qmp.log == ["query-status", "stop", "add-fd", "xen-save-devices-state", "remove-fd",
+                       "cont"]
     assert qmp.status == "running" and s1.stats["diff_pages"] == 100
     assert s1.stats["downtime_ms"] <= s1.stats["total_ms"]
     sha1 = src.sha()
@@ -136,7 +156,7 @@ async def test_flatten_into_a_new_base(base: BaseImage, tmp_path: Path, children
                                       config_sha256=CFG)
     new = flatten_base(snap, base, tmp_path / "base2")
     assert new.sha256 != base.sha256 and BaseImage.load(tmp_path / "base2") == new
-    assert new.mem_path.stat().st_mode & 0o777 == 0o400
+    assert new.mem_path.stat().st_mode & 0o777 == 0o444
     assert new.template_path.read_bytes() == snap.devstate.read_bytes()
     kid = Child(new.mem_path)
     children.append(kid)

@@ -250,7 +250,7 @@ async def test_qemu_streams_without_a_guest_kernel(tmp_path: Path) -> None:
             capture_private(parent.pid, find_vma(parent.pid, scratch))
     finally:
         await parent.kill()
-    assert oct(base.mem_path.stat().st_mode & 0o777) == "0o400"
+    assert oct(base.mem_path.stat().st_mode & 0o777) == "0o444"
     fam = Family(shape, base, "", tmp_path)
     async with pool(fam) as p:
         a = await p.spawn()

@@ -1,0 +1,179 @@
+"""Every VMM of the node runtime is jailed (host/vmm/jail): a running sandbox, one paused
+and resumed, a fork child and a template build VM each run as their own unprivileged uid
+with no capabilities, no_new_privs, QEMU's seccomp filter, in their own cgroup with the
+sandbox's memory and pids limits and a private root that holds no state dir.
+
+The escape probes enter a live QEMU's mount and network namespaces as its uid (`nsenter`,
+the way the jail itself starts QEMU: same namespaces, same uid, no capabilities) and try
+the node's secrets, another sandbox's memory file and its disk socket."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from host.contract import MachineSpec, SnapshotRef
+from host.orchestrator.model import NetworkConfig
+from host.runtime import NodeRuntime
+from host.vmm.jail import Cgroup
+
+from .conftest import MEM_MB
+from .helpers import background, run
+
+pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
+
+NET = NetworkConfig()
+
+
+def status_of(pid: int) -> dict[str, str]:
+    return {k: v.strip() for k, v in (ln.split(":", 1) for ln in
+            Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in ln)}
+
+
+def assert_jailed(rt: NodeRuntime, pid: int, mem_mib: int) -> int:
+    """The checks of issue 28 on one QEMU process; returns its uid."""
+    st = status_of(pid)
+    uid = int(st["Uid"].split()[0])
+    first, count = rt.config.jail.uid_range
+    assert first <= uid < first + count, st["Uid"]
+    assert st["Uid"].split() == [str(uid)] * 4 and st["Gid"].split()[0] == str(uid)
+    assert st["CapEff"] == st["CapPrm"] == "0000000000000000"
+    assert st["NoNewPrivs"] == "1"
+    assert st["Seccomp"] == "2"  # QEMU's -sandbox filter
+    cg_lines = Path(f"/proc/{pid}/cgroup").read_text()
+    own = [ln.rsplit(":", 1)[1] for ln in cg_lines.splitlines()
+           if f"/{rt.config.jail.cgroup_parent}/" in ln]
+    assert own, cg_lines
+    name = own[0].rsplit("/", 1)[1]
+    cg = Cgroup(rt.config.jail.cgroup_parent, name,
+                version=2 if cg_lines.startswith("0::") and len(cg_lines.splitlines()) == 1
+                else 1)
+    assert pid in cg.procs()
+    assert cg.memory_limit() == (mem_mib + rt.config.jail.overhead_mib) << 20
+    pids_dir = cg.dirs()["" if cg.version == 2 else "pids"]
+    assert int((pids_dir / "pids.max").read_text()) == rt.config.jail.pids
+    root = Path(f"/proc/{pid}/root")
+    state = rt.config.state_dir
+    assert not (root / state.relative_to("/") / "state.db").exists()
+    assert not (root / state.relative_to("/") / "repo").exists()
+    assert sorted(os.listdir(root)) != sorted(os.listdir("/"))
+    return uid
+
+
+def probe_as(pid: int, uid: int, paths: list[str], sockets: list[str]) -> dict[str, str]:
+    """Open `paths` and connect `sockets` from inside QEMU `pid`'s namespaces and root,
+    as its uid: what a guest that took over its QEMU could reach."""
+    code = (
+        "import errno, json, socket, sys\n"
+        "out = {}\n"
+        "for p in sys.argv[1].split(','):\n"
+        "    try:\n"
+        "        open(p, 'rb').read(1); out[p] = 'ok'\n"
+        "    except OSError as e:\n"
+        "        out[p] = errno.errorcode[e.errno]\n"
+        "for p in sys.argv[2].split(','):\n"
+        "    s = socket.socket(socket.AF_UNIX)\n"
+        "    try:\n"
+        "        s.connect(p); out[p] = 'ok'\n"
+        "    except OSError as e:\n"
+        "        out[p] = errno.errorcode[e.errno]\n"
+        "print(json.dumps(out))\n")
+    argv = ["nsenter", "-t", str(pid), "-m", "-n", "-r", "-w", "-S", str(uid), "-G", str(uid),
+            "/usr/bin/python3", "-c", code, ",".join(paths), ",".join(sockets)]
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert res.returncode == 0, res.stderr
+    return dict(json.loads(res.stdout))
+
+
+async def test_running_paused_resumed_and_forked_vms_are_jailed(
+        runtime: NodeRuntime, template: SnapshotRef) -> None:
+    a, b, child = "jail-a", "jail-b", "jail-c"
+    snaps: list[SnapshotRef] = []
+    try:
+        pa = await runtime.start(a, template, NET)
+        pb = await runtime.start(b, template, NET)
+        uid_a = assert_jailed(runtime, runtime.vm_pid(a), MEM_MB)
+        uid_b = assert_jailed(runtime, runtime.vm_pid(b), MEM_MB)
+        assert uid_a != uid_b
+
+        # escape probes from inside a's QEMU: the node's secrets and database, b's memory
+        # file and b's disk socket are out of reach; a's own disk socket is not
+        state = runtime.config.state_dir
+        secrets = [str(p) for p in (state / "state.db", state / "blockserver.pid")]
+        bases = [str(p) for p in state.rglob("base.mem")]
+        assert bases, "no memory file found under the state dir"
+        own_sock = str(runtime.block.export_socket(f"sbx-{a}"))
+        other_sock = str(runtime.block.export_socket(f"sbx-{b}"))
+        out = await asyncio.to_thread(probe_as, runtime.vm_pid(a), uid_a,
+                                      [*secrets, *bases], [other_sock, own_sock,
+                                                          str(runtime.block.nbd_socket),
+                                                          str(runtime.block.control_socket)])
+        print(f"\nescape probes from {a}'s QEMU: {out}")
+        for p in [*secrets, other_sock, str(runtime.block.nbd_socket),
+                  str(runtime.block.control_socket)]:
+            assert out[p] == "ENOENT", (p, out[p])
+        # the template's base is a's own memory file (read-only); any other is absent
+        assert all(out[p] in ("ok", "ENOENT") for p in bases)
+        assert out[own_sock] == "ok"
+
+        # paused (snapshot + stop) then resumed: a new QEMU, jailed the same way
+        snap = await runtime.snapshot(b, "jail-b-pause", stop=True)
+        snaps.append(snap)
+        pb = await runtime.start(b, snap, NET)
+        assert (await run(pb, "echo back")).strip() == "back"
+        assert_jailed(runtime, runtime.vm_pid(b), MEM_MB)
+
+        # a fork child from a live snapshot of a
+        await background(pa, "sleep 100000")
+        fsnap = await runtime.snapshot(a, "jail-a-fork", stop=False)
+        snaps.append(fsnap)
+        await runtime.start(child, fsnap, NET)
+        assert_jailed(runtime, runtime.vm_pid(child), MEM_MB)
+    finally:
+        for sid in (a, b, child):
+            if sid in runtime.sandboxes:
+                await runtime.kill(sid)
+    # the uids of killed VMs are given back (their cgroups removed with them)
+    uids = getattr(runtime.parts.machines.vmm, "uids", None)
+    assert uids is not None
+    assert uid_a not in uids.in_use() and uid_b not in uids.in_use()
+
+
+async def test_a_template_build_vm_is_jailed(runtime: NodeRuntime,
+                                             template: SnapshotRef) -> None:
+    before = set(_qemu_pids())
+    task = asyncio.ensure_future(runtime.build_template(
+        "jail-build", MachineSpec(cpu_count=1, memory_mb=MEM_MB)))
+    try:
+        pid = None
+        for _ in range(600):
+            new = [p for p in _qemu_pids() if p not in before]
+            if new:
+                pid = new[0]
+                break
+            if task.done():
+                break
+            await asyncio.sleep(0.1)
+        assert pid is not None, "the build VM never appeared"
+        # QEMU installs its seccomp filter while it parses its options, before the guest
+        # runs: caught right after exec it may not have yet
+        for _ in range(100):
+            if status_of(pid).get("Seccomp") == "2":
+                break
+            await asyncio.sleep(0.05)
+        assert_jailed(runtime, pid, MEM_MB)
+    finally:
+        task.cancel()
+        with pytest.raises((asyncio.CancelledError, Exception)):
+            await task
+
+
+def _qemu_pids() -> list[int]:
+    out = subprocess.run(["pgrep", "-f", "qemu-system-x86_64"], capture_output=True, text=True,
+                         check=False).stdout
+    return [int(x) for x in out.split()]
