@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
@@ -180,8 +181,11 @@ class Pool:
     """Idle connections per (host, port); LIFO so warm connections are reused first."""
 
     def __init__(self, *, connect_timeout_s: float = 5.0, max_idle_per_target: int = 128,
-                 idle_expiry_s: float = 60.0) -> None:
+                 idle_expiry_s: float = 60.0, tls: ssl.SSLContext | None = None) -> None:
+        """`tls`: every connection of this pool is TLS, verified with this context against
+        the target's host name (the cluster gateway to https:// nodes)."""
         self.connect_timeout_s = connect_timeout_s
+        self.tls = tls
         self.max_idle = max_idle_per_target
         self.idle_expiry_s = idle_expiry_s
         self._idle: dict[tuple[str, int], list[Connection]] = {}
@@ -191,8 +195,10 @@ class Pool:
     async def _open(self, key: tuple[str, int]) -> Connection:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                reader, writer = await asyncio.open_connection(key[0], key[1], limit=_READ_SIZE)
-        except (OSError, TimeoutError) as exc:
+                reader, writer = await asyncio.open_connection(
+                    key[0], key[1], limit=_READ_SIZE, ssl=self.tls,
+                    server_hostname=key[0] if self.tls is not None else None)
+        except (OSError, TimeoutError) as exc:   # ssl.SSLError (a refused certificate) too
             raise UpstreamUnreachable(f"{key[0]}:{key[1]}: {exc or 'connect timeout'}") from exc
         return Connection(self, key, reader, writer)
 
