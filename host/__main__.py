@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shlex
 import signal
 import sys
 from collections.abc import Iterator, Sequence
@@ -18,7 +19,8 @@ from typing import Any
 
 import uvicorn
 
-from host.api import ApiKeys, build_api_app
+from host.api import ApiKeys, NodeKeys, build_api_app
+from host.api.auth import check_separate
 from host.config import Config, ConfigError, parse_config
 from host.contract import MachineSpec
 from host.metrics import Metrics, ProxyMetrics, setup_logging
@@ -65,7 +67,9 @@ async def open_runtime(cfg: Config, metrics: Metrics | None = None) -> Any:
     return await rt.open()
 
 
-def banner(cfg: Config, keys: ApiKeys) -> str:
+def banner(cfg: Config) -> str:
+    """What `make run` prints once it serves: where to point the SDKs. It names the key
+    file, never a key: terminals, CI logs and screen shares keep what they are shown."""
     scheme = "https" if cfg.tls else "http"
     host = "127.0.0.1" if cfg.listen in ("0.0.0.0", "::") else cfg.listen
     lines = [
@@ -75,15 +79,16 @@ def banner(cfg: Config, keys: ApiKeys) -> str:
         "Point the E2B SDKs at this node with:",
         f"  export E2B_API_URL={scheme}://{host}:{cfg.api_port}",
         f"  export E2B_SANDBOX_URL={scheme}://{host}:{cfg.proxy_port}",
-        f"  export E2B_API_KEY={keys.first}",
+        f"  export E2B_API_KEY=$(head -1 {shlex.quote(str(cfg.keys_path))})",
     ]
     if cfg.tls:
         lines += [
             f"  # or, with *.{cfg.domain} resolving here and the proxy on :443:",
             f"  export E2B_DOMAIN={cfg.domain}",
-            (f"  # trust the CA: export SSL_CERT_FILE={cfg.tls_dir / 'ca.pem'} "
-             f"NODE_EXTRA_CA_CERTS={cfg.tls_dir / 'ca.pem'}"),
         ]
+    if cfg.tls and cfg.tls_cert is None:   # an operator's certificate has its own CA
+        lines.append(f"  # trust the CA: export SSL_CERT_FILE={cfg.tls_dir / 'ca.pem'} "
+                     f"NODE_EXTRA_CA_CERTS={cfg.tls_dir / 'ca.pem'}")
     return "\n".join(lines)
 
 
@@ -111,12 +116,18 @@ async def serve(cfg: Config) -> None:
         await orch.start(ttl_interval_s=cfg.ttl_interval_s)
         keys = ApiKeys.load_or_create(cfg.keys_path)
         extra_routes: list[Any] = []
+        node_keys = None   # in a cluster: what the gateway, scheduler and neighbours send
         if cfg.cluster_redis:
             from host.cluster.node import ClusterMember
             from host.cluster.peers import layers_route, memory_route
-            member = ClusterMember.from_config(cfg, orch, node_key=keys.first)
+            try:
+                node_keys = NodeKeys.load_or_create(cfg.node_key_path)
+                check_separate(keys, node_keys)
+            except ValueError as exc:
+                raise SystemExit(f"aenv: {exc}") from None
+            member = ClusterMember.from_config(cfg, orch, node_key=node_keys.first)
             member.start()
-            if member.peers is not None:   # --p2p: one key file serves the whole cluster
+            if member.peers is not None:   # --p2p: neighbours send each other the node key
                 await runtime.use_peers(member.peers)
                 member.peers.serve_layers(runtime.held_layers, runtime.peers_file)
                 extra_routes += [memory_route(runtime.memory_file),
@@ -126,7 +137,7 @@ async def serve(cfg: Config) -> None:
                             max_upload_bytes=cfg.template_upload_mib << 20,
                             terminal_links=links, terminal_base_url=cfg.public_proxy_url,
                             metrics=metrics if cfg.metrics else None,
-                            extra_routes=extra_routes)
+                            extra_routes=extra_routes, node_keys=node_keys)
         proxy = build_proxy_app(orch, cfg.domain, api_app=api if cfg.tls else None,
                                 terminal_links=links, keys=keys)
         # counted from outside the proxy app (host/metrics/asgi.py); not the API it serves
@@ -136,7 +147,9 @@ async def serve(cfg: Config) -> None:
         # json logs: uvicorn's loggers reach the root's JSON handler instead of their own
         logs: dict[str, Any] = {"log_config": None} if cfg.log_format == "json" else {}
         ssl: dict[str, Any] = {}
-        if cfg.tls:
+        if cfg.tls_cert is not None and cfg.tls_key is not None:
+            ssl = {"ssl_certfile": str(cfg.tls_cert), "ssl_keyfile": str(cfg.tls_key)}
+        elif cfg.tls:
             from host.proxy.tls import ensure_certificates
             paths = ensure_certificates(cfg.tls_dir, cfg.domain)
             ssl = {"ssl_certfile": str(paths.cert), "ssl_keyfile": str(paths.key)}
@@ -162,7 +175,7 @@ async def serve(cfg: Config) -> None:
                 while not s.started and not any(t.done() for t in tasks):
                     await asyncio.sleep(0.05)
             if all(s.started for s in servers):
-                print(banner(cfg, keys), flush=True)
+                print(banner(cfg), flush=True)
             waiter = tg.create_task(stop.wait())
             await asyncio.wait([*tasks, waiter], return_when=asyncio.FIRST_COMPLETED)
             log.info("shutting down")

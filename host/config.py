@@ -13,7 +13,13 @@
     AENV_CACHE_DIR   --cache-dir    <state>/cache     local cache of remote (oss) layer chunks
     AENV_CACHE_MIB   --cache-mib    10240             its bound, and that of the local copies
                                                       of remote memory snapshots (<state>/memory)
-    AENV_TLS         --tls          off               serve both listeners over HTTPS
+    AENV_TLS         --tls          off               serve both listeners over HTTPS (a local
+                                                      CA's certificate for *.<domain>, made in
+                                                      <state>/tls)
+    AENV_TLS_CERT / AENV_TLS_KEY  --tls-cert / --tls-key   serve HTTPS with this PEM chain
+                                                      and key instead (implies --tls): in a
+                                                      cluster, one naming the advertised host
+                                                      and signed by the gateway's --node-tls-ca
     AENV_VMM         --vmm          auto              auto | qemu | firecracker (auto: Firecracker
                                                       where its binary and KVM work, else QEMU)
     AENV_FIRECRACKER --firecracker  firecracker       the Firecracker binary (name on PATH or path)
@@ -59,6 +65,11 @@
     AENV_CLUSTER_REDIS --cluster-redis -              redis://... : join a cluster (host/cluster):
                                                       heartbeat capacity and sandboxes into it
     AENV_NODE_ID     --node-id      <host name>       this node's id in the cluster
+    AENV_NODE_KEY_FILE --node-key-file <state>/node_key   the cluster's node key (made
+                                                      on first start; the same file on
+                                                      every machine): the gateway, the
+                                                      scheduler and neighbours send it,
+                                                      never an API key (host/api/auth.py)
     AENV_ADVERTISE_URL --advertise-url http://<listen>:<api port>   the API as the gateway
                                                       reaches it (set it when listening on 0.0.0.0)
     AENV_ADVERTISE_PROXY_URL --advertise-proxy-url <advertise host>:<proxy port>
@@ -114,6 +125,8 @@ class Config:
     cache_dir: Path | None = None
     cache_mib: int = 10240
     tls: bool = False
+    tls_cert: Path | None = None   # PEM chain served instead of the local CA's (with tls_key)
+    tls_key: Path | None = None
     vmm: str = "auto"
     firecracker: str = "firecracker"
     jailer: str = "auto"
@@ -143,6 +156,7 @@ class Config:
     cluster_redis: str | None = None
     p2p: bool = False
     node_id: str | None = None
+    node_key_file: Path | None = None
     advertise_url: str | None = None
     advertise_proxy_url: str | None = None
     heartbeat_s: float = 2.0
@@ -178,6 +192,10 @@ class Config:
         return self.state_dir / "api_keys"
 
     @property
+    def node_key_path(self) -> Path:
+        return self.node_key_file or self.state_dir / "node_key"
+
+    @property
     def tls_dir(self) -> Path:
         return self.state_dir / "tls"
 
@@ -210,6 +228,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="local cache of repository layer chunks (default <state>/cache)")
     p.add_argument("--cache-mib", type=int, help="bound of that cache (MiB)")
     p.add_argument("--tls", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--tls-cert", type=Path,
+                   help="serve HTTPS with this PEM certificate chain (implies --tls)")
+    p.add_argument("--tls-key", type=Path, help="the certificate's PEM private key")
     p.add_argument("--vmm", choices=VMM_DRIVERS)
     p.add_argument("--firecracker", help="the Firecracker binary (default: firecracker on PATH)")
     p.add_argument("--jailer", help="auto (jailer on PATH when root), off, or a path")
@@ -255,6 +276,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--p2p", action=argparse.BooleanOptionalAction, default=None,
                    help="in a cluster: memory files from neighbours before the repository")
     p.add_argument("--node-id", help="this node's id in the cluster (default: host name)")
+    p.add_argument("--node-key-file", type=Path,
+                   help="the cluster's node key (default <state>/node_key, made if absent)")
     p.add_argument("--advertise-url", help="this node's API URL for the gateway")
     p.add_argument("--advertise-proxy-url", help="this node's proxy URL for the gateway")
     p.add_argument("--heartbeat-interval", type=float, dest="heartbeat_s")
@@ -274,6 +297,7 @@ _ENV: dict[str, tuple[str, type]] = {
     "proxy_port": ("AENV_PROXY_PORT", int), "domain": ("AENV_DOMAIN", str),
     "proxy_url": ("AENV_PROXY_URL", str),
     "repository": ("AENV_REPOSITORY", str), "tls": ("AENV_TLS", bool),
+    "tls_cert": ("AENV_TLS_CERT", Path), "tls_key": ("AENV_TLS_KEY", Path),
     "cache_dir": ("AENV_CACHE_DIR", Path), "cache_mib": ("AENV_CACHE_MIB", int),
     "vmm": ("AENV_VMM", str), "network": ("AENV_NETWORK", str),
     "firecracker": ("AENV_FIRECRACKER", str), "jailer": ("AENV_JAILER", str),
@@ -291,6 +315,7 @@ _ENV: dict[str, tuple[str, type]] = {
     "ksm": ("AENV_KSM", bool), "vm_jail": ("AENV_VM_JAIL", bool),
     "vm_uid_range": ("AENV_VM_UID_RANGE", str), "vm_overhead_mib": ("AENV_VM_OVERHEAD_MIB", int),
     "cluster_redis": ("AENV_CLUSTER_REDIS", str), "p2p": ("AENV_P2P", bool), "node_id": ("AENV_NODE_ID", str),
+    "node_key_file": ("AENV_NODE_KEY_FILE", Path),
     "advertise_url": ("AENV_ADVERTISE_URL", str),
     "advertise_proxy_url": ("AENV_ADVERTISE_PROXY_URL", str),
     "heartbeat_s": ("AENV_HEARTBEAT_S", float), "heartbeat_misses": ("AENV_HEARTBEAT_MISSES", int),
@@ -319,6 +344,8 @@ def parse_config(argv: Sequence[str] | None = None,
     args = _parser().parse_args(argv)
     values.update({k: (tuple(v) if isinstance(v, list) else v)
                    for k, v in vars(args).items() if v is not None})
+    if values.get("tls_cert") is not None and values.get("tls") is None:
+        values["tls"] = True   # a certificate given is one to serve
     cfg = Config(**values)  # type: ignore[arg-type]
     _validate(cfg)
     return cfg
@@ -349,6 +376,7 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"network must be one of {NETWORK_MODES}, got {cfg.network!r}")
     if not cfg.domain or "/" in cfg.domain or ":" in cfg.domain:
         raise ConfigError(f"domain must be a DNS name, got {cfg.domain!r}")
+    _validate_tls(cfg)
     if cfg.proxy_url and urlparse(cfg.proxy_url).scheme not in ("http", "https"):
         raise ConfigError(f"proxy_url must be an http(s) URL, got {cfg.proxy_url!r}")
     if cfg.cpu_count < 1 or cfg.memory_mb < 128 or cfg.disk_mb < 0:
@@ -372,12 +400,33 @@ def _validate(cfg: Config) -> None:
                           "(keep it under 60 characters)")
 
 
+def _validate_tls(cfg: Config) -> None:
+    if (cfg.tls_cert is None) != (cfg.tls_key is None):
+        raise ConfigError("--tls-cert and --tls-key go together")
+    if cfg.tls_cert is not None and not cfg.tls:
+        raise ConfigError("--tls-cert is a certificate to serve: it contradicts --no-tls")
+    for path in (cfg.tls_cert, cfg.tls_key):
+        if path is not None and not path.is_file():
+            raise ConfigError(f"TLS file {path} does not exist")
+
+
+def redact(url: str) -> str:
+    """`url` without its password, for messages (a Redis URL carries one)."""
+    parts = urlparse(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    user = f"{parts.username}:" if parts.username else ":"
+    return parts._replace(netloc=f"{user}***@{host}").geturl()
+
+
 def _validate_cluster(cfg: Config) -> None:
     if cfg.p2p and not cfg.cluster_redis:
         raise ConfigError("--p2p needs --cluster-redis: neighbours are the cluster's nodes")
     if cfg.cluster_redis and urlparse(cfg.cluster_redis).scheme not in ("redis", "rediss",
                                                                         "unix"):
-        raise ConfigError(f"cluster_redis must be a redis:// URL, got {cfg.cluster_redis!r}")
+        raise ConfigError(f"cluster_redis must be a redis:// URL, got "
+                          f"{redact(cfg.cluster_redis)!r}")
     for name in ("advertise_url", "advertise_proxy_url"):
         url = getattr(cfg, name)
         if url and urlparse(url).scheme not in ("http", "https"):

@@ -17,7 +17,7 @@ from host.metrics import Metrics, metrics_route
 from host.orchestrator import Orchestrator
 from host.web.links import TerminalLinks
 
-from .auth import ApiKeyMiddleware, ApiKeys
+from .auth import ApiKeyMiddleware, ApiKeys, NodeKeys, check_separate
 from .errors import error_response
 from .openapi import served_document
 from .routes import OPERATIONS, starlette_routes
@@ -38,7 +38,8 @@ def build_api_app(orchestrator: Orchestrator, keys: ApiKeys | Path | str, *,
                   terminal_links: TerminalLinks | None = None,
                   terminal_base_url: str | None = None,
                   metrics: Metrics | None = None,
-                  extra_routes: Sequence[BaseRoute] = ()) -> Starlette:
+                  extra_routes: Sequence[BaseRoute] = (),
+                  node_keys: NodeKeys | None = None) -> Starlette:
     """The REST API app.
 
     `keys`: an `ApiKeys`, or the path of the key file (created with one key on first use).
@@ -50,13 +51,17 @@ def build_api_app(orchestrator: Orchestrator, keys: ApiKeys | Path | str, *,
     terminal's signed links.
     `metrics`: serve them at `GET /metrics` (no API key, not in the E2B document).
     `extra_routes`: more routes behind the API key (a cluster node's peer file route).
+    `node_keys`: the cluster's node key (a node in a cluster): it opens the /cluster/
+    routes, which no API key opens, and the rest of the API (host/api/auth.py).
     """
     if not isinstance(keys, ApiKeys):
         keys = ApiKeys.load_or_create(keys)
+    if node_keys is not None:
+        check_separate(keys, node_keys)
     app = Starlette(
         routes=[*starlette_routes(OPERATIONS), *([metrics_route(metrics)] if metrics else []),
                 *extra_routes],
-        middleware=[Middleware(ApiKeyMiddleware, keys=keys)],
+        middleware=[Middleware(ApiKeyMiddleware, keys=keys, node_keys=node_keys)],
         exception_handlers={HTTPException: http_error},
     )
     app.state.orchestrator = orchestrator

@@ -7,8 +7,11 @@ Gateway (`python -m host.cluster.gateway`):
     AENV_GATEWAY_LISTEN   --listen        127.0.0.1:8080   REST API and sandbox traffic
     AENV_SCHEDULER_URL    --scheduler     http://127.0.0.1:9090
     AENV_GATEWAY_KEYS     --keys          /var/lib/aenv/api_keys   keys clients may use
-    AENV_NODE_API_KEY     --node-key      (first key of --keys)    key sent to the nodes
-                                          and the scheduler
+    AENV_NODE_KEY_FILE    --node-key-file /var/lib/aenv/node_key   the cluster's node key,
+                                          sent to the nodes and the scheduler (a secret of
+                                          its own: none of --keys; host/api/auth.py)
+    AENV_NODE_TLS_CA      --node-tls-ca   -    PEM CA bundle that https:// node addresses are
+                                          verified with (default: the system's CAs)
     AENV_DOMAIN           --domain        -    returned as `domain` in Sandbox answers
                                           (default: as the node answered)
 
@@ -18,7 +21,8 @@ Scheduler (`python -m host.cluster.scheduler`):
     AENV_SCHEDULER_LISTEN     --listen       127.0.0.1:9090
     AENV_SCHEDULER_STRATEGY   --strategy     least-loaded | round-robin
     AENV_SCHEDULER_SANDBOX_MIB --sandbox-mib 256   memory a new sandbox is assumed to need
-    AENV_SCHEDULER_KEYS       --keys         -     require one of these keys (X-API-Key)
+    AENV_NODE_KEY_FILE        --node-key-file -    require the cluster's node key
+                                                   (X-API-Key), which the gateway sends
     AENV_SCHEDULER_SWEEP_S    --sweep        1.0   how often dead nodes are looked for
     AENV_CLUSTER_RETENTION_S  --retention    86400 how long dead nodes and lost sandboxes
                                                    stay visible
@@ -33,6 +37,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
+
+from host.config import redact
 
 from .placement import Strategy
 
@@ -66,7 +72,8 @@ class GatewayConfig:
     listen: str = "127.0.0.1:8080"
     scheduler: str = "http://127.0.0.1:9090"
     keys: Path = Path("/var/lib/aenv/api_keys")
-    node_key: str | None = None
+    node_key_file: Path = Path("/var/lib/aenv/node_key")
+    node_tls_ca: Path | None = None   # verifies https:// nodes (else the system's CAs)
     domain: str | None = None
     log_level: str = "info"
     tls_cert: Path | None = None   # PEM chain: serve HTTPS (with tls_key)
@@ -83,7 +90,7 @@ class SchedulerConfig:
     listen: str = "127.0.0.1:9090"
     strategy: Strategy = Strategy.LEAST_LOADED
     sandbox_mib: int = 256
-    keys: Path | None = None
+    node_key_file: Path | None = None   # None: no key required (keep the port private)
     sweep_s: float = 1.0
     retention_s: float = 86400.0
     log_level: str = "info"
@@ -95,16 +102,18 @@ class SchedulerConfig:
 
 _GATEWAY_ENV = {"redis": "AENV_CLUSTER_REDIS", "listen": "AENV_GATEWAY_LISTEN",
                 "scheduler": "AENV_SCHEDULER_URL", "keys": "AENV_GATEWAY_KEYS",
-                "node_key": "AENV_NODE_API_KEY", "domain": "AENV_DOMAIN",
-                "log_level": "AENV_LOG_LEVEL", "tls_cert": "AENV_GATEWAY_TLS_CERT",
-                "tls_key": "AENV_GATEWAY_TLS_KEY"}
+                "node_key_file": "AENV_NODE_KEY_FILE", "node_tls_ca": "AENV_NODE_TLS_CA",
+                "domain": "AENV_DOMAIN", "log_level": "AENV_LOG_LEVEL",
+                "tls_cert": "AENV_GATEWAY_TLS_CERT", "tls_key": "AENV_GATEWAY_TLS_KEY"}
 _SCHEDULER_ENV = {"redis": "AENV_CLUSTER_REDIS", "listen": "AENV_SCHEDULER_LISTEN",
                   "strategy": "AENV_SCHEDULER_STRATEGY",
-                  "sandbox_mib": "AENV_SCHEDULER_SANDBOX_MIB", "keys": "AENV_SCHEDULER_KEYS",
+                  "sandbox_mib": "AENV_SCHEDULER_SANDBOX_MIB",
+                  "node_key_file": "AENV_NODE_KEY_FILE",
                   "sweep_s": "AENV_SCHEDULER_SWEEP_S", "retention_s": "AENV_CLUSTER_RETENTION_S",
                   "log_level": "AENV_LOG_LEVEL"}
-_TYPES: dict[str, Any] = {"keys": Path, "tls_cert": Path, "tls_key": Path, "sandbox_mib": int, "sweep_s": float,
-                          "retention_s": float, "strategy": Strategy}
+_TYPES: dict[str, Any] = {"keys": Path, "node_key_file": Path, "node_tls_ca": Path,
+                          "tls_cert": Path, "tls_key": Path, "sandbox_mib": int,
+                          "sweep_s": float, "retention_s": float, "strategy": Strategy}
 
 
 def _parse(cls: type[C], env_names: Mapping[str, str], args: argparse.Namespace,
@@ -134,7 +143,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _check_redis(url: str) -> None:
     if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
-        raise ConfigError(f"--redis must be a redis://, rediss:// or unix:// URL, got {url!r}")
+        raise ConfigError(f"--redis must be a redis://, rediss:// or unix:// URL, got "
+                          f"{redact(url)!r}")
 
 
 def parse_gateway(argv: Sequence[str] | None = None,
@@ -145,7 +155,10 @@ def parse_gateway(argv: Sequence[str] | None = None,
     _common(p)
     p.add_argument("--scheduler", help="the scheduler's URL")
     p.add_argument("--keys", type=Path, help="API key file (one key a line)")
-    p.add_argument("--node-key", help="the key sent to nodes (default: first of --keys)")
+    p.add_argument("--node-key-file", type=Path,
+                   help="the cluster's node key file, sent to the nodes and the scheduler")
+    p.add_argument("--node-tls-ca", type=Path,
+                   help="PEM CA bundle to verify https:// nodes with")
     p.add_argument("--domain", help="returned as `domain` in Sandbox answers")
     p.add_argument("--tls-cert", help="serve HTTPS with this PEM certificate chain")
     p.add_argument("--tls-key", help="the certificate's PEM private key")
@@ -154,7 +167,7 @@ def parse_gateway(argv: Sequence[str] | None = None,
     _check_redis(cfg.redis)
     if (cfg.tls_cert is None) != (cfg.tls_key is None):
         raise ConfigError("--tls-cert and --tls-key go together")
-    for path in (cfg.tls_cert, cfg.tls_key):
+    for path in (cfg.tls_cert, cfg.tls_key, cfg.node_tls_ca):
         if path is not None and not path.is_file():
             raise ConfigError(f"TLS file {path} does not exist")
     cfg.address  # noqa: B018 - validates listen
@@ -171,7 +184,8 @@ def parse_scheduler(argv: Sequence[str] | None = None,
     _common(p)
     p.add_argument("--strategy", choices=[s.value for s in Strategy])
     p.add_argument("--sandbox-mib", type=int, help="memory a new sandbox is assumed to need")
-    p.add_argument("--keys", type=Path, help="require one of these API keys")
+    p.add_argument("--node-key-file", type=Path,
+                   help="require the cluster's node key (the gateway sends it)")
     p.add_argument("--sweep", type=float, dest="sweep_s", help="seconds between sweeps")
     p.add_argument("--retention", type=float, dest="retention_s",
                    help="seconds dead nodes and lost sandboxes stay visible")

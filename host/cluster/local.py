@@ -3,7 +3,8 @@
 Starts Redis, the scheduler, the gateway and N nodes (`python -m host`), each node in its
 own network namespace (`<prefix><i>`, reached from the host over a veth pair:
 `<subnet>.<i>.1` host side, `<subnet>.<i>.2` the node), all nodes on one `posix_fs`
-repository, every service with the same API key. Prints the `E2B_*` exports for the
+repository, every service with the same API key and node key (its own secret: the
+gateway's and scheduler's calls into nodes). Prints the `E2B_*` exports for the
 gateway and, on Ctrl+C (or `stop()`), stops everything it started: the nodes' sandboxes
 are killed first (a node's SIGTERM leaves its VMs running for the next start to adopt),
 then the services, the namespaces and a temporary root.
@@ -30,7 +31,8 @@ from pathlib import Path
 
 import httpx
 
-from host.private import private_dir
+from host.api.auth import new_node_key
+from host.private import create_private, private_dir
 
 REPO = Path(__file__).resolve().parents[2]
 NODE_API_PORT, NODE_PROXY_PORT = 3000, 3001
@@ -102,10 +104,9 @@ class LocalCluster:
         private_dir(self.root)
         (self.root / "logs").mkdir(exist_ok=True)
         keys = self.root / "api_keys"
-        if not keys.exists():
-            fd = os.open(keys, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(f"e2b_{secrets.token_hex(20)}\n")
+        create_private(keys, f"e2b_{secrets.token_hex(20)}\n".encode())
+        node_key = self.root / "node_key"
+        create_private(node_key, (new_node_key() + "\n").encode())
         try:
             for i in range(1, self.nodes + 1):
                 self._add_netns(i)
@@ -114,13 +115,13 @@ class LocalCluster:
             self._spawn("scheduler", [*py, "host.cluster.scheduler",
                                       "--strategy", self.strategy,
                                       "--listen", f"127.0.0.1:{self.scheduler_port}",
-                                      "--keys", str(keys)],
+                                      "--node-key-file", str(node_key)],
                         health=f"http://127.0.0.1:{self.scheduler_port}/health",
                         redis_host="127.0.0.1")
             self._spawn("gateway", [*py, "host.cluster.gateway",
                                     "--listen", f"127.0.0.1:{self.gateway_port}",
                                     "--scheduler", f"http://127.0.0.1:{self.scheduler_port}",
-                                    "--keys", str(keys)],
+                                    "--keys", str(keys), "--node-key-file", str(node_key)],
                         health=None,  # healthy once a node heartbeats: waited for below
                         redis_host="127.0.0.1")
             for i in range(1, self.nodes + 1):
@@ -135,8 +136,9 @@ class LocalCluster:
         assert self.root is not None
         state = self.root / f"node{i}"
         private_dir(state)
-        shutil.copyfile(self.root / "api_keys", state / "api_keys")
-        os.chmod(state / "api_keys", 0o600)
+        for name in ("api_keys", "node_key"):   # each node's copy, as on its own machine
+            shutil.copyfile(self.root / name, state / name)
+            os.chmod(state / name, 0o600)
         repo = self.root / "repo"
         repo.mkdir(exist_ok=True)
         argv = ["nsenter", f"--net=/run/netns/{self.netns(i)}", "--",

@@ -4,6 +4,9 @@ loop running what `python -m host` runs (a real `NodeOrchestrator` over the fake
 the REST API, the sandbox proxy, the cluster heartbeat) plus an echo server that stands
 for every sandbox's user port 8000 on that node. envd's port 49983 of every sandbox is
 one real envd process (tests/proxy's), so the SDKs' commands and files work end to end.
+Clients use API_KEY; the gateway and the scheduler call into nodes with NODE_KEY, a key
+of its own as in production. With `tls` (certificates of host/proxy/tls.py's local CA),
+the nodes serve their API and proxy over HTTPS and the gateway verifies them with that CA.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import redis
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
-from host.api import ApiKeys, build_api_app
+from host.api import ApiKeys, NodeKeys, build_api_app
 from host.cluster.config import GatewayConfig, SchedulerConfig
 from host.cluster.gateway import build_gateway
 from host.cluster.heartbeat import Heartbeat
@@ -42,10 +45,12 @@ from host.orchestrator import NodeOrchestrator, Store
 from host.orchestrator.admission import AdmissionPolicy
 from host.orchestrator.envd import EnvdClient
 from host.proxy import build_proxy_app
+from host.proxy.tls import CertPaths
 from tests.api.conftest import API_KEY, free_port
 from tests.orchestrator.fakes import FakeEnvd, FakeRuntime
 
 DOMAIN = "sbx.test"
+NODE_KEY = "aenv_node_test_key"   # what the gateway and the scheduler send to nodes
 USER_PORT = 8000          # every sandbox's "user service": its node's echo server
 HEARTBEAT_S = 0.5
 MISSES = 4                # dead 2 s after the last heartbeat (loaded 2-core CI hosts)
@@ -182,8 +187,10 @@ class ClusterNode:
     servers stopped, orchestrator closed: as a node process that ends)."""
 
     def __init__(self, node_id: str, state_dir: Path, redis_url: str, envd_port: int, *,
-                 max_sandboxes: int = 0, repository: SharedRepository | None = None) -> None:
+                 max_sandboxes: int = 0, repository: SharedRepository | None = None,
+                 tls: CertPaths | None = None) -> None:
         self.node_id = node_id
+        self.tls = tls
         self.repository = repository or SharedRepository()
         self.state_dir = state_dir
         self.redis_url = redis_url
@@ -201,12 +208,16 @@ class ClusterNode:
         self._thread: threading.Thread | None = None
 
     @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.api_port}"
+        return f"{self.scheme}://127.0.0.1:{self.api_port}"
 
     @property
     def proxy_url(self) -> str:
-        return f"http://127.0.0.1:{self.proxy_port}"
+        return f"{self.scheme}://127.0.0.1:{self.proxy_port}"
 
     def start(self) -> None:
         self._ready.clear()
@@ -255,11 +266,15 @@ class ClusterNode:
             admission=AdmissionPolicy(max_sandboxes=self.max_sandboxes, reserve_mib=0),
             handoff=True)
         await orch.start(ttl_interval_s=3600)
-        api = build_api_app(orch, ApiKeys([API_KEY]), domain=DOMAIN)
+        api = build_api_app(orch, ApiKeys([API_KEY]), domain=DOMAIN,
+                            node_keys=NodeKeys([NODE_KEY]))
         proxy = build_proxy_app(orch, DOMAIN)
-        servers = [uvicorn.Server(uvicorn.Config(app, lifespan=lifespan, log_level="warning"))
-                   for app, lifespan in ((api, "off"), (proxy, "on"),
-                                         (echo_app(self.node_id), "on"))]
+        tls: dict[str, Any] = ({"ssl_certfile": str(self.tls.cert),
+                                "ssl_keyfile": str(self.tls.key)} if self.tls else {})
+        servers = [uvicorn.Server(uvicorn.Config(app, lifespan=lifespan, log_level="warning",
+                                                 **extra))
+                   for app, lifespan, extra in ((api, "off", tls), (proxy, "on", tls),
+                                                (echo_app(self.node_id), "on", {}))]
         tasks = [asyncio.create_task(s.serve(sockets=[sock]))
                  for s, sock in zip(servers, self._sockets, strict=True)]
         cstore = ClusterStore.from_url(self.redis_url)
@@ -302,9 +317,13 @@ def _die_with_parent() -> None:
 
 
 class RedisServer:
-    """A private redis-server on a loopback port, no persistence, in a temp dir."""
+    """A private redis-server on a loopback port, no persistence, in a temp dir; with
+    `password`, clients must AUTH (requirepass, from a 0600 config file as deploy/ does);
+    with `tls`, it speaks TLS only, with that certificate."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, password: str | None = None, tls: CertPaths | None = None) -> None:
+        self.password = password
+        self.tls = tls
         self.dir = Path(tempfile.mkdtemp(prefix="aenv-redis-"))
         for attempt in range(3):   # free_port() may be taken before redis binds it
             try:
@@ -318,13 +337,21 @@ class RedisServer:
     def _start(self) -> None:
         self.port = free_port()
         exe = shutil.which("redis-server") or "/usr/bin/redis-server"
+        conf = self.dir / "redis.conf"   # the password in a file, not on the command line
+        conf.write_text(f"requirepass {self.password}\n" if self.password else "")
+        conf.chmod(0o600)
+        port = ["--port", str(self.port)]
+        if self.tls is not None:
+            port = ["--port", "0", "--tls-port", str(self.port),
+                    "--tls-cert-file", str(self.tls.cert), "--tls-key-file", str(self.tls.key),
+                    "--tls-ca-cert-file", str(self.tls.ca_cert), "--tls-auth-clients", "no"]
         self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            [exe, str(conf), *port, "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(self.dir), "--protected-mode", "yes"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
             preexec_fn=_die_with_parent)  # noqa: PLW1509 - one prctl call, nothing to lock
         deadline = time.monotonic() + 10
-        client = redis.Redis(host="127.0.0.1", port=self.port)
+        client = redis.Redis.from_url(self.url)
         while True:
             try:
                 client.ping()
@@ -338,7 +365,10 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        if self.tls is None:
+            return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls.ca_cert}"
 
     def stop(self) -> None:
         self._kill()
@@ -358,16 +388,19 @@ class Cluster:
     """Redis (given), the scheduler, the gateway and `n` nodes; `close()` stops them."""
 
     def __init__(self, redis_url: str, root: Path, envd_port: int, *, nodes: int = 3,
-                 max_sandboxes: int = 0, strategy: Strategy = Strategy.LEAST_LOADED) -> None:
+                 max_sandboxes: int = 0, strategy: Strategy = Strategy.LEAST_LOADED,
+                 tls: CertPaths | None = None) -> None:
         self.redis_url = redis_url
         self.root = root
         self.strategy = strategy
+        self.tls = tls
         self.scheduler_port = self.gateway_port = 0   # known once started
         self.scheduler: Served | None = None
         self.gateway: Served | None = None
         self.repository = SharedRepository()
         self.nodes = [ClusterNode(f"node{i}", root / f"node{i}", redis_url, envd_port,
-                                  max_sandboxes=max_sandboxes, repository=self.repository)
+                                  max_sandboxes=max_sandboxes, repository=self.repository,
+                                  tls=tls)
                       for i in range(1, nodes + 1)]
 
     @property
@@ -382,7 +415,11 @@ class Cluster:
         return self
 
     def start_scheduler(self) -> None:
-        cfg = SchedulerConfig(redis=self.redis_url, strategy=self.strategy, sweep_s=SWEEP_S)
+        self.root.mkdir(parents=True, exist_ok=True)
+        node_key = self.root / "node_key"
+        node_key.write_text(NODE_KEY + "\n")
+        cfg = SchedulerConfig(redis=self.redis_url, strategy=self.strategy, sweep_s=SWEEP_S,
+                              node_key_file=node_key)
         self.scheduler = Served(build_scheduler_app(cfg), port=self.scheduler_port,
                                 lifespan="on").__enter__()
         self.scheduler_port = self.scheduler.port
@@ -394,8 +431,9 @@ class Cluster:
 
     def start_gateway(self) -> None:
         cfg = GatewayConfig(redis=self.redis_url,
-                            scheduler=f"http://127.0.0.1:{self.scheduler_port}")
-        app = build_gateway(cfg, keys=ApiKeys([API_KEY]))
+                            scheduler=f"http://127.0.0.1:{self.scheduler_port}",
+                            node_tls_ca=self.tls.ca_cert if self.tls else None)
+        app = build_gateway(cfg, keys=ApiKeys([API_KEY]), node_keys=NodeKeys([NODE_KEY]))
         self.gateway = Served(app, port=self.gateway_port, lifespan="on",
                               timeout_keep_alive=75).__enter__()
         self.gateway_port = self.gateway.port

@@ -30,12 +30,15 @@ from tests.proxy.conftest import start_process, stop_process
 def test_gateway_and_scheduler_config() -> None:
     env = {"AENV_CLUSTER_REDIS": "redis://r:6379/1", "AENV_GATEWAY_LISTEN": "0.0.0.0:81",
            "AENV_SCHEDULER_STRATEGY": "round-robin"}
-    g = parse_gateway(["--scheduler", "http://s:9", "--node-key", "k"], env)
-    assert (g.redis, g.address, g.scheduler, g.node_key) == ("redis://r:6379/1",
-                                                            ("0.0.0.0", 81), "http://s:9", "k")
+    g = parse_gateway(["--scheduler", "http://s:9", "--node-key-file", "/k"], env)
+    assert (g.redis, g.address, g.scheduler, g.node_key_file) == (
+        "redis://r:6379/1", ("0.0.0.0", 81), "http://s:9", Path("/k"))
+    assert g.node_tls_ca is None
+    assert parse_gateway([], {}).node_key_file == Path("/var/lib/aenv/node_key")
     s = parse_scheduler(["--listen", "[::1]:95", "--sandbox-mib", "512"], env)
     assert s.strategy is Strategy.ROUND_ROBIN and s.address == ("::1", 95)
-    assert s.sandbox_mib == 512 and s.keys is None
+    assert s.sandbox_mib == 512 and s.node_key_file is None
+    assert parse_scheduler([], {"AENV_NODE_KEY_FILE": "/nk"}).node_key_file == Path("/nk")
     assert parse_scheduler(["--strategy", "least-loaded"], env).strategy is Strategy.LEAST_LOADED
     assert split_listen("10.0.0.1", 8080) == ("10.0.0.1", 8080)
     for bad in (["--redis", "http://x"], ["--listen", "a:0"], ["--sandbox-mib", "0"]):
@@ -45,6 +48,12 @@ def test_gateway_and_scheduler_config() -> None:
         parse_gateway(["--scheduler", "ftp://x"], {})
     with pytest.raises(ConfigError):
         parse_scheduler([], {"AENV_SCHEDULER_SANDBOX_MIB": "lots"})
+    with pytest.raises(ConfigError, match="does not exist"):
+        parse_gateway(["--node-tls-ca", "/nope/ca.pem"], {})
+    # a Redis URL's password stays out of the messages
+    with pytest.raises(ConfigError) as refused:
+        parse_gateway(["--redis", "http://:s3cret@r:6379/0"], {})
+    assert "s3cret" not in str(refused.value) and "***" in str(refused.value)
 
 
 def test_node_cluster_config_and_advertised_urls() -> None:
@@ -66,6 +75,34 @@ def test_node_cluster_config_and_advertised_urls() -> None:
             parse_config(bad, {})
     m = read_machine()
     assert m.cpu_count >= 1 and m.memory_mib >= m.available_mib > 0
+
+
+def test_node_key_and_tls_settings(tmp_path: Path) -> None:
+    """The node key lives in the state dir unless moved; --tls-cert/--tls-key serve the
+    operator's certificate (and make the advertised URLs https://)."""
+    cfg = parse_config(["--state-dir", str(tmp_path)], {})
+    assert cfg.node_key_path == tmp_path / "node_key" and not cfg.tls
+    assert parse_config([], {"AENV_NODE_KEY_FILE": "/etc/aenv/node_key"}).node_key_path == \
+        Path("/etc/aenv/node_key")
+    cert, key = tmp_path / "node.pem", tmp_path / "node-key.pem"
+    cert.write_text("x")
+    key.write_text("x")
+    cfg = parse_config(["--tls-cert", str(cert), "--tls-key", str(key),
+                        "--cluster-redis", "redis://r/0",
+                        "--advertise-url", "https://node-a.internal:3000"], {})
+    assert cfg.tls and (cfg.tls_cert, cfg.tls_key) == (cert, key)
+    assert advertised_urls(cfg) == ("https://node-a.internal:3000",
+                                    "https://node-a.internal:3001")
+    assert parse_config([], {"AENV_TLS_CERT": str(cert), "AENV_TLS_KEY": str(key)}).tls
+    for bad, message in ((["--tls-cert", str(cert)], "go together"),
+                         (["--tls-cert", str(cert), "--tls-key", str(key), "--no-tls"],
+                          "contradicts"),
+                         (["--tls-cert", "/nope", "--tls-key", str(key)], "does not exist")):
+        with pytest.raises(HostConfigError, match=message):
+            parse_config(bad, {})
+    with pytest.raises(HostConfigError) as exc:
+        parse_config(["--cluster-redis", "http://:s3cret@r/0"], {})
+    assert "s3cret" not in str(exc.value)
 
 
 @pytest.mark.asyncio(loop_scope="function")
@@ -95,13 +132,17 @@ async def test_cluster_member_heartbeats_a_node(redis_url: str, tmp_path: Path) 
 def test_entry_points_serve(redis_url: str, tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("e2b_cli_key\n")
+    node_key = tmp_path / "node_key"
+    node_key.write_text("aenv_node_cli_key\n")
     sched_port, gw_port = free_port(), free_port()
     sched = start_process([sys.executable, "-m", "host.cluster.scheduler", "--redis",
-                           redis_url, "--listen", f"127.0.0.1:{sched_port}"],
+                           redis_url, "--listen", f"127.0.0.1:{sched_port}",
+                           "--node-key-file", str(node_key)],
                           health=f"http://127.0.0.1:{sched_port}/health")
     try:
         gw = start_process([sys.executable, "-m", "host.cluster.gateway", "--redis", redis_url,
                             "--listen", f"127.0.0.1:{gw_port}", "--keys", str(keys),
+                            "--node-key-file", str(node_key),
                             "--scheduler", f"http://127.0.0.1:{sched_port}"],
                            health=f"http://127.0.0.1:{gw_port}/health")
         try:
@@ -117,6 +158,18 @@ def test_entry_points_serve(redis_url: str, tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "host.cluster.gateway", "--redis", "http://nope"],
                          check=False, capture_output=True, text=True)
     assert bad.returncode == 2 and "--redis" in bad.stderr
+    # no node key file: both refuse to start (a new key there would be one no node accepts)
+    for service, args in (("gateway", ["--keys", str(keys)]), ("scheduler", [])):
+        bad = subprocess.run([sys.executable, "-m", f"host.cluster.{service}", *args,
+                              "--node-key-file", str(tmp_path / "absent")],
+                             check=False, capture_output=True, text=True)
+        assert bad.returncode == 2 and "no node key file" in bad.stderr, bad.stderr
+    # the node key one of the clients' keys: the gateway refuses it
+    keys.write_text("e2b_cli_key\naenv_node_cli_key\n")
+    bad = subprocess.run([sys.executable, "-m", "host.cluster.gateway", "--keys", str(keys),
+                          "--node-key-file", str(node_key)],
+                         check=False, capture_output=True, text=True)
+    assert bad.returncode == 2 and "also an API key" in bad.stderr, bad.stderr
 
 
 def test_gateway_serves_https(redis_url: str, tmp_path: Path) -> None:
@@ -127,9 +180,12 @@ def test_gateway_serves_https(redis_url: str, tmp_path: Path) -> None:
     paths = ensure_certificates(tmp_path / "tls", "gw.test")
     keys = tmp_path / "keys"
     keys.write_text("e2b_cli_key\n")
+    node_key = tmp_path / "node_key"
+    node_key.write_text("aenv_node_cli_key\n")
     port = free_port()
     gw = start_process([sys.executable, "-m", "host.cluster.gateway", "--redis", redis_url,
                         "--listen", f"127.0.0.1:{port}", "--keys", str(keys),
+                        "--node-key-file", str(node_key),
                         "--tls-cert", str(paths.cert), "--tls-key", str(paths.key)])
     try:
         deadline = time.monotonic() + 20

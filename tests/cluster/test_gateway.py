@@ -218,16 +218,17 @@ def test_round_robin(make_cluster) -> None:
 
 def test_gateway_without_redis() -> None:
     """Redis down: API calls are retryable 503s, traffic too (not "sandbox not found")."""
-    from host.api import ApiKeys
+    from host.api import ApiKeys, NodeKeys
     from host.cluster.config import GatewayConfig
     from host.cluster.gateway import build_gateway
     from tests.api.conftest import free_port
 
-    from .harness import Served
+    from .harness import NODE_KEY, Served
 
     cfg = GatewayConfig(redis=f"redis://127.0.0.1:{free_port()}/0",
                         scheduler=f"http://127.0.0.1:{free_port()}")
-    with Served(build_gateway(cfg, keys=ApiKeys([API_KEY])), lifespan="on") as gw:
+    with Served(build_gateway(cfg, keys=ApiKeys([API_KEY]), node_keys=NodeKeys([NODE_KEY])),
+                lifespan="on") as gw:
         r = httpx.get(f"{gw.url}/nodes", headers={"X-API-Key": API_KEY})
         assert r.status_code == 503 and r.json()["error_code"] == "cluster_store_unavailable"
         assert "should-retry" not in r.headers

@@ -17,7 +17,7 @@ import pytest
 import redis
 import websockets
 
-from host.api import ApiKeys
+from host.api import ApiKeys, NodeKeys
 from host.cluster.config import GatewayConfig, SchedulerConfig
 from host.cluster.gateway import build_gateway
 from host.cluster.gateway.metrics import binding_counts
@@ -28,7 +28,7 @@ from host.cluster.store import ClusterStore, Keys
 from tests.api.conftest import API_KEY, free_port
 from tests.metrics.scrape import Scrape, parse
 
-from .harness import USER_PORT, Cluster, Served, listen_socket
+from .harness import NODE_KEY, USER_PORT, Cluster, Served, listen_socket
 from .test_failover import DEAD_BOUND_S
 from .test_gateway import api, create, where
 
@@ -183,14 +183,16 @@ def test_create_capacity_refusal_and_pause(make_cluster) -> None:
         assert s3.delta(s2, "aenv_scheduler_placements_total") == 0
 
         # a fork of a sandbox the index does not know: the scheduler's error outcome
-        r = httpx.post(f"{sch}/placements", json={"kind": "fork", "sandboxID": "nosuch"})
+        r = httpx.post(f"{sch}/placements", json={"kind": "fork", "sandboxID": "nosuch"},
+                       headers={"X-API-Key": NODE_KEY})
         assert r.status_code == 404
         s4 = page(sch)
         assert s4.delta(s3, "aenv_scheduler_placements_total", kind="fork",
                         outcome="error") == 1
         assert s4.delta(s3, "aenv_scheduler_placements_total") == 1
         # a request the scheduler cannot read is no placement (and no label from it)
-        assert httpx.post(f"{sch}/placements", json={"kind": "x" * 40}).status_code == 400
+        assert httpx.post(f"{sch}/placements", json={"kind": "x" * 40},
+                          headers={"X-API-Key": NODE_KEY}).status_code == 400
         s5 = page(sch)
         assert s5.delta(s4, "aenv_scheduler_placements_total") == 0
         assert s5.delta(s4, "aenv_scheduler_placement_seconds_count") == 0
@@ -293,9 +295,9 @@ def test_a_node_that_dies(make_cluster) -> None:
 
 def test_metrics_need_no_key_where_the_scheduler_wants_one(redis_url: str,
                                                            tmp_path: Path) -> None:
-    keys = tmp_path / "keys"
-    keys.write_text(API_KEY + "\n")
-    cfg = SchedulerConfig(redis=redis_url, keys=keys)
+    keys = tmp_path / "node_key"
+    keys.write_text(NODE_KEY + "\n")
+    cfg = SchedulerConfig(redis=redis_url, node_key_file=keys)
     with Served(build_scheduler_app(cfg), lifespan="on") as sch:
         assert httpx.post(f"{sch.url}/placements", json={}).status_code == 401
         p = page(sch.url)
@@ -308,7 +310,8 @@ def test_redis_down_leaves_the_index_out() -> None:
     the gateway's errors are counted."""
     cfg = GatewayConfig(redis=f"redis://127.0.0.1:{free_port()}/0",
                         scheduler=f"http://127.0.0.1:{free_port()}")
-    with Served(build_gateway(cfg, keys=ApiKeys([API_KEY])), lifespan="on") as gw:
+    with Served(build_gateway(cfg, keys=ApiKeys([API_KEY]), node_keys=NodeKeys([NODE_KEY])),
+                lifespan="on") as gw:
         p0 = page(gw.url)
         assert "aenv_cluster_nodes" not in p0.names()
         assert "aenv_cluster_sandboxes" not in p0.names()

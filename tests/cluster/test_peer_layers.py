@@ -20,7 +20,7 @@ import pytest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 
-from host.api.auth import ApiKeyMiddleware, ApiKeys
+from host.api.auth import ApiKeyMiddleware, ApiKeys, NodeKeys
 from host.cluster.peers import PeerFiles, layers_route
 from host.cluster.registry import Registry
 from host.cluster.store import ClusterStore
@@ -33,7 +33,8 @@ from host.storage.repository import OssRepository
 from .harness import Served
 from .test_peers import heartbeat
 
-KEY = "e2b_" + "9" * 40
+KEY = "aenv_node_" + "9" * 40   # the node key: neighbours send it to each other
+CLIENT_KEY = "e2b_" + "9" * 40
 
 
 @pytest.fixture
@@ -59,7 +60,8 @@ def node_a(tmp_path: Path) -> tuple[Path, Path, Starlette]:
     layers.mkdir(parents=True)
     app = Starlette(routes=[layers_route(
         lambda h, o, n: held_range(layers, cache, h, o, n, chunk_size=CHUNK))],
-        middleware=[Middleware(ApiKeyMiddleware, keys=ApiKeys([KEY]))])
+        middleware=[Middleware(ApiKeyMiddleware, keys=ApiKeys([CLIENT_KEY]),
+                                node_keys=NodeKeys([KEY]))])
     return layers, cache, app
 
 

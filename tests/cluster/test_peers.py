@@ -21,7 +21,7 @@ import pytest_asyncio
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 
-from host.api.auth import ApiKeyMiddleware, ApiKeys
+from host.api.auth import ApiKeyMiddleware, ApiKeys, NodeKeys
 from host.cluster.peers import PeerFiles, memory_route
 from host.cluster.registry import Registry
 from host.cluster.store import ClusterStore
@@ -33,7 +33,8 @@ from .test_registry import fields
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 
-KEY = "e2b_" + "7" * 40
+KEY = "aenv_node_" + "7" * 40   # the node key: neighbours send it to each other
+CLIENT_KEY = "e2b_" + "7" * 40
 NAME = "snapA/mem/memory.diff"
 
 
@@ -53,7 +54,8 @@ async def registry(redis_url: str) -> AsyncIterator[Registry]:
 def node_api(memory: MemoryFiles) -> Starlette:
     """What a node's API serves to its neighbours (the route behind the key check)."""
     return Starlette(routes=[memory_route(memory.local)],
-                     middleware=[Middleware(ApiKeyMiddleware, keys=ApiKeys([KEY]))])
+                     middleware=[Middleware(ApiKeyMiddleware, keys=ApiKeys([CLIENT_KEY]),
+                                node_keys=NodeKeys([KEY]))])
 
 
 def manifest(content: bytes) -> dict:
@@ -142,6 +144,8 @@ async def test_only_memory_files_and_only_with_the_key(nodes):
     _, _, _, served = nodes
     with httpx.Client(base_url=served.url) as c:
         assert c.get(f"/cluster/memory/{NAME}").status_code == 401
+        c.headers["X-API-Key"] = CLIENT_KEY   # a client's key: not for neighbours' routes
+        assert c.get(f"/cluster/memory/{NAME}").status_code == 403
         c.headers["X-API-Key"] = KEY
         assert c.get(f"/cluster/memory/{NAME}").status_code == 200
         for bad in ("snapA", "snapA/mem", "..%2Fstate.db", "snapA/../../state.db",

@@ -23,7 +23,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     host, port = cfg.address
-    uvicorn.run(build_gateway(cfg), host=host, port=port, lifespan="on",
+    try:
+        app = build_gateway(cfg)
+    except ValueError as exc:   # a key file missing or empty, or the node key a client's
+        print(f"aenv gateway: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=host, port=port, lifespan="on",
                 log_level=cfg.log_level, timeout_keep_alive=KEEP_ALIVE_S,
                 timeout_graceful_shutdown=10,
                 ssl_certfile=str(cfg.tls_cert) if cfg.tls_cert else None,

@@ -15,10 +15,12 @@ auto-resume). API calls: sandboxes.py (create, per-sandbox calls), listing.py,
 nodes.py.
 
 API keys: the gateway checks the client's X-API-Key against its own key file (constant
-time, host/api/auth.py) and calls nodes and the scheduler with the node key (default: the
-first key of that file), so in the simplest deployment one key file serves every machine,
-and client keys can be added or revoked at the gateway alone. `GET /health` and `GET
-/metrics` (Prometheus text format, metrics.py) need no key (auth.py's open paths).
+time, host/api/auth.py) and calls nodes and the scheduler with the cluster's node key, a
+secret of its own that no client holds (the gateway refuses to start when it is one of
+the API keys, and does not accept it from clients), so client keys can be added or
+revoked at the gateway alone. `GET /health` and `GET /metrics` (Prometheus text format,
+metrics.py) need no key (auth.py's open paths). Nodes at https:// addresses are reached
+over TLS, verified with --node-tls-ca (forward.py).
 
 Metrics: the API and the traffic are each wrapped in host/metrics' `ExchangeMetrics`
 (requests by kind and status class, traffic bytes); /health and /metrics themselves are
@@ -40,8 +42,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from host.api.auth import ApiKeyMiddleware, ApiKeys
+from host.api.auth import ApiKeyMiddleware, ApiKeys, NodeKeys, check_separate
 from host.api.errors import ApiError, error_response, response_for
+from host.httpheaders import header
+from host.ids import ROUTABLE_ID_BODY
 from host.metrics import METRICS_PATH, ExchangeMetrics, metrics_route
 from host.proxy import responses
 from host.proxy.routing import (
@@ -60,37 +64,30 @@ from ..registry import Registry
 from ..store import DEFAULT_PREFIX, ClusterStore
 from . import listing, nodes, sandboxes, templates
 from .context import GatewayContext
-from .forward import NodeClient
+from .forward import NodeClient, node_tls
 from .metrics import GatewayMetrics, error_code
 from .resolve import Resolver
 from .scheduling import SchedulerClient
 from .websocket import deny, relay_websocket
 
-_PORT_HOST = re.compile(r"^[0-9]+-[a-z0-9]+\.")
+_PORT_HOST = re.compile(rf"^[0-9]+-{ROUTABLE_ID_BODY}\.")   # `<port>-<id>.`: traffic
 _ANY = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"]
 _PROBES = frozenset({"/health", METRICS_PATH})   # API paths not counted as requests
 _FOUND = "aenv.gateway.found"   # scope key: classify()'s answer for the traffic app
 
 
-def _header(scope: Scope, name: bytes) -> str | None:
-    for k, v in scope["headers"]:
-        if k == name:
-            return bytes(v).decode("latin-1")
-    return None
-
-
 def classify(scope: Scope, domain: str | None) -> tuple[Target, bool] | None:
     """(target, routed by headers) for sandbox traffic; None for an API call. Raises
     BadTarget for traffic that names no valid sandbox port (-> 400)."""
-    host = host_name(_header(scope, b"host") or "")
+    host = host_name(header(scope, b"host") or "")
     if domain and host == f"api.{domain}":
         return None
     if _PORT_HOST.match(host):
         return parse_target(host, None, None, None), False
-    sandbox_id = _header(scope, b"e2b-sandbox-id")
+    sandbox_id = header(scope, b"e2b-sandbox-id")
     if sandbox_id is None:
         return None
-    return parse_target("localhost", sandbox_id, _header(scope, b"e2b-sandbox-port"), None), True
+    return parse_target("localhost", sandbox_id, header(scope, b"e2b-sandbox-port"), None), True
 
 
 async def health(request: Request) -> Response:
@@ -175,18 +172,20 @@ class Gateway:
     """The gateway's ASGI app; serve with lifespan="on" (Redis, the node pool and the
     scheduler client live in it)."""
 
-    def __init__(self, cfg: GatewayConfig, keys: ApiKeys, *, node_key: str | None = None,
+    def __init__(self, cfg: GatewayConfig, keys: ApiKeys, node_keys: NodeKeys, *,
                  prefix: str = DEFAULT_PREFIX, metrics: GatewayMetrics | None = None) -> None:
+        check_separate(keys, node_keys)
         self.cfg = cfg
         self.domain = cfg.domain.lower() if cfg.domain else None
         self.metrics = metrics = metrics if metrics is not None else GatewayMetrics()
-        key = node_key or cfg.node_key or keys.first
+        key = node_keys.first
+        tls = node_tls(cfg.node_tls_ca)   # read now: a bad CA file fails the start
 
         @contextlib.asynccontextmanager
         async def lifespan(app: Starlette) -> AsyncIterator[None]:
             store = ClusterStore.from_url(cfg.redis, prefix=prefix)
             registry = Registry(store)
-            client = NodeClient(key, metrics=metrics)
+            client = NodeClient(key, tls=tls, metrics=metrics)
             scheduler = SchedulerClient(cfg.scheduler, key)
             app.state.gateway = GatewayContext(store, registry, client,
                                                Resolver(registry, client), scheduler,
@@ -289,7 +288,7 @@ class Gateway:
             await self._deny(scope, receive, send, exc.status, exc.message, sid,
                              code=error_code(exc.status, exc.error_code))
             return
-        if by_headers and not routes_by_headers(host_name(_header(scope, b"host") or ""),
+        if by_headers and not routes_by_headers(host_name(header(scope, b"host") or ""),
                                                  None):
             scope = dict(scope)
             scope["headers"] = [(k, v) for k, v in scope["headers"] if k != b"host"]
@@ -297,7 +296,7 @@ class Gateway:
         try:
             if scope["type"] == "websocket":
                 await relay_websocket(loc.node.proxy_address, scope, receive, send,
-                                      sandbox_id=sid, metrics=self.metrics)
+                                      sandbox_id=sid, tls=ctx.nodes.tls, metrics=self.metrics)
             else:
                 await ctx.nodes.relay(loc.node.proxy_address, scope, receive, send,
                                       sandbox_id=sid)
@@ -307,9 +306,12 @@ class Gateway:
 
 
 def build_gateway(cfg: GatewayConfig, *, keys: ApiKeys | None = None,
-                  node_key: str | None = None, prefix: str = DEFAULT_PREFIX,
+                  node_keys: NodeKeys | None = None, prefix: str = DEFAULT_PREFIX,
                   metrics: GatewayMetrics | None = None) -> Gateway:
-    """The gateway for `cfg`; `keys` default to cfg.keys (created with one key if absent);
-    `metrics`: its registry (default: a new one), served at GET /metrics."""
-    return Gateway(cfg, keys or ApiKeys.load_or_create(cfg.keys), node_key=node_key,
-                   prefix=prefix, metrics=metrics)
+    """The gateway for `cfg`; `keys` default to cfg.keys (created with one key if absent),
+    `node_keys` to cfg.node_key_file (which must exist: a new key there would be one no
+    node accepts); `metrics`: its registry (default: a new one), served at GET /metrics.
+    ValueError: a key file is empty or missing, or the node key is also an API key."""
+    return Gateway(cfg, keys or ApiKeys.load_or_create(cfg.keys),
+                   node_keys or NodeKeys.load(cfg.node_key_file), prefix=prefix,
+                   metrics=metrics)

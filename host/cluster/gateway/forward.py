@@ -11,6 +11,14 @@ only when that cannot run it twice).
 A failure before the request could reach the node is `NodeUnreachable(sent=False)`: the
 caller may send it elsewhere. After that it is `sent=True`, and only idempotent requests
 may be repeated.
+
+A node advertised at an https:// address is reached over TLS and its certificate verified
+for that host name, against --node-tls-ca where given (`node_tls`), else the system's CAs.
+
+Sandbox traffic goes to the node's proxy with the client's headers less the client's API
+key and forwarding headers (`traffic_headers`); the traffic token and envd's token go on,
+since the node's proxy checks the one and passes the other to envd only
+(host/httpheaders.py says who drops what).
 """
 
 from __future__ import annotations
@@ -19,15 +27,25 @@ import asyncio
 import contextlib
 import json
 import logging
+import ssl
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
+from host.httpheaders import (
+    API_KEY,
+    FORWARDING,
+    HOP_BY_HOP,
+    Headers,
+    forwarding,
+    without,
+)
 from host.proxy import responses
 from host.proxy.upstream import Pool, UpstreamError, UpstreamUnreachable
 
@@ -38,24 +56,44 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Headers = list[tuple[bytes, bytes]]
-
-# Hop-by-hop headers (RFC 9110 §7.6.1) and those the server side already handled.
-HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate",
-                 b"proxy-authorization", b"te", b"trailer", b"transfer-encoding", b"upgrade",
-                 b"expect"})
-_RESET = HOP | {b"host", b"x-api-key", b"content-length"}
+# an API call's headers the gateway sets itself (X-API-Key: the node key)
+_RESET = HOP_BY_HOP | {b"host", API_KEY, b"content-length"}
+# sandbox traffic: the client's key is the gateway's business only; forwarding headers
+# are set again (to this hop's peer)
+_NOT_TRAFFIC = HOP_BY_HOP | FORWARDING | {API_KEY}
 # set by the gateway's own server on every answer; the node's copies would be duplicates
 _OWN = frozenset({b"content-length", b"date", b"server"})
 
 
+def traffic_headers(scope: Scope, *, drop: frozenset[bytes] = frozenset()) -> Headers:
+    """The client's headers for the node's proxy (also less `drop`), X-Forwarded-For/-Proto
+    the client's address and scheme here: the node's proxy checks the traffic token and
+    drops our credentials before the sandbox (host/proxy/forwarding.py)."""
+    return forwarding(without(scope["headers"], _NOT_TRAFFIC | drop), scope)
+
+
 def host_port(url: str) -> tuple[str, int]:
-    """(host, port) of a node's http:// address."""
+    """(host, port) of a node's http:// or https:// address."""
     parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise NodeUnreachable(f"node address {url!r} is not an http:// URL (the gateway "
-                              "reaches nodes over plain HTTP)", sent=False)
-    return parts.hostname, parts.port or 80
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise NodeUnreachable(f"node address {url!r} is not an http(s):// URL", sent=False)
+    return parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+
+
+def is_tls(url: str) -> bool:
+    return url.startswith("https://")
+
+
+def node_tls(ca: Path | None = None) -> ssl.SSLContext:
+    """The context https:// nodes are verified with: `ca` only (a cluster's own CA), else
+    the system's CAs. HTTP/1.1 only, as the pool speaks. ValueError: `ca` is unreadable
+    or holds no PEM certificate."""
+    try:
+        ctx = ssl.create_default_context(cafile=str(ca) if ca is not None else None)
+    except OSError as exc:   # ssl.SSLError too
+        raise ValueError(f"node TLS CA {ca}: {exc}") from None
+    ctx.set_alpn_protocols(["http/1.1"])
+    return ctx
 
 
 @dataclass(frozen=True)
@@ -77,7 +115,7 @@ class NodeAnswer:
     def response(self, body: bytes | None = None) -> Response:
         """This answer for the client (`body` replaces the node's)."""
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in self.headers
-                   if k.lower() not in HOP and k.lower() not in _OWN}
+                   if k.lower() not in HOP_BY_HOP and k.lower() not in _OWN}
         return Response(self.body if body is None else body, status_code=self.status,
                         headers=headers)
 
@@ -92,13 +130,23 @@ class NodeClient:
     node the traffic relay could not reach is counted as an error."""
 
     def __init__(self, node_key: str, *, pool: Pool | None = None,
+                 tls: ssl.SSLContext | None = None,
                  metrics: GatewayMetrics | None = None) -> None:
         self.node_key = node_key
         self.pool = pool or Pool(connect_timeout_s=5.0)
+        # https:// nodes: a pool of their own (its connections are all TLS)
+        self.tls = tls or node_tls()
+        self.tls_pool = Pool(connect_timeout_s=5.0, tls=self.tls)
         self.metrics = metrics
 
     async def aclose(self) -> None:
-        await self.pool.aclose()
+        try:
+            await self.pool.aclose()
+        finally:
+            await self.tls_pool.aclose()
+
+    def _pool(self, address: str) -> Pool:
+        return self.tls_pool if is_tls(address) else self.pool
 
     async def call(self, address: str, method: str, target: str, *, body: bytes = b"",
                    headers: Sequence[tuple[bytes, bytes]] = (),
@@ -114,8 +162,9 @@ class NodeClient:
             out.append((b"content-length", str(len(body)).encode()))
         try:
             async with asyncio.timeout(timeout_s):
-                resp = await self.pool.request(host, port, method.encode(), target.encode(),
-                                               out, _once(body) if body else None)
+                resp = await self._pool(address).request(
+                    host, port, method.encode(), target.encode(), out,
+                    _once(body) if body else None)
                 chunks = []
                 stream = resp.aiter_body()
                 try:
@@ -143,13 +192,10 @@ class NodeClient:
         """Forward one HTTP exchange to the node proxy at `address` unchanged (its Host
         and E2b-Sandbox-* headers tell the node's proxy which sandbox port it is for)."""
         host, port = host_port(address)
-        headers = [(k, v) for k, v in scope["headers"] if k not in HOP]
+        headers = traffic_headers(scope)
         names = {k for k, _ in headers}
         if b"host" not in names:
             headers.append((b"host", f"{host}:{port}".encode()))
-        client = scope.get("client")
-        if client:
-            headers.append((b"x-forwarded-for", client[0].encode()))
         body_done = asyncio.Event()
         content = None
         if b"content-length" in names:
@@ -176,8 +222,8 @@ class NodeClient:
 
         watcher = asyncio.create_task(watch())
         try:
-            await self._pump(host, port, scope["method"].encode(), target, headers, content,
-                             send, sandbox_id)
+            await self._pump(self._pool(address), host, port, scope["method"].encode(),
+                             target, headers, content, send, sandbox_id)
         except asyncio.CancelledError:
             if not gone or this.uncancel() != 0:
                 raise
@@ -186,10 +232,11 @@ class NodeClient:
         finally:
             watcher.cancel()
 
-    async def _pump(self, host: str, port: int, method: bytes, target: bytes, headers: Headers,
-                    content: AsyncIterator[bytes] | None, send: Send, sandbox_id: str) -> None:
+    async def _pump(self, pool: Pool, host: str, port: int, method: bytes, target: bytes,
+                    headers: Headers, content: AsyncIterator[bytes] | None, send: Send,
+                    sandbox_id: str) -> None:
         try:
-            upstream = await self.pool.request(host, port, method, target, headers, content)
+            upstream = await pool.request(host, port, method, target, headers, content)
         except UpstreamError as exc:
             if self.metrics is not None:
                 self.metrics.error(502, NodeUnreachable.error_code)
@@ -200,7 +247,7 @@ class NodeClient:
         try:
             await send({"type": "http.response.start", "status": upstream.status,
                         "headers": [(k, v) for k, v in upstream.headers
-                                    if k.lower() not in HOP
+                                    if k.lower() not in HOP_BY_HOP
                                     and k.lower() not in (b"date", b"server")]})
             try:
                 async for chunk in body:

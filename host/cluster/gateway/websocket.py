@@ -6,24 +6,22 @@ headers, so it resolves the same sandbox port the gateway did.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from typing import TYPE_CHECKING, Any
 
 import websockets
 from starlette.types import Receive, Scope, Send
 from websockets.asyncio.client import connect as ws_connect
 
+from host.httpheaders import WS_HANDSHAKE
 from host.proxy import responses
 from host.proxy.wspump import pump_down, pump_up
 
 from ..errors import NodeUnreachable
-from .forward import HOP, host_port
+from .forward import host_port, is_tls, traffic_headers
 
 if TYPE_CHECKING:
     from .metrics import GatewayMetrics
-
-_HANDSHAKE = frozenset({b"host", b"upgrade", b"connection", b"sec-websocket-key",
-                        b"sec-websocket-version", b"sec-websocket-extensions",
-                        b"sec-websocket-protocol", b"content-length"})
 
 
 async def deny(scope: Scope, receive: Receive, send: Send, status: int, message: str,
@@ -43,22 +41,26 @@ async def deny(scope: Scope, receive: Receive, send: Send, status: int, message:
 
 async def relay_websocket(address: str, scope: Scope, receive: Receive, send: Send, *,
                           sandbox_id: str, open_timeout_s: float = 10.0,
+                          tls: ssl.SSLContext | None = None,
                           metrics: GatewayMetrics | None = None) -> None:
     """Relay one WebSocket session to the node proxy at `address` (`metrics`: a node that
-    cannot be reached is counted as an error; the node's own refusal is its answer)."""
+    cannot be reached is counted as an error; the node's own refusal is its answer).
+    An https:// address is reached over TLS verified with `tls` (forward.node_tls)."""
     host, port = host_port(address)
     raw_path = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
     query = scope.get("query_string", b"").decode("latin-1")
     client_host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"),
                        f"{host}:{port}")
-    headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
-               if k not in _HANDSHAKE and k not in HOP]
+    headers = [(k.decode("latin-1"), v.decode("latin-1"))
+               for k, v in traffic_headers(scope, drop=WS_HANDSHAKE)]
     # the URI carries the client's Host (the node's proxy routes by it); the TCP connection
-    # goes to the node's proxy
-    uri = f"ws://{client_host}{raw_path}" + (f"?{query}" if query else "")
+    # goes to the node's proxy, whose certificate is checked for the node's host name
+    secure = is_tls(address)
+    uri = f"{'wss' if secure else 'ws'}://{client_host}{raw_path}" + (f"?{query}" if query else "")
+    tls_args: dict[str, Any] = {"ssl": tls or True, "server_hostname": host} if secure else {}
     try:
         upstream = await ws_connect(
-            uri, host=host, port=port, additional_headers=headers,
+            uri, host=host, port=port, additional_headers=headers, **tls_args,
             subprotocols=scope.get("subprotocols") or None, open_timeout=open_timeout_s,
             max_size=None, compression=None, user_agent_header=None, ping_interval=None)
     except websockets.InvalidStatus as exc:

@@ -21,7 +21,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     host, port = cfg.address
-    uvicorn.run(build_scheduler_app(cfg), host=host, port=port, lifespan="on",
+    try:
+        app = build_scheduler_app(cfg)
+    except ValueError as exc:   # the node key file missing or empty
+        print(f"aenv scheduler: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=host, port=port, lifespan="on",
                 log_level=cfg.log_level, timeout_graceful_shutdown=10)
     return 0
 

@@ -7,9 +7,9 @@
                        "placementID"}; 429 (E2B's capacity error) when no node fits, 404 /
                        410 for a fork or resume of an unknown or lost sandbox
 
-Stateless: everything it knows is in Redis, so replicas may run side by side. With a key
-file, every route but /health and /metrics (host/api/auth.py's open paths) wants one of
-its keys in X-API-Key.
+Stateless: everything it knows is in Redis, so replicas may run side by side. With a node
+key file, every route but /health and /metrics (host/api/auth.py's open paths) wants the
+cluster's node key in X-API-Key (what the gateway sends); no client's API key opens it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from host.api.auth import ApiKeyMiddleware, ApiKeys
+from host.api.auth import ApiKeyMiddleware, NodeKeys
 from host.api.errors import error_response
 from host.metrics import metrics_route
 
@@ -122,8 +122,9 @@ def build_scheduler_app(cfg: SchedulerConfig, *, prefix: str = DEFAULT_PREFIX,
                 await store.aclose()
 
     middleware = []
-    if cfg.keys is not None:   # /metrics is one of its open paths, as /health
-        middleware.append(Middleware(ApiKeyMiddleware, keys=ApiKeys.load_or_create(cfg.keys)))
+    if cfg.node_key_file is not None:   # /metrics is one of its open paths, as /health
+        middleware.append(Middleware(ApiKeyMiddleware, keys=None,
+                                     node_keys=NodeKeys.load(cfg.node_key_file)))
     app = Starlette(routes=[Route("/health", health, methods=["GET"]),
                             Route("/placements", place, methods=["POST"]),
                             metrics_route(metrics)],
