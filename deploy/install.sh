@@ -11,8 +11,12 @@
 #                               (host/ reads templates/ and scripts next to it)
 #   /usr/local/bin/aenv         -> /opt/aenv/.venv/bin/aenv (the CLI)
 #   /etc/aenv/<role>.env        settings of each service (0600, created only when absent)
-#   /etc/aenv/api_keys          the API keys every service accepts (0600, created when absent)
-#   /var/lib/aenv               node state (0700); its api_keys -> /etc/aenv/api_keys
+#   /etc/aenv/api_keys          the API keys clients use (0600, created when absent)
+#   /etc/aenv/node_key          the cluster's node key: the gateway's, scheduler's and
+#                               neighbours' calls into nodes; never a client's key (0600,
+#                               created when absent; copy it to every machine of a cluster)
+#   /var/lib/aenv               node state (0700); its api_keys -> /etc/aenv/api_keys, its
+#                               node_key -> /etc/aenv/node_key
 #   /var/cache/aenv             guest kernel and images (`make kernel image`, or --build)
 #   /etc/systemd/system/aenv-{node,gateway,scheduler}.service
 #
@@ -226,8 +230,8 @@ for role in "${ROLES[@]}"; do
     run install -m 0600 -o root -g root "$source/deploy/systemd/$role.env" "$conf"
   fi
 done
-# One key file for the whole installation: the gateway checks clients' keys against it and
-# sends the first to the nodes, so every node must accept the same keys.
+# The clients' keys for the whole installation: the gateway checks them, and so does a node
+# that clients reach directly.
 keys=$ETC/api_keys
 if [ ! -e "$keys" ]; then
   if [ -f "$STATE/api_keys" ] && [ ! -L "$STATE/api_keys" ]; then
@@ -240,15 +244,35 @@ if [ ! -e "$keys" ]; then
     fi
   fi
 fi
+# The node key: what the gateway, the scheduler and neighbouring nodes send to nodes. A
+# secret of its own (a client's key opens no node's /cluster/ routes, nor the scheduler),
+# the same file on every machine of a cluster.
+node_key=$ETC/node_key
+if [ ! -e "$node_key" ]; then
+  if [ -f "$STATE/node_key" ] && [ ! -L "$STATE/node_key" ]; then
+    changed "node key: $node_key (from $STATE/node_key)"
+    run install -m 0600 -o root -g root "$STATE/node_key" "$node_key"
+  else
+    changed "node key: $node_key (a new key; copy it to every machine of the cluster)"
+    if [ "$dry_run" = 0 ]; then
+      (umask 077; printf 'aenv_node_%s\n' "$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')" >"$node_key")
+    fi
+  fi
+fi
 if has_role node; then
   ensure_dir "$STATE" 0700
   ensure_dir "$CACHE" 0755
-  if [ ! -e "$STATE/api_keys" ] && [ ! -L "$STATE/api_keys" ]; then
-    changed "keys: $STATE/api_keys -> $keys"
-    run ln -s "$keys" "$STATE/api_keys"
-  elif [ ! -L "$STATE/api_keys" ] && [ -e "$keys" ] && ! cmp -s "$STATE/api_keys" "$keys"; then
-    log "warning: $STATE/api_keys differs from $keys (the node accepts only its own)"
-  fi
+  # link_state NAME TARGET: the node reads <state>/NAME
+  link_state() {
+    if [ ! -e "$STATE/$1" ] && [ ! -L "$STATE/$1" ]; then
+      changed "keys: $STATE/$1 -> $2"
+      run ln -s "$2" "$STATE/$1"
+    elif [ ! -L "$STATE/$1" ] && [ -e "$2" ] && ! cmp -s "$STATE/$1" "$2"; then
+      log "warning: $STATE/$1 differs from $2 (the node uses only its own)"
+    fi
+  }
+  link_state api_keys "$keys"
+  link_state node_key "$node_key"
 fi
 
 # --- build (node, --build) ----------------------------------------------------------------

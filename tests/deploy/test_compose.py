@@ -1,12 +1,15 @@
 """deploy/compose: the cluster simulation's file under `docker-compose config` (validation
 without a daemon), and its wiring read from the resolved configuration: five services and
 their start order, the shared repository in both nodes, each node's own state, the gateway
-published on :8080, the cluster settings pointing at the right services. Running it needs a
+published on :8080, the cluster settings pointing at the right services, Redis requiring the
+password every client's URL carries, and the node key its own secret. Running it needs a
 Docker daemon (and KVM for useful speed): `test_gateway_comes_up` runs only where there is one.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
 import time
@@ -17,9 +20,15 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from .redis_script import fails, redis_cli, run_script
+
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "deploy" / "compose" / "docker-compose.yml"
 NODES = ("node-a", "node-b")
+CLIENTS = ("scheduler", "gateway", *NODES)   # of Redis
+# what deploy/compose/.env holds in a real deployment
+PASSWORD = "test-redis-password"
+ENV = {**os.environ, "AENV_REDIS_PASSWORD": PASSWORD}
 
 
 def _compose_cmd() -> list[str] | None:
@@ -42,10 +51,11 @@ needs_compose = pytest.mark.skipif(COMPOSE_CMD is None,
 def config() -> dict[str, Any]:
     """The configuration as compose resolves it (anchors merged, paths absolute), or the
     file itself read by PyYAML where no compose is installed."""
-    if COMPOSE_CMD is None:
-        return dict(yaml.safe_load(COMPOSE.read_text()))
+    if COMPOSE_CMD is None:   # ${VAR:?message} as compose interpolates it
+        text = re.sub(r"\$\{(\w+):\?[^}]*\}", lambda m: ENV[m.group(1)], COMPOSE.read_text())
+        return dict(yaml.safe_load(text.replace("$$", "$")))
     out = subprocess.run([*COMPOSE_CMD, "-f", str(COMPOSE), "config"], capture_output=True,
-                         text=True, timeout=120, check=True).stdout
+                         text=True, timeout=120, check=True, env=ENV).stdout
     return dict(yaml.safe_load(out))
 
 
@@ -53,7 +63,7 @@ def config() -> dict[str, Any]:
 def test_compose_config_is_valid() -> None:
     assert COMPOSE_CMD is not None
     p = subprocess.run([*COMPOSE_CMD, "-f", str(COMPOSE), "config", "-q"], capture_output=True,
-                       text=True, timeout=120, check=False)
+                       text=True, timeout=120, check=False, env=ENV)
     assert p.returncode == 0 and not p.stderr.strip(), p.stderr
 
 
@@ -63,8 +73,19 @@ def test_compose_config_catches_a_broken_file(tmp_path: Path) -> None:
     broken.write_text(COMPOSE.read_text().replace("privileged: true", "privileged: maybe", 1))
     assert COMPOSE_CMD is not None
     p = subprocess.run([*COMPOSE_CMD, "-f", str(broken), "config", "-q"], capture_output=True,
-                       text=True, timeout=120, check=False)
+                       text=True, timeout=120, check=False, env=ENV)
     assert p.returncode != 0
+
+
+@needs_compose
+def test_compose_refuses_to_start_without_the_redis_password() -> None:
+    """No AENV_REDIS_PASSWORD (deploy/compose/.env): compose refuses the file, rather than
+    run a Redis anyone on the network could write the cluster's index into."""
+    assert COMPOSE_CMD is not None
+    env = {k: v for k, v in ENV.items() if k != "AENV_REDIS_PASSWORD"}
+    p = subprocess.run([*COMPOSE_CMD, "-f", str(COMPOSE), "config", "-q"], capture_output=True,
+                       text=True, timeout=120, check=False, env=env)
+    assert p.returncode != 0 and "AENV_REDIS_PASSWORD" in p.stderr, p.stderr
 
 
 def _depends(svc: dict[str, Any]) -> dict[str, str]:
@@ -156,9 +177,8 @@ def _flag(command: list[str], flag: str) -> str:
 
 def test_cluster_settings_point_at_the_services(config: dict[str, Any]) -> None:
     services = config["services"]
-    redis_urls = {_flag(services[s]["command"], "--redis") for s in ("scheduler", "gateway")}
-    redis_urls |= {_env(services[n])["AENV_CLUSTER_REDIS"] for n in NODES}
-    assert {urlsplit(u).netloc for u in redis_urls} == {"redis:6379"}
+    redis_urls = {_env(services[s])["AENV_CLUSTER_REDIS"] for s in CLIENTS}
+    assert {urlsplit(u).netloc.rpartition("@")[2] for u in redis_urls} == {"redis:6379"}
     sched_listen = _flag(services["scheduler"]["command"], "--listen")
     assert _env(services["gateway"])["AENV_SCHEDULER_URL"] == \
         f"http://scheduler:{sched_listen.rsplit(':', 1)[1]}"
@@ -167,10 +187,48 @@ def test_cluster_settings_point_at_the_services(config: dict[str, Any]) -> None:
         env = _env(services[node])
         assert env["AENV_NODE_ID"] == node
         assert env["AENV_ADVERTISE_URL"] == f"http://{node}:3000"
-    for svc in ("scheduler", "gateway"):
-        keys_var = {"scheduler": "AENV_SCHEDULER_KEYS", "gateway": "AENV_GATEWAY_KEYS"}[svc]
-        keys = _env(services[svc])[keys_var]
-        assert _volumes(services[svc])[str(Path(keys).parent)] == "keys"
+    for svc, variables in (("scheduler", ["AENV_NODE_KEY_FILE"]),
+                           ("gateway", ["AENV_GATEWAY_KEYS", "AENV_NODE_KEY_FILE"])):
+        for var in variables:
+            keys = _env(services[svc])[var]
+            assert _volumes(services[svc])[str(Path(keys).parent)] == "keys"
+    assert "AENV_GATEWAY_KEYS" not in _env(services["scheduler"])   # clients' keys: gateway only
+
+
+def test_redis_requires_the_password_every_client_sends(config: dict[str, Any]) -> None:
+    services = config["services"]
+    redis = services["redis"]
+    assert _env(redis)["REDISCLI_AUTH"] == PASSWORD
+    script = "\n".join(redis["command"]).replace("$$", "$")
+    assert "requirepass" in script and "$REDISCLI_AUTH" in script
+    assert PASSWORD not in script   # not on redis-server's command line
+    assert "exec redis-server /tmp/redis.conf" in script and "/tmp" in redis["tmpfs"]
+    assert "PONG" in " ".join(redis["healthcheck"]["test"])   # NOAUTH also exits 0
+    for svc in CLIENTS:
+        assert urlsplit(_env(services[svc])["AENV_CLUSTER_REDIS"]).password == PASSWORD, svc
+
+
+def test_redis_script_requires_the_password(config: dict[str, Any], tmp_path: Path) -> None:
+    """The redis service's script run here with redis-server: the password lands in a 0600
+    file, clients without it get NOAUTH, the health check passes with it only."""
+    redis = config["services"]["redis"]
+    script = "\n".join(redis["command"]).replace("$$", "$")
+    health = redis["healthcheck"]["test"][1]
+    with run_script(script, tmp_path, {"REDISCLI_AUTH": PASSWORD}) as port:
+        assert (tmp_path / "redis.conf").stat().st_mode & 0o777 == 0o600
+        assert redis_cli(port, PASSWORD, health).returncode == 0
+        assert redis_cli(port, "wrong", health).returncode != 0
+        assert redis_cli(port, None, health).returncode != 0
+    assert "no Redis password" in fails(script, {"REDISCLI_AUTH": ""})
+
+
+def test_node_key_is_its_own_secret(config: dict[str, Any]) -> None:
+    """`keys` makes a node key apart from the API keys and gives each node a copy, where
+    the node reads it (<state>/node_key)."""
+    # compose 1.29's `config` keeps the escaped `$$` of the file
+    script = "\n".join(config["services"]["keys"]["command"]).replace("$$", "$")
+    assert "new_node_key()" in script and ">/keys/node_key" in script
+    assert 'install -m 0600 "/keys/$f" "$d/$f"' in script and "api_keys node_key" in script
 
 
 def test_commands_match_the_entry_points(config: dict[str, Any]) -> None:
@@ -180,7 +238,9 @@ def test_commands_match_the_entry_points(config: dict[str, Any]) -> None:
     for svc, parse in (("scheduler", cluster.parse_scheduler), ("gateway", cluster.parse_gateway)):
         command = services[svc]["command"]
         assert command[:3] == ["python", "-m", f"host.cluster.{svc}"]
-        parse(command[3:], _env(services[svc]))
+        cfg = parse(command[3:], _env(services[svc]))
+        assert urlsplit(cfg.redis).password == PASSWORD
+        assert str(cfg.node_key_file) == "/etc/aenv/keys/node_key"
     from host.config import parse_config
 
     for node in NODES:
@@ -204,7 +264,8 @@ def test_gateway_comes_up() -> None:
 
     cmd = [*COMPOSE_CMD, "-f", str(COMPOSE), "-p", "aenv-deploy-test"]
     try:
-        subprocess.run([*cmd, "up", "-d", "--build", "gateway"], check=True, timeout=1500)
+        subprocess.run([*cmd, "up", "-d", "--build", "gateway"], check=True, timeout=1500,
+                       env=ENV)
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -215,4 +276,4 @@ def test_gateway_comes_up() -> None:
             assert time.monotonic() < deadline, "the gateway did not become healthy"
             time.sleep(1)
     finally:
-        subprocess.run([*cmd, "down", "-v"], check=False, timeout=300)
+        subprocess.run([*cmd, "down", "-v"], check=False, timeout=300, env=ENV)

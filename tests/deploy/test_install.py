@@ -116,9 +116,14 @@ def test_first_run_lays_out_code_config_state_and_units(installed: Installed) ->
     assert _mode(keys) == 0o600
     lines = keys.read_text().split()
     assert len(lines) == 1 and lines[0].startswith("e2b_") and len(lines[0]) == 44
+    node_key = installed.path("/etc/aenv/node_key")   # its own secret, not a client's key
+    assert _mode(node_key) == 0o600
+    (key,) = node_key.read_text().split()
+    assert key.startswith("aenv_node_") and len(key) == 74 and key not in lines
     state = installed.path("/var/lib/aenv")
     assert state.is_dir() and _mode(state) == 0o700
     assert os.readlink(state / "api_keys") == "/etc/aenv/api_keys"
+    assert os.readlink(state / "node_key") == "/etc/aenv/node_key"
     assert os.readlink(installed.path("/usr/local/bin/aenv")) == "/opt/aenv/.venv/bin/aenv"
     assert installed.path("/opt/aenv/.venv/bin/python").exists()
     assert (installed.path("/opt/aenv/host/__main__.py")).is_file()

@@ -105,16 +105,29 @@ def test_node_unit_keeps_what_a_vmm_host_needs() -> None:
     assert svc["Restart"] == "on-failure"
 
 
+def _values(role: str, option: str) -> list[str]:
+    """Every value of a repeatable option of the unit's [Service] (configparser keeps the
+    last only)."""
+    return [ln.split("=", 1)[1] for ln in (SYSTEMD / f"aenv-{role}.service").read_text()
+            .splitlines() if ln.startswith(f"{option}=")]
+
+
 @pytest.mark.parametrize("role", ["gateway", "scheduler"])
 def test_cluster_unit_runs_unprivileged_with_the_shared_keys(role: str) -> None:
+    """Both get the cluster's node key as a credential; only the gateway the clients' API
+    keys (a client key opens no cluster route, and the scheduler takes none)."""
     svc = dict(_unit(role)["Service"])
     assert svc["DynamicUser"] == "yes" and svc["ProtectSystem"] == "strict"
     assert svc["CapabilityBoundingSet"] == "" and svc["NoNewPrivileges"] == "yes"
     assert svc["ExecStart"] == f"/opt/aenv/.venv/bin/python -m host.cluster.{role}"
     assert svc["EnvironmentFile"] == f"/etc/aenv/{role}.env"
-    assert svc["LoadCredential"] == "api_keys:/etc/aenv/api_keys"
-    keys_var = {"gateway": "AENV_GATEWAY_KEYS", "scheduler": "AENV_SCHEDULER_KEYS"}[role]
-    assert f"{keys_var}=%d/api_keys" in (SYSTEMD / f"aenv-{role}.service").read_text()
+    credentials = {"node_key:/etc/aenv/node_key"}
+    environment = {"AENV_NODE_KEY_FILE=%d/node_key"}
+    if role == "gateway":
+        credentials.add("api_keys:/etc/aenv/api_keys")
+        environment.add("AENV_GATEWAY_KEYS=%d/api_keys")
+    assert set(_values(role, "LoadCredential")) == credentials
+    assert environment <= set(_values(role, "Environment"))
 
 
 def _env_names(path: Path) -> dict[str, bool]:
