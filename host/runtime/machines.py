@@ -60,7 +60,8 @@ def make_driver(cfg: RuntimeConfig) -> VmmDriver:
     kw: dict[str, Any] = {"run_dir": cfg.vms_dir, "die_with_parent": not cfg.vms_survive_service,
                           "qemu": cfg.qemu, "firecracker": cfg.firecracker,
                           "jailer": cfg.jailer, "jailer_uid": cfg.jailer_uid,
-                          "jailer_gid": cfg.jailer_gid, "ksm": cfg.ksm, "jail": cfg.jail}
+                          "jailer_gid": cfg.jailer_gid, "ksm": cfg.ksm, "jail": cfg.jail,
+                          "log_dir": cfg.state_dir / "vmlogs"}
     try:
         return pick_driver(None if cfg.vmm == "auto" else cfg.vmm, **kw)
     except VmmError as exc:

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 VMM_CHOICES = ("auto", "qemu", "firecracker", "fake")
 FIRECRACKER_OPTIONS = ("firecracker", "jailer", "jailer_uid", "jailer_gid", "balloon",
                        "track_dirty_pages", "block")
-QEMU_OPTIONS = ("qemu", "accel", "ksm", "jail")
+QEMU_OPTIONS = ("qemu", "accel", "ksm", "log_dir")  # "jail": both take it
 DEFAULT_FIRECRACKER = "firecracker"
 
 

@@ -77,6 +77,9 @@ class FakeBlock:
     client: FakeBlockClient = field(default_factory=FakeBlockClient)
     nbd_socket: Path = Path("/nonexistent/nbd.sock")
 
+    def export_socket(self, stack: str) -> Path:
+        return Path(f"/nonexistent/x/{stack}/nbd.sock")
+
 
 class WritingVm(FakeVm):
     """A FakeVm whose memory snapshots are files: a random diff and device state and a

@@ -25,6 +25,7 @@ import pytest
 from host.vmm import FileDisk, MemoryBacking, NbdDisk, TapNet, VmSpec, VmState
 from host.vmm.firecracker.driver import FirecrackerDriver
 from host.vmm.firecracker.jailer import JailerConfig, JailRoot, find_jailer, mounts_under
+from host.vmm.jail import JailConfig
 
 from .fakefc import FAKE_JAILER, FakeFc, boot_calls, script
 from .test_blockdev import FakeNbd
@@ -141,6 +142,29 @@ async def test_jailer_builds_the_chroot_and_firecracker_sees_only_it(
             await vm.kill()
         assert mounts_under(tmp_path) == [] and kernel.read_bytes() == b"\x7fELF"
     assert nbd.calls()[-1] == ["-d", str(nbd.dev / "nbd0")]
+    fake_fc.assert_nothing_left()
+
+
+@needs_root
+async def test_each_jailed_vm_runs_as_its_own_uid(
+        fake_fc: FakeFc, spec: VmSpec, jailer: JailerConfig, tmp_path: Path) -> None:
+    """With the VM jail's uid range, the jailer starts every Firecracker as its own uid and
+    gid (never root, never one shared by two sandboxes), given back at kill."""
+    first = 1879048192
+    driver = fake_fc.driver(jailer=jailer, jail=JailConfig(uid_range=(first, 8)))
+    vms = [await driver.start(VmSpec(**{**{k: getattr(spec, k) for k in (
+        "kernel", "cmdline", "vcpus", "mem_mib", "disks", "network")}, "name": f"vm{i}"}))
+        for i in range(2)]
+    try:
+        uids = [int(a[a.index("--uid") + 1]) for a in jailer_argvs(tmp_path)]
+        gids = [int(a[a.index("--gid") + 1]) for a in jailer_argvs(tmp_path)]
+        assert uids == gids and len(set(uids)) == 2
+        assert all(first <= u < first + 8 for u in uids)
+        assert driver.uids is not None and driver.uids.in_use() == set(uids)
+    finally:
+        for vm in vms:
+            await vm.kill()
+    assert driver.uids.in_use() == set()
     fake_fc.assert_nothing_left()
 
 

@@ -39,8 +39,13 @@ class FirecrackerHost(VmHost, Protocol):
     balloon: BalloonConfig | None
     jailer: Any   # JailerConfig | None
     block: Any    # NbdAttacher
+    uids: Any     # UidPool | None: each jailed VM's own uid
 
     def config_digest(self, spec: VmSpec) -> str: ...
+
+    def jailer_for_vm(self) -> Any: ...  # JailerConfig | None, with the VM's own uid
+
+    def release_uid(self, uid: int) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)

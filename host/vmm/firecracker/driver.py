@@ -26,6 +26,7 @@ OpenAPI document (v1.16.1, tests/vmm/data/).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,6 +35,7 @@ from .. import proc as procs
 from ..driver import BootTimeouts, VmSpec
 from ..errors import VmmError
 from ..identity import VmmIdentity, host_cpu_model
+from ..jail import JailConfig, UidPool
 from ..vmbase import DriverBase, default_run_dir
 from .blockdev import NbdAttacher
 from .config import (
@@ -70,6 +72,7 @@ class FirecrackerDriver(DriverBase["FirecrackerVm"]):
         track_dirty_pages: bool = True,
         jailer: JailerConfig | None = None,
         block: NbdAttacher | None = None,
+        jail: JailConfig | None = None,
     ) -> None:
         super().__init__(run_dir=run_dir or default_run_dir(), die_with_parent=die_with_parent)
         self.firecracker = firecracker
@@ -79,6 +82,22 @@ class FirecrackerDriver(DriverBase["FirecrackerVm"]):
         self.track_dirty_pages = track_dirty_pages
         self.jailer = jailer
         self.block = block or NbdAttacher()
+        # each jailed VM its own uid/gid from the VM jail's range (--vm-uid-range), unless
+        # --jailer-uid names one for all
+        self.uids = (UidPool(*jail.uid_range) if jail is not None and jail.enabled
+                     and jailer is not None and jailer.uid == 0 else None)
+
+    def jailer_for_vm(self) -> JailerConfig | None:
+        """The jailer settings of one new VM: its own uid and gid where the pool hands
+        them out; release them with `release_uid` once its process is gone."""
+        if self.jailer is None or self.uids is None:
+            return self.jailer
+        uid = self.uids.allocate()
+        return dataclasses.replace(self.jailer, uid=uid, gid=uid)
+
+    def release_uid(self, uid: int) -> None:
+        if self.uids is not None and uid != 0:
+            self.uids.release(uid)
 
     def _new_vm(self, spec: VmSpec, timeouts: BootTimeouts | None) -> FirecrackerVm:
         return FirecrackerVm(self, spec, timeouts or BootTimeouts())

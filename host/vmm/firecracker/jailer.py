@@ -203,7 +203,8 @@ class JailRoot(HostRoot):
 
     def _record(self) -> None:
         data = {"jail_dir": str(self.jail_dir), "mounts": [str(m) for m in self.mounts],
-                "id": self.id, "parent_cgroup": Path(self.firecracker).name}
+                "id": self.id, "parent_cgroup": Path(self.firecracker).name,
+                "uid": self.config.uid, "gid": self.config.gid}
         (self.work_dir / _RECORD).write_text(json.dumps(data))
 
     async def expose(self, src: Path, rel: str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -50,6 +51,7 @@ class FirecrackerVm(MemoryMixin, VmBase):
         self._root: HostRoot | None = None
         self._devices: list[Path] = []  # attached /dev/nbdN, in spec.disks order
         self._jail: dict[str, Any] | None = None  # an adopted VM's jail record
+        self._uid: int | None = None  # the uid the jailer runs this VM as, from the pool
         self._restore_s: float | None = None
 
     # -- properties -----------------------------------------------------------------
@@ -157,7 +159,8 @@ class FirecrackerVm(MemoryMixin, VmBase):
         self._driver._track(self)
         try:
             self._make_work_dir()
-            jail = self._driver.jailer
+            jail = self._driver.jailer_for_vm()
+            self._uid = jail.uid if jail is not None else None
             self._root = (JailRoot(self.work_dir, jail, self._driver.firecracker) if jail
                           else HostRoot(self.work_dir))
             await self._root.prepare()
@@ -287,6 +290,9 @@ class FirecrackerVm(MemoryMixin, VmBase):
             except VmmError as exc:
                 log.error("%s: %s", self._spec.name, exc)
         self._devices = []
+        if self._uid is not None:
+            self._driver.release_uid(self._uid)
+            self._uid = None
 
     def _remove_files(self) -> None:
         if self._root is not None and not self._spec.keep_work_dir:
@@ -301,6 +307,13 @@ class FirecrackerVm(MemoryMixin, VmBase):
         self._devices = [Path(d) for d in facts.get("devices", [])]
         self._jail = facts.get("jail")
         jail = self._driver.jailer
+        if jail is not None and self._jail and "uid" in self._jail:
+            # the VM runs as the uid it was given: claim it back
+            uid, gid = int(self._jail["uid"]), int(self._jail["gid"])
+            jail = dataclasses.replace(jail, uid=uid, gid=gid)
+            if self._driver.uids is not None and uid != 0:
+                self._driver.uids.claim(uid)
+                self._uid = uid
         self._root = (JailRoot(self.work_dir, jail, self._driver.firecracker)
                       if jail is not None and self._jail else HostRoot(self.work_dir))
         self._adopt_memory(facts)

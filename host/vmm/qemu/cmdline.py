@@ -23,8 +23,12 @@ class QemuRunFiles:
     serial_log: Path
 
     @classmethod
-    def in_dir(cls, work_dir: Path) -> QemuRunFiles:
-        return cls(qmp_socket=work_dir / "qmp.sock", serial_log=work_dir / "serial.log")
+    def in_dir(cls, work_dir: Path, log_dir: Path | None = None) -> QemuRunFiles:
+        """`log_dir`: where serial logs go (`<log_dir>/<work dir name>/serial.log`) instead
+        of the work dir, which is usually on tmpfs (a guest's console output would be host
+        RAM)."""
+        serial = (log_dir / work_dir.name if log_dir is not None else work_dir) / "serial.log"
+        return cls(qmp_socket=work_dir / "qmp.sock", serial_log=serial)
 
 
 def qopt(value: object) -> str:

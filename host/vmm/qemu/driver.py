@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 _PORT_ATTEMPTS = 5
 _QMP_CALL_S = 10.0
 _MIGRATE_S = 120.0
+SERIAL_MAX_BYTES = 1 << 20  # a console log past this is rotated (newest half kept)
+SERIAL_CHECK_S = 2.0
 _MAX_BANDWIDTH = 100 * 1024**3  # bytes/s; the 7.2 default (32 MiB/s) makes snapshots slow
 
 
@@ -64,8 +66,11 @@ class QemuDriver(DriverBase["QemuVm"]):
         tcg_tb_mib: int | None = None,
         ksm: bool = False,
         jail: JailConfig | None = None,
+        log_dir: Path | None = None,
     ) -> None:
         super().__init__(run_dir=run_dir or default_run_dir(), die_with_parent=die_with_parent)
+        # serial logs: here (on disk) instead of the work dir (often tmpfs), rotated
+        self.log_dir = log_dir
         self.qemu = qemu
         self.ksm = ksm  # VMs' memory may be merged by ksmd (`--ksm`)
         # every VM confined (host/vmm/jail) when given and enabled
@@ -86,7 +91,11 @@ class QemuDriver(DriverBase["QemuVm"]):
 
     def version(self) -> tuple[int, int]:
         """(major, minor) of the QEMU binary (cached per binary file)."""
-        m = re.search(r"version (\d+)\.(\d+)", binary_version(self.qemu))
+        try:
+            line = binary_version(self.qemu)
+        except VmmError:
+            return (0, 0)  # unknown: no feature of a newer QEMU is assumed
+        m = re.search(r"version (\d+)\.(\d+)", line)
         return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
     def readonly_private_ram(self) -> bool:
@@ -147,6 +156,8 @@ class QemuDriver(DriverBase["QemuVm"]):
                     raise VmmError(f"QEMU pid {pid} survived SIGKILL")
         await asyncio.to_thread(forget_jail, work_dir)
         await asyncio.to_thread(shutil.rmtree, work_dir, True)
+        if self.log_dir is not None:
+            await asyncio.to_thread(shutil.rmtree, self.log_dir / work_dir.name, True)
 
 
 class QemuVm(VmBase):
@@ -165,12 +176,13 @@ class QemuVm(VmBase):
         self.restore_stats: dict[str, float] = {}
         self._config_sha256: str | None = None  # adopted VMs: from their facts
         self._jail: Jail | None = None
+        self._rotator: asyncio.Task[None] | None = None
 
     # -- properties -----------------------------------------------------------------
 
     @property
     def files(self) -> QemuRunFiles:
-        return QemuRunFiles.in_dir(self.work_dir)
+        return QemuRunFiles.in_dir(self.work_dir, self._driver.log_dir)
 
     @property
     def serial_log(self) -> Path:
@@ -199,7 +211,8 @@ class QemuVm(VmBase):
         return self.files.qmp_socket
 
     def _log_files(self, work_dir: Path) -> tuple[Path, ...]:
-        return QemuRunFiles.in_dir(work_dir).serial_log, work_dir / "qemu.stderr"
+        serial = QemuRunFiles.in_dir(work_dir, self._driver.log_dir).serial_log
+        return serial, serial.with_name(serial.name + ".1"), work_dir / "qemu.stderr"
 
     def _envd_timeout_note(self) -> str:
         return f" (accel {self.accel})"
@@ -247,6 +260,10 @@ class QemuVm(VmBase):
                 netns=net.netns if isinstance(net, TapNet) else None,
                 tap=net.tap if isinstance(net, TapNet) else None, kvm=self.accel == "kvm",
                 die_with_parent=self._driver.die_with_parent)
+        mem = self._spec.memory
+        # asked of the binary only where it matters: a private mapping of a shared file
+        readonly_ram = mem is not None and not mem.shared and \
+            self._driver.readonly_private_ram()
         for attempt in range(1, _PORT_ATTEMPTS + 1):
             if isinstance(net, UserNet):
                 self._host_port = net.host_port or procs.free_port(net.host_addr)
@@ -256,7 +273,7 @@ class QemuVm(VmBase):
                                    tcg_tb_mib=self._driver.tcg_tb_mib,
                                    merge=self._driver.ksm, jailed=self._jail is not None,
                                    tap_fd=self._jail.tap_fd if self._jail else None,
-                                   readonly_private_ram=self._driver.readonly_private_ram())
+                                   readonly_private_ram=readonly_ram)
             procs.no_huge_pages_for_children()
             if self._driver.ksm:
                 procs.merge_memory_of_children()
@@ -276,6 +293,7 @@ class QemuVm(VmBase):
     async def _spawn(self) -> None:
         for stale in (self.files.qmp_socket,):
             stale.unlink(missing_ok=True)
+        self.serial_log.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         err = await asyncio.to_thread(open, self.stderr_log, "wb")
         with err:
             if self._jail is None:
@@ -306,6 +324,8 @@ class QemuVm(VmBase):
         NBD socket directory; file disks and their backing file)."""
         spec, work = self._spec, self.work_dir
         binds = [Bind(p) for p in (spec.kernel, spec.initrd) if p is not None]
+        if self._driver.log_dir is not None:
+            binds.append(Bind(self.serial_log.parent, writable=True))
         if spec.memory is not None:
             path = spec.memory.path
             if spec.memory.shared:
@@ -363,6 +383,7 @@ class QemuVm(VmBase):
                 else:
                     self._qmp = client
                     self.qmp_ready_s = loop.time() - self.started_at
+                    self._start_rotation()
                     return
             if loop.time() > deadline:
                 raise VmmTimeout(f"{self._spec.name}: QMP did not answer within "
@@ -565,9 +586,32 @@ class QemuVm(VmBase):
                 asked = True
         return asked
 
+    def _remove_files(self) -> None:
+        super()._remove_files()
+        if self._driver.log_dir is not None and self._work_dir is not None and \
+                not self._spec.keep_work_dir:
+            shutil.rmtree(self.serial_log.parent, ignore_errors=True)
+
+    def _start_rotation(self) -> None:
+        if self._rotator is None:
+            self._rotator = asyncio.ensure_future(self._rotate_serial())
+
+    async def _rotate_serial(self) -> None:
+        """Keep the console log bounded (RLIMIT_FSIZE is the hard stop in a jail; this
+        keeps the newest lines instead of the oldest)."""
+        while True:
+            await asyncio.sleep(SERIAL_CHECK_S)
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(procs.rotate_log, self.serial_log, SERIAL_MAX_BYTES)
+
     async def _close_control(self) -> None:
         # After the process on kill: its reader sees EOF instead of a live QEMU losing its
         # monitor mid-command.
+        if self._rotator is not None:
+            self._rotator.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._rotator
+            self._rotator = None
         if self._qmp is not None:
             with contextlib.suppress(Exception):
                 await self._qmp.disconnect()
