@@ -21,7 +21,9 @@
                                                       cluster, one naming the advertised host
                                                       and signed by the gateway's --node-tls-ca
     AENV_VMM         --vmm          auto              auto | qemu | firecracker (auto: Firecracker
-                                                      where its binary and KVM work, else QEMU)
+                                                      where its binary and KVM work and it passed
+                                                      scripts/check-kvm.sh on this host, else
+                                                      QEMU; host/vmm/verified.py)
     AENV_FIRECRACKER --firecracker  firecracker       the Firecracker binary (name on PATH or path)
     AENV_JAILER      --jailer       auto              auto (jailer on PATH, as root) | off | path
     AENV_JAILER_UID / AENV_JAILER_GID  (0 / 0)        uid:gid a jailed Firecracker runs as

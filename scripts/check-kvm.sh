@@ -13,6 +13,11 @@
 # host without a usable KVM (e.g. PVM only) and without Firecracker both KVM rows are
 # skipped with the reason, and nothing runs unless --tcg is given.
 #
+# A firecracker row that passes (some tests passed, none failed, no extra pytest arguments
+# narrowing the suite) marks Firecracker verified on this host ($AENV_CACHE/firecracker-
+# verified: its binary, version and the host kernel; host/vmm/verified.py): only then does
+# `--vmm auto` pick it. A firecracker row with failures removes the mark.
+#
 # Exit status: 0 when no row that ran had failures, 1 otherwise, 2 on bad arguments.
 # For tests: CHECK_KVM_AVAIL replaces the availability probe (lines "row<TAB>yes|no<TAB>
 # reason"), CHECK_KVM_PYTEST the pytest command (it gets --junitxml=FILE and the tests).
@@ -27,7 +32,7 @@ while [ $# -gt 0 ]; do
     --tcg) tcg=1 ;;
     --dry-run) dry=1 ;;
     --) shift; extra=("$@"); break ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "check-kvm: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -65,6 +70,19 @@ print(n["tests"] - n["failures"] - n["errors"] - n["skipped"], n["failures"] + n
 EOF
 }
 
+verify_firecracker() {  # after the firecracker row: mark (or unmark) it verified here
+  if [ "$failed" != 0 ]; then
+    "$PY" -m host.vmm.pick --unmark-verified >&2
+  elif [ "${#extra[@]}" != 0 ]; then
+    echo "check-kvm: firecracker not marked verified: extra pytest arguments ran a" \
+         "selection of the VM suite" >&2
+  elif [ "$passed" = - ] || [ "$passed" = 0 ]; then
+    echo "check-kvm: firecracker not marked verified: no VM test passed" >&2
+  else
+    "$PY" -m host.vmm.pick --mark-verified >&2 || status=1
+  fi
+}
+
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 rows=(qemu-kvm firecracker qemu-tcg)
@@ -94,6 +112,9 @@ for row in "${rows[@]}"; do
     ${extra[@]+"${extra[@]}"} >&2
   read -r passed failed skipped <<<"$(counts "$xml")"
   if [ "$failed" != 0 ]; then status=1; fi
+  if [ "$row" = firecracker ]; then
+    verify_firecracker
+  fi
   table+=("$row|yes|$reason|$passed|$failed|$skipped")
 done
 

@@ -1,27 +1,33 @@
 """Choosing a VMM driver: `--vmm auto|qemu|firecracker` (and "fake" for unit tests).
 
 `pick_driver()` honours an explicit name (argument, else $AENV_VMM). "auto" (the
-default) takes Firecracker when its binary exists and KVM runs standard guests
-(`firecracker_usable`), else QEMU (KVM where usable, else TCG), and logs why. Options
-that only one driver takes (`firecracker=`, `jailer=`, ... / `qemu=`, `accel=`) are
-dropped for the other, so a caller passes its whole configuration either way.
+default) takes Firecracker when its binary exists, KVM runs standard guests
+(`firecracker_usable`) and it passed its own VM tests on this host (verified.py: the
+marker scripts/check-kvm.sh writes), else QEMU (KVM where usable, else TCG), and logs
+why. Options that only one driver takes (`firecracker=`, `jailer=`, ... / `qemu=`,
+`accel=`) are dropped for the other, so a caller passes its whole configuration either
+way.
 
 `python -m host.vmm.pick` prints, per driver, whether it can run its VM tests here and
-why (scripts/check-kvm.sh reads it).
+why (scripts/check-kvm.sh reads it); `--mark-verified` / `--unmark-verified` record or
+forget that Firecracker passed them.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import logging
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from .accel import DEFAULT_QEMU, detect_accel
 from .driver import VmmDriver
 from .errors import VmmError
+from .verified import check_verified, mark_verified, marker_path, unmark
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +67,18 @@ def firecracker_check(binary: str = DEFAULT_FIRECRACKER) -> tuple[bool, str]:
 
 def auto_choice(firecracker: str = DEFAULT_FIRECRACKER, qemu: str = DEFAULT_QEMU
                 ) -> tuple[str, str]:
-    """("firecracker" | "qemu", why) for --vmm auto."""
+    """("firecracker" | "qemu", why) for --vmm auto: Firecracker only where it can run
+    and passed its VM tests on this host (a binary that merely starts has not shown it
+    boots, snapshots and restores our guests here)."""
     ok, why = firecracker_check(firecracker)
     if ok:
-        return "firecracker", why
+        ok, why = check_verified(firecracker)
+        if ok:
+            return "firecracker", why
+    else:
+        why = f"Firecracker not usable: {why}"
     accel = detect_accel(qemu)
-    return "qemu", (f"QEMU with {accel.name.upper()} ({accel.reason}); Firecracker not "
-                    f"usable: {why}")
+    return "qemu", f"QEMU with {accel.name.upper()} ({accel.reason}); {why}"
 
 
 def pick_driver(name: str | None = None, **kw: Any) -> VmmDriver:
@@ -106,10 +117,27 @@ def availability(*, firecracker: str = DEFAULT_FIRECRACKER, qemu: str = DEFAULT_
     return rows
 
 
-def main() -> int:
-    """Print `row<TAB>yes|no<TAB>reason` per driver row."""
-    for row, ok, why in availability(firecracker=os.environ.get("AENV_FIRECRACKER")
-                                     or DEFAULT_FIRECRACKER):
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print `row<TAB>yes|no<TAB>reason` per driver row; with --mark-verified /
+    --unmark-verified, record or forget instead that the Firecracker of $AENV_FIRECRACKER
+    passed the VM suite here (the marker in $AENV_CACHE)."""
+    p = argparse.ArgumentParser(prog="python -m host.vmm.pick")
+    p.add_argument("--mark-verified", action="store_true")
+    p.add_argument("--unmark-verified", action="store_true")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    firecracker = os.environ.get("AENV_FIRECRACKER") or DEFAULT_FIRECRACKER
+    if args.mark_verified:
+        try:
+            print(f"firecracker verified on this host: {mark_verified(firecracker)}")
+        except (VmmError, OSError) as exc:
+            print(f"firecracker not marked verified: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    if args.unmark_verified:
+        if unmark():
+            print(f"firecracker verification removed: {marker_path()}")
+        return 0
+    for row, ok, why in availability(firecracker=firecracker):
         print(f"{row}\t{'yes' if ok else 'no'}\t{why}")
     return 0
 

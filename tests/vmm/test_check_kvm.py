@@ -75,7 +75,9 @@ def test_available_rows_run_the_vm_suite_with_their_driver(tmp_path: Path) -> No
                               "firecracker\\tyes\\tforced for the test\\n"
                               "qemu-tcg\\tyes\\tsoftware",
            "CHECK_KVM_PYTEST": f"{sys.executable} {fake}",
-           "FAKE_PYTEST_LOG": str(log), "FAKE_PYTEST_RESULT": "3 1 2"}
+           "FAKE_PYTEST_LOG": str(log), "FAKE_PYTEST_RESULT": "3 1 2",
+           # a failing firecracker row removes its verification: not this host's real one
+           "AENV_CACHE": str(tmp_path / "cache")}
     status, rows = run(env=env)
     assert status == 1  # a row had failures
     assert rows["qemu-kvm"] == ["no", "KVM is kvm-pvm", "-", "-", "-"]
@@ -93,6 +95,35 @@ def test_available_rows_run_the_vm_suite_with_their_driver(tmp_path: Path) -> No
     calls = [json.loads(x) for x in log.read_text().splitlines()]
     assert [(c["vmm"], c["accel"]) for c in calls] == [("firecracker", None), ("qemu", "tcg")]
     assert calls[1]["argv"][-1] == "-x"
+
+
+def test_a_passing_firecracker_row_marks_it_verified(tmp_path: Path) -> None:
+    """The firecracker row passing marks it verified (what --vmm auto requires); failing
+    removes the mark; a selection of the suite (extra pytest arguments) or nothing passed
+    leaves it as it was. The stand-in binary answers --version; $AENV_CACHE is tmp_path."""
+    fake = tmp_path / "fake_pytest.py"
+    fake.write_text(FAKE_PYTEST)
+    fc = tmp_path / "firecracker"
+    fc.write_text("#!/bin/sh\necho 'Firecracker v1.16.1'\n")
+    fc.chmod(0o755)
+    marker = tmp_path / "cache" / "firecracker-verified"
+    env = {"CHECK_KVM_AVAIL": "qemu-kvm\tno\tKVM is kvm-pvm\n"
+                              "firecracker\tyes\tforced for the test",
+           "CHECK_KVM_PYTEST": f"{sys.executable} {fake}",
+           "FAKE_PYTEST_LOG": str(tmp_path / "pytest.jsonl"), "FAKE_PYTEST_RESULT": "4 0 1",
+           "AENV_CACHE": str(tmp_path / "cache"), "AENV_FIRECRACKER": str(fc)}
+    status, rows = run(env=env)
+    assert status == 0 and rows["firecracker"][2:] == ["4", "0", "1"]
+    doc = json.loads(marker.read_text())
+    assert doc["binary"] == str(fc) and doc["version"] == "Firecracker v1.16.1"
+    for args, result in ((["--", "-k", "snapshot"], "4 0 0"), ([], "0 0 3")):
+        before = marker.read_text()
+        assert run(*args, env={**env, "FAKE_PYTEST_RESULT": result})[0] == 0
+        assert marker.read_text() == before   # neither verifies, neither unverifies
+    status, _ = run(env={**env, "FAKE_PYTEST_RESULT": "3 1 0"})
+    assert status == 1 and not marker.exists()
+    status, _ = run("--", "-k", "snapshot", env={**env, "FAKE_PYTEST_RESULT": "4 0 0"})
+    assert status == 0 and not marker.exists()
 
 
 def test_bad_argument_is_refused() -> None:
