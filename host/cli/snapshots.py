@@ -4,17 +4,13 @@ and completion. A snapshot is a template (deleted through DELETE /templates/{id}
 
 from __future__ import annotations
 
-import re
-
 import click
+
+from host.ids import is_sandbox_id
 
 from .invocation import settings
 from .output import echo_table, emit_json, output_option
 
-# `aenv snapshot <arg>` with an <arg> that is no subcommand: a sandbox id when it looks
-# like one (ids are long, or have digits), so that a mistyped subcommand (`snapshot lss`)
-# is still "No such command" rather than a snapshot of sandbox "lss"
-_SANDBOX_ID = re.compile(r"^(?=.*\d|.{8,})[A-Za-z0-9][A-Za-z0-9._-]*$")
 _CREATE_OPTIONS = ("--name", "-o", "--output", "--json")
 
 
@@ -32,7 +28,9 @@ class SnapshotGroup(click.Group):
             return False
         if arg.startswith("-"):
             return arg.split("=", 1)[0] in _CREATE_OPTIONS
-        return bool(_SANDBOX_ID.match(arg))
+        # a sandbox id (host/ids.py: the service issues no other), so that a mistyped
+        # subcommand (`snapshot lss`) is still "No such command", not a snapshot of "lss"
+        return is_sandbox_id(arg)
 
 
 @click.group("snapshot", cls=SnapshotGroup)

@@ -24,12 +24,13 @@ from collections.abc import Iterator
 from contextvars import ContextVar, Token
 from typing import IO, Any
 
+from host.ids import SANDBOX_ID_BODY
+
 LOG_FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
-# host.orchestrator.ids.SANDBOX_ID, as a whole argument or as a path segment
-# (tests/metrics/test_logs.py keeps the two in step; importing it would be a cycle).
-_SANDBOX_ID = re.compile(r"(?:^|/)(i[a-z0-9]{20})(?:$|[/?])")
+# host/ids.py's SANDBOX_ID, as a whole argument or as a path segment
+_SANDBOX_ID = re.compile(rf"(?:^|/)({SANDBOX_ID_BODY})(?:$|[/?])")
 
 _sandbox: ContextVar[str | None] = ContextVar("aenv_sandbox_id", default=None)
 

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Self
 
+from host.ids import is_vm_name
+
 from .commands import Namespace, netns_inode, netns_path, pids_in_netns, remove_netns, run
 from .errors import (
     NetworkCleanupError,
@@ -53,7 +55,6 @@ from .sandbox import (
 
 log = logging.getLogger(__name__)
 
-_SANDBOX_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 IFNAMSIZ = 15
 
 
@@ -178,7 +179,9 @@ class NetworkManager:
             raise SandboxNetworkNotFoundError(f"no network for sandbox {sandbox_id}") from None
 
     def netns_name(self, sandbox_id: str) -> str:
-        if not _SANDBOX_ID.match(sandbox_id):
+        # not only sandbox ids: template builds and image imports have networks too
+        # (host/ids.py VM_NAME)
+        if not is_vm_name(sandbox_id):
             raise ValueError(f"invalid sandbox id {sandbox_id!r}")
         return f"{self.config.prefix}{sandbox_id}"
 
@@ -422,7 +425,7 @@ class NetworkManager:
         names = []
         for entry in await Namespace(None).ip_json("netns", "list"):
             name = entry.get("name", "")
-            if name.startswith(prefix) and _SANDBOX_ID.match(name[len(prefix):]):
+            if name.startswith(prefix) and is_vm_name(name[len(prefix):]):
                 names.append(name)
         return names
 

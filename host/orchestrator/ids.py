@@ -1,33 +1,23 @@
-"""Identifiers the orchestrator issues: sandbox ids, snapshot ids, tokens."""
+"""Identifiers the orchestrator issues: sandbox ids, snapshot ids, tokens. Their syntax
+is host/ids.py's, shared with the proxy, the gateway, the network and the CLI."""
 
 from __future__ import annotations
 
-import re
 import secrets
-import string
 
-_ALNUM = string.ascii_lowercase + string.digits
-SANDBOX_ID = re.compile(r"^i[a-z0-9]{20}$")
-# Public snapshot ids ("<name or sandbox id>:<tag>", may carry a "team/" prefix).
-SNAPSHOT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}(:[A-Za-z0-9._-]{1,64})?$")
+from host.ids import SANDBOX_ID, SNAPSHOT_NAME, new_sandbox_id, random_chars
 
-
-def _rand(n: int) -> str:
-    return "".join(secrets.choice(_ALNUM) for _ in range(n))
-
-
-def new_sandbox_id() -> str:
-    """"i" + 20 chars of [a-z0-9] (the SDKs require ^[a-z0-9]+$)."""
-    return "i" + _rand(20)
+__all__ = ["SANDBOX_ID", "SNAPSHOT_NAME", "new_envd_token", "new_runtime_snapshot_id",
+           "new_sandbox_id", "new_tag", "new_traffic_token", "public_snapshot_id"]
 
 
 def new_runtime_snapshot_id(kind: str) -> str:
     """A file-system-safe id for the runtime's snapshot (a directory name there)."""
-    return f"{kind[0]}{_rand(20)}"
+    return f"{kind[0]}{random_chars(20)}"
 
 
 def new_tag() -> str:
-    return _rand(8)
+    return random_chars(8)
 
 
 def new_envd_token() -> str:

@@ -7,11 +7,12 @@
 from __future__ import annotations
 
 import ipaddress
-import re
 from dataclasses import dataclass
 
+from host.ids import is_routable_id
+
 ENVD_PORT = 49983
-_SANDBOX_ID = re.compile(r"^[a-z0-9]+$")
+CODE_INTERPRETER_PORT = 49999   # e2b_code_interpreter's server (spec §1.4)
 
 
 class BadTarget(ValueError):
@@ -49,7 +50,9 @@ def _port(raw: str) -> int:
 
 
 def _sandbox_id(raw: str) -> str:
-    if not _SANDBOX_ID.match(raw):
+    # any id a DNS label can carry (host/ids.py ROUTABLE_ID): one that is not ours is
+    # "not found" (502), not "invalid" (400), as on E2B
+    if not is_routable_id(raw):
         raise BadTarget(f"invalid sandbox id '{raw}'")
     return raw
 

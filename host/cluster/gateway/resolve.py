@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from host.ids import is_sandbox_id
 from host.proxy.signed import SignedFileRequest
 
 from ..errors import (
@@ -32,7 +32,6 @@ from .forward import NodeClient
 
 log = logging.getLogger(__name__)
 
-SANDBOX_ID = re.compile(r"^[a-z0-9]+$")
 FIND_TIMEOUT_S = 10.0
 
 
@@ -93,7 +92,9 @@ class Resolver:
 
     async def find(self, sandbox_id: str) -> Located:
         """Ask every live node for an unbound sandbox; bind it where it is found."""
-        if not SANDBOX_ID.match(sandbox_id):
+        # an id no node issues is nowhere: no question to every node (a request may
+        # name any routable id, host/ids.py)
+        if not is_sandbox_id(sandbox_id):
             raise SandboxUnknown(f"sandbox '{sandbox_id}' not found")
         live = await self.registry.live_nodes()
 
