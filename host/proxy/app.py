@@ -16,6 +16,10 @@ started yet becomes a 502, a started one is cut (the client's connection is clos
 the SDKs probe the sandbox and report it killed or ended), and a WebSocket is closed
 with 1001 (going away). The pool's idle connections into that incarnation are closed
 then too: a node that served thousands of sandboxes keeps no sockets to dead ones.
+
+What a request into a sandbox carries (our credentials dropped, X-Forwarded-For the
+peer) is forwarding.py's. An id the service cannot have issued is answered "not found"
+without asking the orchestrator, which keeps no state for ids it does not hold.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from websockets.asyncio.client import connect as ws_connect
 
 from host.api.auth import ApiKeys
+from host.httpheaders import FORWARDED_HOST, HOP_BY_HOP, TRAFFIC_TOKEN, WS_HANDSHAKE, header
+from host.ids import is_sandbox_id
 from host.orchestrator.errors import OrchestratorError, SandboxNotFound, StateConflict
 from host.orchestrator.model import ListFilter, Route, RunEnded
 from host.orchestrator.service import Orchestrator
@@ -40,6 +46,7 @@ from host.web.links import TerminalLinks
 from host.web.terminal import TerminalSite
 
 from . import responses
+from .forwarding import guest_headers
 from .routing import ENVD_PORT, BadTarget, Target, host_name, parse_target, routes_by_headers
 from .signed import SignedFileRequest
 from .upstream import Pool, UpstreamError, UpstreamUnreachable
@@ -50,16 +57,7 @@ log = logging.getLogger(__name__)
 # envd control routes only the host may call (spec §1.6.3).
 BLOCKED_ENVD_PATHS = frozenset({"/init", "/freeze", "/unfreeze", "/fsfreeze", "/fsthaw",
                                 "/collapse", "/upgrade"})
-TRAFFIC_TOKEN_HEADER = b"e2b-traffic-access-token"
 MASK_PORT_PLACEHOLDER = "${PORT}"  # in network.maskRequestHost: the sandbox port
-
-# Hop-by-hop headers (RFC 9110 §7.6.1) plus those the server side already handled.
-_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate",
-                  b"proxy-authorization", b"te", b"trailer", b"transfer-encoding", b"upgrade",
-                  b"expect"})
-_WS_HANDSHAKE = frozenset({b"host", b"upgrade", b"connection", b"sec-websocket-key",
-                           b"sec-websocket-version", b"sec-websocket-extensions",
-                           b"sec-websocket-protocol", b"content-length"})
 
 
 # (method, target, headers, streamed body or None) of one forwarded request
@@ -97,13 +95,6 @@ class _Progress:
     def __init__(self) -> None:
         self.started = False      # http.response.start was sent
         self.finishing = False    # the body is complete, the final message is being sent
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    for k, v in scope["headers"]:
-        if k == name:
-            return bytes(v).decode("latin-1")
-    return None
 
 
 def _masked_host(route: Route, target: Target) -> str | None:
@@ -154,7 +145,7 @@ class ProxyApp:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
-        host = host_name(_header(scope, b"host") or "")
+        host = host_name(header(scope, b"host") or "")
         if self.terminal is not None and self._terminal_request(scope, host):
             await self.terminal(scope, receive, send)
             return
@@ -163,8 +154,8 @@ class ProxyApp:
             return
         target: Target | None
         try:
-            target = parse_target(host, _header(scope, b"e2b-sandbox-id"),
-                                  _header(scope, b"e2b-sandbox-port"), self.domain)
+            target = parse_target(host, header(scope, b"e2b-sandbox-id"),
+                                  header(scope, b"e2b-sandbox-port"), self.domain)
         except BadTarget as exc:
             target = await self._signed_target(scope, host)
             if target is None:
@@ -181,7 +172,7 @@ class ProxyApp:
     def _terminal_request(self, scope: Scope, host: str) -> bool:
         """A web-terminal path on the proxy's own host (not a sandbox's `<port>-<id>` host,
         not a request routed by E2b-Sandbox-* headers)."""
-        if not scope["path"].startswith("/terminal/") or _header(scope, b"e2b-sandbox-id"):
+        if not scope["path"].startswith("/terminal/") or header(scope, b"e2b-sandbox-id"):
             return False
         return routes_by_headers(host, self.domain) or (
             self.domain is not None and host in (self.domain, f"api.{self.domain}"))
@@ -198,7 +189,7 @@ class ProxyApp:
     async def _signed_target(self, scope: Scope, host: str) -> Target | None:
         """envd of the sandbox that signed a file URL sent without E2b-Sandbox-* headers
         to a host that routes by them (E2B_SANDBOX_URL mode; signed.py)."""
-        if not routes_by_headers(host, self.domain) or _header(scope, b"e2b-sandbox-id"):
+        if not routes_by_headers(host, self.domain) or header(scope, b"e2b-sandbox-id"):
             return None
         signed = SignedFileRequest.of(scope)
         if signed is None:
@@ -219,6 +210,10 @@ class ProxyApp:
         `resume`: whether a paused sandbox is resumed (default: the proxy's auto_resume)."""
         sid, port = target.sandbox_id, target.port
         resume = self.auto_resume if resume is None else resume
+        if not is_sandbox_id(sid):
+            # well-formed (routing.py) but never issued: nothing to look up
+            await self._deny(scope, receive, send, 502, responses.NOT_FOUND, sandbox_id=sid)
+            return None
         try:
             route = await self.orchestrator.route(sid, port, resume=resume)
         except (SandboxNotFound, StateConflict):
@@ -237,7 +232,7 @@ class ProxyApp:
                                  sandbox_id=sid)
                 return None
         elif route.traffic_token is not None:
-            given = _header(scope, TRAFFIC_TOKEN_HEADER) or ""
+            given = header(scope, TRAFFIC_TOKEN) or ""
             if not hmac.compare_digest(given.encode(), route.traffic_token.encode()):
                 msg = ("missing e2b-traffic-access-token header" if not given
                        else "invalid e2b-traffic-access-token")
@@ -260,21 +255,18 @@ class ProxyApp:
     async def _http_exchange(self, scope: Scope, receive: Receive, send: Send,
                              target: Target, route: Route) -> None:
         body_done = asyncio.Event()
-        headers = [(k, v) for k, v in scope["headers"] if k not in _HOP]
+        headers = guest_headers(scope, target.port)
         masked = _masked_host(route, target)
         if masked is not None:
             # the client's Host goes on as X-Forwarded-Host (what E2B's proxy does)
-            original = _header(scope, b"host")
-            headers = [(k, v) for k, v in headers if k not in (b"host", b"x-forwarded-host")]
+            original = header(scope, b"host")
+            headers = [(k, v) for k, v in headers if k != b"host"]
             headers.append((b"host", masked.encode()))
             if original:
-                headers.append((b"x-forwarded-host", original.encode("latin-1")))
+                headers.append((FORWARDED_HOST, original.encode("latin-1")))
         names = {k for k, _ in headers}
         if b"host" not in names:
             headers.append((b"host", f"{route.host}:{route.port}".encode()))
-        client = scope.get("client")
-        if client:
-            headers.append((b"x-forwarded-for", client[0].encode()))
         content = None
         if b"content-length" in names:
             content = self._request_body(receive, body_done)
@@ -383,7 +375,7 @@ class ProxyApp:
         try:
             await send({"type": "http.response.start", "status": upstream.status,
                         "headers": [(k, v) for k, v in upstream.headers
-                                    if k.lower() not in _HOP]})
+                                    if k.lower() not in HOP_BY_HOP]})
             progress.started = True
             try:
                 async for chunk in body:
@@ -419,8 +411,8 @@ class ProxyApp:
                          route: Route) -> None:
         query = scope.get("query_string", b"")
         raw_path = scope.get("raw_path") or scope["path"].encode()
-        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
-                   if k not in _WS_HANDSHAKE and k not in _HOP]
+        headers = [(k.decode("latin-1"), v.decode("latin-1"))
+                   for k, v in guest_headers(scope, target.port, drop=WS_HANDSHAKE)]
         masked = _masked_host(route, target)
         address: dict[str, Any] = {}
         if masked is None:
@@ -430,10 +422,9 @@ class ProxyApp:
             # connect to separately; the client's Host goes on as X-Forwarded-Host
             uri = f"ws://{masked}{raw_path.decode('latin-1')}"
             address = {"host": route.host, "port": route.port}
-            headers = [(k, v) for k, v in headers if k != "x-forwarded-host"]
-            original = _header(scope, b"host")
+            original = header(scope, b"host")
             if original:
-                headers.append(("x-forwarded-host", original))
+                headers.append((FORWARDED_HOST.decode(), original))
         if query:
             uri += "?" + query.decode("latin-1")
         try:
