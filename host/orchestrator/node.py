@@ -342,8 +342,11 @@ class NodeOrchestrator:
         await guest_access.update_network(self._ctx, sandbox_id, network)
 
     async def route(self, sandbox_id: str, port: int, *, resume: bool) -> Route:
-        self._ctx.activity[sandbox_id] = self.clock()  # its coldness (pressure.py)
-        return await guest_access.route(self._ctx, sandbox_id, port, resume=resume)
+        route = await guest_access.route(self._ctx, sandbox_id, port, resume=resume)
+        # its coldness (pressure.py); only once it is known to run here: the proxy asks
+        # for any id a request names, with no key
+        self._ctx.activity[sandbox_id] = self.clock()
+        return route
 
     # ---- templates (templates/: builds.py, lookup.py, files.py) ------------------------
 
