@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -61,9 +62,20 @@ def test_invalid(argv: list[str], env: dict[str, str]) -> None:
         parse_config(argv, env)
 
 
-def test_banner_names_the_sdk_variables() -> None:
-    text = banner(Config(api_port=3000, proxy_port=3001), ApiKeys(["e2b_k"]))
+def test_banner_names_the_sdk_variables_and_the_key_file_not_the_key(tmp_path) -> None:
+    state = tmp_path / "aenv state"      # a path the shell must get quoted
+    state.mkdir()
+    ApiKeys.load_or_create(state / "api_keys")
+    key = (state / "api_keys").read_text().strip()
+    text = banner(Config(api_port=3000, proxy_port=3001, state_dir=state))
     assert "E2B_API_URL=http://127.0.0.1:3000" in text
     assert "E2B_SANDBOX_URL=http://127.0.0.1:3001" in text
-    assert "E2B_API_KEY=e2b_k" in text and "/var/lib/aenv/api_keys" in text
-    assert "E2B_DOMAIN=sbx.localhost" in banner(Config(tls=True), ApiKeys(["e2b_k"]))
+    assert f"export E2B_API_KEY=$(head -1 '{state}/api_keys')" in text
+    assert key not in text
+    # and that line gives a shell the key
+    line = next(ln for ln in text.splitlines() if "E2B_API_KEY" in ln)
+    out = subprocess.run(["bash", "-c", f'{line}; printf %s "$E2B_API_KEY"'],
+                         capture_output=True, text=True, check=True).stdout
+    assert out == key
+    assert "E2B_DOMAIN=sbx.localhost" in banner(Config(tls=True))
+    assert "/var/lib/aenv/api_keys" in banner(Config())
