@@ -18,6 +18,7 @@ from host.orchestrator.errors import (
     AliasTaken,
     BuildNotFound,
     CapacityExceeded,
+    GuestAnswerInvalid,
     GuestUnresponsive,
     IdempotencyMismatch,
     IncompatibleSnapshot,
@@ -61,6 +62,7 @@ _STATUS: dict[type[Exception], int] = {
     IdempotencyMismatch: 409,   # body carries error_code idempotency_request_mismatch
     InvalidRequest: 400,
     OperationFailed: 500,
+    GuestAnswerInvalid: 502,    # envd answered past a limit (host/guestio.py): not retried
     GuestUnresponsive: 503,     # Py ServiceBusyException, JS ServiceBusyError
     TemplateNotFound: 404,
     BuildNotFound: 400,         # E2B: 400 `Build '<id>' not found`
@@ -72,7 +74,8 @@ _STATUS: dict[type[Exception], int] = {
 }
 
 # Statuses a client may retry unchanged; every other 5xx carries `Should-Retry: false`
-# (Py SDK >= 2.61 retries 502/503/504 and even POSTs unless told not to).
+# (Py SDK >= 2.61 retries 502/503/504 and even POSTs unless told not to), and so does an
+# error whose class says `retryable = False` (the same guest would answer the same).
 _TRANSIENT = frozenset({429, 502, 503, 504})
 
 
@@ -83,10 +86,12 @@ def status_of(exc: Exception) -> int:
     return int(getattr(exc, "status", 500))
 
 
-def error_response(status: int, message: str, error_code: str | None = None) -> JSONResponse:
+def error_response(status: int, message: str, error_code: str | None = None, *,
+                   retryable: bool = True) -> JSONResponse:
     body = (Error(code=status, message=message, error_code=error_code) if error_code
             else Error(code=status, message=message))  # no error_code member when none
-    headers = {"Should-Retry": "false"} if status >= 500 and status not in _TRANSIENT else None
+    final = status >= 500 and (status not in _TRANSIENT or not retryable)
+    headers = {"Should-Retry": "false"} if final else None
     return JSONResponse(body.wire(), status_code=status, headers=headers)
 
 
@@ -98,7 +103,8 @@ def response_for(exc: Exception) -> JSONResponse:
         status = status_of(exc)
         if status >= 500:
             log.error("orchestrator failed: %s", exc, exc_info=exc)
-        response = error_response(status, str(exc), getattr(exc, "error_code", None))
+        response = error_response(status, str(exc), getattr(exc, "error_code", None),
+                                  retryable=getattr(exc, "retryable", True))
         retry_after = getattr(exc, "retry_after_s", None)
         if retry_after is not None:   # the capacity error: the SDKs wait this long
             response.headers["Retry-After"] = str(retry_after)

@@ -25,6 +25,7 @@ REF = "#/components/schemas/{model}"
 
 _ERROR_TEXT = {400: "Bad request", 401: "Authentication error", 403: "Forbidden",
                404: "Not found", 409: "Conflict", 413: "Too large", 500: "Server error",
+               502: "Bad gateway (the sandbox's envd answered past a limit)",
                503: "Service busy"}
 _PATH_PARAMS = {"sandboxID": "",
                 "templateID": "template id or name; percent-encoded, may contain '/' and ':'",

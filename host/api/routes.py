@@ -115,6 +115,9 @@ NO_CONTENT = (Reply(204, "No content"),)
 NEXT_TOKEN = {"X-Next-Token": "cursor of the next page (absent on the last)"}
 CONNECTED = (Reply(200, "Already running", m.Sandbox), Reply(201, "Resumed", m.Sandbox))
 _409 = (400, 401, 404, 409, 500)
+# operations that read an answer from the sandbox's envd (its /init, /metrics): 502 when
+# envd answers past its limit (host/guestio.py)
+_ENVD = (*_409, 502)
 
 
 def _op(method: str, path: str, operation_id: str, handler: Handler,
@@ -128,24 +131,24 @@ OPERATIONS: tuple[Operation, ...] = (
         errors=(401,)),
     _op("POST", "/v2/sandboxes", "createSandboxV2", sb.create_v2,
         Reply(201, "The sandbox was created", m.Sandbox),
-        body=m.NewSandboxV2, headers=m.CreateHeaders, errors=_409),
+        body=m.NewSandboxV2, headers=m.CreateHeaders, errors=_ENVD),
     _op("GET", "/v2/sandboxes", "listSandboxesV2", sb.list_v2,
         Reply(200, "OK", list[m.ListedSandbox], NEXT_TOKEN),
         query=m.ListSandboxesQuery, errors=(400, 401, 500)),
     _op("POST", "/sandboxes", "createSandbox", sb.create_v1,
-        Reply(201, "The sandbox was created", m.Sandbox), body=m.NewSandbox, errors=_409),
+        Reply(201, "The sandbox was created", m.Sandbox), body=m.NewSandbox, errors=_ENVD),
     _op("GET", "/sandboxes", "listSandboxes", sb.list_v1, Reply(200, "OK", list[m.ListedSandbox]),
         query=m.ListSandboxesV1Query, errors=(400, 401, 500)),
     _op("GET", SID, "getSandbox", sb.get_one, Reply(200, "OK", m.SandboxDetail)),
     _op("DELETE", SID, "killSandbox", sb.kill, *NO_CONTENT),
     _op("POST", f"/v2{SID}/connect", "connectSandboxV2", sb.connect_v2, *CONNECTED,
-        body=m.ConnectSandboxV2, body_required=False, errors=_409),
+        body=m.ConnectSandboxV2, body_required=False, errors=_ENVD),
     _op("POST", f"{SID}/connect", "connectSandbox", sb.connect_v1, *CONNECTED,
-        body=m.ConnectSandbox, errors=_409),
+        body=m.ConnectSandbox, errors=_ENVD),
     _op("POST", f"{SID}/pause", "pauseSandbox", sb.pause, *NO_CONTENT,
         body=m.SandboxPauseRequest, body_required=False, errors=(*_409, 503)),
     _op("POST", f"{SID}/resume", "resumeSandbox", sb.resume_v1, Reply(201, "Resumed", m.Sandbox),
-        body=m.ResumedSandbox, body_required=False, errors=_409),
+        body=m.ResumedSandbox, body_required=False, errors=_ENVD),
     _op("POST", f"/cluster{SID}/adopt", "adoptSandbox", cluster.adopt,
         Reply(201, "This node holds the paused sandbox now (aenv cluster extension)",
               m.SandboxDetail), errors=(400, 401, 404, 500)),
@@ -164,11 +167,12 @@ OPERATIONS: tuple[Operation, ...] = (
         body=m.SandboxRefreshRequest, body_required=False),
     _op("POST", f"{SID}/fork", "forkSandbox", sb.fork,
         Reply(201, "Forks (one entry each)", list[m.SandboxForkResult]),
-        body=m.SandboxForkRequest, body_required=False, errors=_409),
+        body=m.SandboxForkRequest, body_required=False, errors=_ENVD),
     _op("PUT", f"{SID}/network", "updateSandboxNetwork", sb.update_network, *NO_CONTENT,
         body=m.SandboxNetworkUpdateConfig),
     _op("GET", f"{SID}/metrics", "getSandboxMetrics", sb.metrics,
-        Reply(200, "OK", list[m.SandboxMetric]), query=m.MetricsQuery),
+        Reply(200, "OK", list[m.SandboxMetric]), query=m.MetricsQuery,
+        errors=(400, 401, 404, 500, 502)),
     _op("GET", f"{SID}/logs", "getSandboxLogs", sb.logs_v1, Reply(200, "OK", m.SandboxLogs),
         query=m.LogsQuery),
     _op("GET", f"/v2{SID}/logs", "getSandboxLogsV2", sb.logs_v2,

@@ -2,7 +2,9 @@
 root `/bin/sync` through envd's process API before a filesystem-only pause).
 
 One httpx client per orchestrator (no kept-alive connections); tests inject an
-`httpx.MockTransport`.
+`httpx.MockTransport`. envd runs inside the guest and may be hostile: every answer is read
+through host/guestio.py, at most its call's limit, and one past it fails the call with
+`GuestAnswerInvalid` (502).
 
 Every /init carries fresh host entropy (`aenvEntropy`, our field: E2B's envd ignores
 unknown fields): a sandbox restored from a snapshot resumes the snapshot's kernel RNG
@@ -13,17 +15,22 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import logging
 import secrets
 from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 
-from host.connect_envelope import END_STREAM, EnvelopeError, envelope, messages
+from host import guestio
+from host.connect_envelope import END_STREAM, envelope
 from host.contract import GuestDefaults, Placement
 
-from .errors import OperationFailed
+from .errors import GuestAnswerInvalid, OperationFailed
 from .model import Metric
+
+log = logging.getLogger(__name__)
 
 ENVD_PORT = 49983
 DEFAULT_USER = "user"
@@ -80,12 +87,16 @@ class EnvdClient:
         last: Exception | None = None
         for attempt in range(self._init_attempts):
             try:
-                resp = await self._http.post(self._url(placement, "/init"), json=body,
-                                             headers=headers, timeout=self._init_timeout_s)
+                resp = await guestio.request(
+                    self._http, "POST", self._url(placement, "/init"),
+                    limit=guestio.MAX_ANSWER_BYTES, what="/init", json=body,
+                    headers=headers, timeout=self._init_timeout_s)
             except httpx.HTTPError as exc:  # envd answered /health already: retry briefly
                 last = exc
                 await asyncio.sleep(0.2 * (attempt + 1))
                 continue
+            except guestio.GuestAnswerError as exc:  # it answered, wrongly: no retry
+                raise _invalid(placement, exc) from exc
             if resp.status_code == 401 and attempt > 0 and token and headers.get(
                     "X-Access-Token") != token:
                 # An earlier attempt timed out after envd applied it: the new token holds.
@@ -109,29 +120,38 @@ class EnvdClient:
                    "Authorization": "Basic " + base64.b64encode(b"root:").decode()}
         if token:
             headers["X-Access-Token"] = token
+        path = "/process.Process/Start"
+        end: dict[str, Any] = {}
+        done: Any = None
         try:
-            resp = await self._http.post(self._url(placement, "/process.Process/Start"),
-                                         content=envelope({"process": {"cmd": "/bin/sync",
-                                                                       "args": []}}),
-                                         headers=headers, timeout=timeout_s)
+            async with guestio.stream(
+                    self._http, "POST", self._url(placement, path),
+                    content=envelope({"process": {"cmd": "/bin/sync", "args": []}}),
+                    headers=headers, timeout=timeout_s) as resp:
+                if resp.status_code != 200:
+                    body = await guestio.read_body(resp, limit=guestio.MAX_ANSWER_BYTES,
+                                                   what=path)
+                    raise OperationFailed(f"sync in {placement.sandbox_id}: envd answered "
+                                          f"{resp.status_code}: {body[:200]!r}")
+                # only the end events are kept: a /bin/sync that prints stays flat here
+                async with contextlib.aclosing(guestio.aiter_messages(
+                        resp, what=path,
+                        max_total_bytes=guestio.MAX_SYNC_STREAM_BYTES)) as frames:
+                    async for flags, m in frames:
+                        event = m.get("event")
+                        if flags & END_STREAM:
+                            end = m
+                        elif done is None and isinstance(event, dict) and "end" in event:
+                            done = event["end"]
         except httpx.HTTPError as exc:
             raise OperationFailed(f"sync in {placement.sandbox_id} failed: {exc}") from exc
-        body = resp.content
-        if resp.status_code != 200:
-            raise OperationFailed(f"sync in {placement.sandbox_id}: envd answered "
-                                  f"{resp.status_code}: {body[:200]!r}")
-        try:
-            frames = list(messages([body]))
-        except EnvelopeError as exc:
-            raise OperationFailed(f"sync in {placement.sandbox_id}: {exc}") from exc
-        end = next((m for flags, m in frames if flags & END_STREAM), {})
+        except guestio.GuestAnswerError as exc:
+            raise _invalid(placement, exc) from exc
         if end.get("error"):
             raise OperationFailed(f"sync in {placement.sandbox_id} failed: {end['error']}")
         # what /bin/sync itself said: a filesystem pause keeps only what reached the disk
         # (issue 14 item 18), so a sync that failed (an I/O error) must stop it
-        done = next((m["event"]["end"] for flags, m in frames if not flags & END_STREAM
-                     and isinstance(m.get("event"), dict) and "end" in m["event"]), None)
-        if done is None:
+        if not isinstance(done, dict):
             raise OperationFailed(f"sync in {placement.sandbox_id}: the stream ended before "
                                   "the process did")
         if done.get("exitCode", 0) != 0 or not done.get("exited", True):
@@ -144,24 +164,50 @@ class EnvdClient:
         stopped by a snapshot that never finished)."""
         for attempt in range(attempts):
             try:
-                resp = await self._http.get(self._url(placement, "/health"), timeout=timeout_s)
+                resp = await guestio.request(
+                    self._http, "GET", self._url(placement, "/health"),
+                    limit=guestio.MAX_ANSWER_BYTES, what="/health", timeout=timeout_s)
                 if resp.status_code < 300:
                     return True
             except httpx.HTTPError:
                 pass
+            except guestio.GuestAnswerError as exc:
+                # an envd that answers so is not one to rely on; asking again costs
+                # another read of the limit
+                log.warning("sandbox %s: %s; counted as not healthy", placement.sandbox_id,
+                            exc)
+                return False
             await asyncio.sleep(0.3 * (attempt + 1))
         return False
 
     async def metrics(self, placement: Placement, token: str | None) -> Metric:
         headers = {"X-Access-Token": token} if token else {}
         try:
-            resp = await self._http.get(self._url(placement, "/metrics"), headers=headers)
-            resp.raise_for_status()
-            m = resp.json()
-        except (httpx.HTTPError, ValueError) as exc:
+            resp = await guestio.request(self._http, "GET", self._url(placement, "/metrics"),
+                                         limit=guestio.MAX_METRICS_BYTES, what="/metrics",
+                                         headers=headers)
+        except httpx.HTTPError as exc:
             raise OperationFailed(f"envd /metrics of {placement.sandbox_id} failed: {exc}") from exc
-        return Metric(timestamp=float(m.get("ts", 0)), cpu_count=int(m.get("cpu_count", 0)),
-                      cpu_used_pct=float(m.get("cpu_used_pct", 0.0)),
-                      mem_used=int(m.get("mem_used", 0)), mem_total=int(m.get("mem_total", 0)),
-                      mem_cache=int(m.get("mem_cache", 0)), disk_used=int(m.get("disk_used", 0)),
-                      disk_total=int(m.get("disk_total", 0)))
+        except guestio.GuestAnswerError as exc:
+            raise _invalid(placement, exc) from exc
+        if not 200 <= resp.status_code < 300:
+            raise OperationFailed(f"envd /metrics of {placement.sandbox_id} answered "
+                                  f"{resp.status_code}: {resp.text[:200]}")
+        try:
+            m = resp.json()
+            return Metric(timestamp=float(m.get("ts", 0)), cpu_count=int(m.get("cpu_count", 0)),
+                          cpu_used_pct=float(m.get("cpu_used_pct", 0.0)),
+                          mem_used=int(m.get("mem_used", 0)),
+                          mem_total=int(m.get("mem_total", 0)),
+                          mem_cache=int(m.get("mem_cache", 0)),
+                          disk_used=int(m.get("disk_used", 0)),
+                          disk_total=int(m.get("disk_total", 0)))
+        # not JSON, not an object, or fields that are not numbers
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise GuestAnswerInvalid(f"sandbox '{placement.sandbox_id}': envd answered "
+                                     f"/metrics with something else than metrics: {exc}") \
+                from exc
+
+
+def _invalid(placement: Placement, exc: guestio.GuestAnswerError) -> GuestAnswerInvalid:
+    return GuestAnswerInvalid(f"sandbox '{placement.sandbox_id}': {exc}")

@@ -14,6 +14,8 @@
     ├── IncompatibleSnapshot     409  (its memory was saved by another VMM / CPU: reboot it)
     ├── CapacityExceeded         429  (the node's sandbox limit or memory: admission.py)
     └── OperationFailed          500  (the VMM or storage failed; state was rolled back)
+        └── GuestAnswerInvalid   502  (envd answered past its call's limit, host/guestio.py,
+                                       or off-protocol: retrying gets the same answer)
 """
 
 from __future__ import annotations
@@ -61,6 +63,16 @@ class InvalidRequest(OrchestratorError, ValueError):
 
 class OperationFailed(OrchestratorError):
     status = 500
+
+
+class GuestAnswerInvalid(OperationFailed):
+    """The sandbox's envd answered what the host refuses to read (past the call's limit,
+    or not the protocol): the operation failed as any OperationFailed does (rolled
+    back), but the fault is the guest's, a bad gateway, and a retry would meet the same
+    guest (`Should-Retry: false`)."""
+
+    status = 502
+    retryable = False
 
 
 class CapacityExceeded(OrchestratorError):

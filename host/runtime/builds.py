@@ -15,6 +15,7 @@ cache entries of the steps that succeeded stay: they are the cache.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -239,7 +240,8 @@ class _Build:
         resize (EXT4_IOC_RESIZE_FS on /; resize2fs itself fails on a root mounted as
         /dev/root: "Device or resource busy"). Needs python3 in the guest."""
         assert self.shell is not None
-        out: list[str] = []
+        # the last lines only: the guest may print without end
+        out: collections.deque[str] = collections.deque(maxlen=3)
         script = ("python3 -c 'import fcntl,os,struct; "
                   "n=int(open(\"/sys/block/vda/size\").read())*512//os.statvfs(\"/\").f_frsize; "
                   "fd=os.open(\"/\",os.O_RDONLY); "
@@ -248,7 +250,7 @@ class _Build:
                                     on_output=lambda _s, line: out.append(line))
         if code != 0 and self.spec.min_free_disk_mb:
             raise BuildFailed("growing the disk for minFreeDiskMb failed: "
-                              + " | ".join(out[-3:]), step="base")
+                              + " | ".join(out), step="base")
         self.log("info" if code == 0 else "warn",
                  f"disk grown to {self.disk_mib} MiB" if code == 0 else
                  "the image cannot grow its filesystem (no python3): disk size unchanged",
@@ -258,14 +260,14 @@ class _Build:
         need = self.spec.min_free_disk_mb
         if not need or self.shell is None:
             return
-        out: list[str] = []
+        out: collections.deque[str] = collections.deque(maxlen=1)  # the last line only
         await self.shell.run("df -Pm / | tail -1", user="root",
                              on_output=lambda _s, line: out.append(line))
         try:
             free = int(out[-1].split()[3])
         except (IndexError, ValueError):
-            raise BuildFailed(f"cannot read the free disk space: {out}", step="finalize") \
-                from None
+            raise BuildFailed(f"cannot read the free disk space: {list(out)}",
+                              step="finalize") from None
         if free < need:
             raise BuildFailed(f"{free} MiB free on the disk, {need} MiB asked "
                               "(minFreeDiskMb)", step="finalize")

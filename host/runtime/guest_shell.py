@@ -2,7 +2,10 @@
 protocol: Connect `process.Process/Start` streams and `POST /files`), as root or any user.
 
 Used by template builds, where the host drives a freshly booted VM that has no access
-token yet. One httpx client per build; the caller closes it.
+token yet. One httpx client per build; the caller closes it. The guest runs the user's
+image and may be hostile: answers are read through host/guestio.py (one Connect message,
+one output line, an answer body: each at most its limit), and one past a limit fails the
+command with a GuestCommandError that says so.
 """
 
 from __future__ import annotations
@@ -11,13 +14,14 @@ import asyncio
 import base64
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from host.connect_envelope import END_STREAM, EnvelopeError, envelope, messages
+from host import guestio
+from host.connect_envelope import END_STREAM, envelope
 
 OnOutput = Callable[[str, str], None]  # (stream: stdout|stderr, line)
 
@@ -61,48 +65,45 @@ class GuestShell:
         """Run `/bin/sh -c cmd` and wait for it; returns its exit code. Output lines go
         to `on_output` as they arrive."""
         body = envelope(self._request(cmd, env or {}, cwd, None))
-        tails = {"stdout": b"", "stderr": b""}
+        # one bounded line splitter per stream: a guest printing 1 GiB without a newline
+        # holds MAX_LINE_BYTES here
+        lines = {"stdout": guestio.Lines(), "stderr": guestio.Lines()}
 
-        def emit(stream: str, data: bytes, *, final: bool = False) -> None:
-            buf = tails[stream] + data
-            *lines, tails[stream] = buf.split(b"\n")
-            if final and tails[stream]:
-                lines.append(tails[stream])
-                tails[stream] = b""
+        def emit(stream: str, done: list[bytes]) -> None:
             if on_output is not None:
-                for line in lines:
+                for line in done:
                     on_output(stream, line.decode(errors="replace"))
 
         end: dict[str, Any] | None = None
         try:
-            async with self._http.stream(
-                    "POST", f"{self.base}/process.Process/Start", content=body,
-                    headers=self._headers(user, timeout_s),
-                    timeout=httpx.Timeout(30.0, read=timeout_s + 30.0)) as resp:
-                if resp.status_code != 200:
-                    text = (await resp.aread())[:300]
-                    raise GuestCommandError(f"envd answered {resp.status_code}: {text!r}")
-                async for flags, msg in _aiter_messages(resp.aiter_bytes()):
+            async with self._stream(body, user, timeout_s,
+                                    httpx.Timeout(30.0, read=timeout_s + 30.0)) as messages:
+                async for flags, msg in messages:
                     if flags & END_STREAM:
                         if msg.get("error"):
                             raise GuestCommandError(f"envd: {msg['error']}")
                         break
-                    event = msg.get("event") or {}
+                    event = _event(msg)
                     if "data" in event:
-                        for stream in ("stdout", "stderr"):
-                            if stream in event["data"]:
-                                emit(stream, base64.b64decode(event["data"][stream]))
-                    elif "end" in event:
+                        for stream, data in _output(event["data"]):
+                            emit(stream, lines[stream].feed(data))
+                    elif "end" in event and isinstance(event["end"], dict):
                         end = event["end"]
         except httpx.HTTPError as exc:
             raise GuestCommandError(f"running a command through envd failed: {exc}") from exc
-        for stream in ("stdout", "stderr"):
-            emit(stream, b"", final=True)
+        except guestio.GuestAnswerError as exc:
+            raise GuestCommandError(str(exc)) from exc
+        for stream, splitter in lines.items():
+            emit(stream, splitter.close())
         if end is None:
             raise GuestCommandError("the command's stream ended without an end event")
         if end.get("error") and not end.get("exited", True):
             raise GuestCommandError(f"envd could not run the command: {end['error']}")
-        return int(end.get("exitCode", end.get("exit_code", 0)) or 0)
+        try:
+            return int(end.get("exitCode", end.get("exit_code", 0)) or 0)
+        except (TypeError, ValueError):
+            raise GuestCommandError(f"envd sent an exit code that is not a number: "
+                                    f"{str(end)[:200]}") from None
 
     async def start(self, cmd: str, *, user: str, env: dict[str, str], cwd: str | None,
                     tag: str) -> int:
@@ -110,21 +111,38 @@ class GuestShell:
         processes outlive their clients); returns its pid."""
         body = envelope(self._request(cmd, env, cwd, tag))
         try:
-            async with self._http.stream(
-                    "POST", f"{self.base}/process.Process/Start", content=body,
-                    headers=self._headers(user, None)) as resp:
-                if resp.status_code != 200:
-                    text = (await resp.aread())[:300]
-                    raise GuestCommandError(f"envd answered {resp.status_code}: {text!r}")
-                async for flags, msg in _aiter_messages(resp.aiter_bytes()):
+            async with self._stream(body, user, None, httpx.USE_CLIENT_DEFAULT) as messages:
+                async for flags, msg in messages:
                     if flags & END_STREAM:
-                        raise GuestCommandError(f"the start command did not start: {msg}")
-                    start = (msg.get("event") or {}).get("start")
-                    if start is not None:
+                        raise GuestCommandError(f"the start command did not start: "
+                                                f"{str(msg)[:300]}")
+                    start = _event(msg).get("start")
+                    if isinstance(start, dict):
                         return int(start.get("pid", 0))
         except httpx.HTTPError as exc:
             raise GuestCommandError(f"starting a command through envd failed: {exc}") from exc
+        except guestio.GuestAnswerError as exc:
+            raise GuestCommandError(str(exc)) from exc
+        except (TypeError, ValueError) as exc:  # a pid that is not a number
+            raise GuestCommandError(f"envd sent a malformed start event: {exc}") from exc
         raise GuestCommandError("the start command's stream ended before it started")
+
+    @contextlib.asynccontextmanager
+    async def _stream(self, body: bytes, user: str, timeout_s: float | None,
+                      timeout: Any) -> AsyncIterator[AsyncIterator[tuple[int, dict[str, Any]]]]:
+        """The messages of a `process.Process/Start` stream, each at most
+        MAX_MESSAGE_BYTES; a non-200 answer is a GuestCommandError."""
+        async with guestio.stream(self._http, "POST", f"{self.base}{_START}", content=body,
+                                  headers=self._headers(user, timeout_s),
+                                  timeout=timeout) as resp:
+            if resp.status_code != 200:
+                answer = await guestio.read_body(resp, limit=guestio.MAX_ANSWER_BYTES,
+                                                 what=_START)
+                raise GuestCommandError(f"envd answered {resp.status_code}: {answer[:300]!r}")
+            # aclosing: a caller that returns mid-stream (start) ends the reader here,
+            # before the response closes, not whenever the loop finalizes it
+            async with contextlib.aclosing(guestio.aiter_messages(resp, what=_START)) as it:
+                yield it
 
     async def upload(self, local: Path, guest_path: str, *, user: str = "root") -> None:
         """Write `local` to `guest_path` (octet-stream upload; envd writes it as `user`)."""
@@ -134,13 +152,16 @@ class GuestShell:
                     yield chunk
 
         try:
-            resp = await self._http.post(
-                f"{self.base}/files", params={"path": guest_path, "username": user},
+            resp = await guestio.request(
+                self._http, "POST", f"{self.base}/files", limit=guestio.MAX_ANSWER_BYTES,
+                what="/files", params={"path": guest_path, "username": user},
                 content=chunks(), timeout=600.0,
                 headers={"Content-Type": "application/octet-stream",
                          "Content-Length": str(local.stat().st_size)})
         except httpx.HTTPError as exc:
             raise GuestCommandError(f"uploading {local.name} failed: {exc}") from exc
+        except guestio.GuestAnswerError as exc:
+            raise GuestCommandError(f"uploading {local.name}: {exc}") from exc
         if resp.status_code >= 300:
             raise GuestCommandError(f"uploading {local.name}: envd answered "
                                     f"{resp.status_code}: {resp.text[:200]}")
@@ -163,24 +184,20 @@ class GuestShell:
             await asyncio.sleep(interval_s)
 
 
-async def _aiter_messages(chunks: Any) -> Any:
-    """Connect envelopes from an async byte stream (host.connect_envelope.messages over
-    what has arrived so far)."""
-    buf = b""
-    async for chunk in chunks:
-        buf += chunk
-        complete = b""
-        # hand whole envelopes to the decoder, keep a cut one for the next chunk
-        while len(buf) >= 5:
-            length = int.from_bytes(buf[1:5], "big")
-            if len(buf) < 5 + length:
-                break
-            complete, buf = complete + buf[:5 + length], buf[5 + length:]
-        if complete:
-            try:
-                for item in messages([complete]):
-                    yield item
-            except EnvelopeError as exc:
-                raise GuestCommandError(f"envd sent a malformed stream: {exc}") from exc
-    if buf:
-        raise GuestCommandError("envd's stream ended in the middle of a message")
+_START = "/process.Process/Start"
+
+
+def _event(msg: dict[str, Any]) -> dict[str, Any]:
+    event = msg.get("event")
+    return event if isinstance(event, dict) else {}
+
+
+def _output(data: Any) -> list[tuple[str, bytes]]:
+    """(stream, bytes) of a data event; a malformed one is a GuestCommandError."""
+    if not isinstance(data, dict):
+        raise GuestCommandError(f"envd sent a malformed data event: {str(data)[:200]}")
+    try:
+        return [(stream, base64.b64decode(data[stream]))
+                for stream in ("stdout", "stderr") if stream in data]
+    except (TypeError, ValueError) as exc:
+        raise GuestCommandError(f"envd sent output that is not base64: {exc}") from exc

@@ -16,6 +16,7 @@ on the filesystem below them, so the chain id (not the layer digest alone) is th
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -184,17 +185,18 @@ class _Importer:
 
     async def _root(self, script: str) -> None:
         assert self.shell is not None
-        out: list[str] = []
+        # the last lines only: the guest may print without end (each line is bounded)
+        out: collections.deque[str] = collections.deque(maxlen=20)
         try:
             code = await self.shell.run(script, user="root",
                                         on_output=lambda _s, line: out.append(line))
         except GuestCommandError as exc:
             raise BuildFailed(f"image import: {exc}", step="base") from exc
-        for line in out[-20:]:
+        for line in out:
             self.log("info", line, "base")
         if code != 0:
             raise BuildFailed(f"image import failed (exit code {code}): "
-                              f"{' | '.join(out[-3:])}", step="base")
+                              f"{' | '.join(list(out)[-3:])}", step="base")
 
     async def _seal(self) -> tuple[str, ...]:
         """Unmount (a clean filesystem in every layer), seal with the vCPUs stopped,

@@ -17,6 +17,9 @@ from .store import LEVELS, LogRecord
 
 MAX_ENTRIES = 20_000       # per build; later entries are dropped (one warning says so)
 MAX_MESSAGE = 16_384       # characters per entry
+# characters per build, all entries together: the build's commands print what the guest
+# likes, and 20,000 entries of 16,384 characters would be 320 MiB held here and stored
+MAX_CHARS = 16 * 1024 * 1024
 
 Flush = Callable[[int, list[LogRecord]], Awaitable[Any]]
 
@@ -30,13 +33,18 @@ class BuildLogBuffer:
         self.first_seq = first_seq
         self.flushed = 0                    # entries already in the store
         self.truncated = False
+        self.chars = 0                      # message characters held in `entries`
         self._wake = asyncio.Event()
 
     def __call__(self, level: str, message: str, step: str | None = None) -> None:
-        if len(self.entries) >= MAX_ENTRIES:
-            if not self.truncated:
-                self.truncated = True
-                self._add("warn", f"build log truncated at {MAX_ENTRIES} entries", step)
+        if self.truncated:
+            return
+        if len(self.entries) >= MAX_ENTRIES or self.chars + min(
+                len(str(message)), MAX_MESSAGE) > MAX_CHARS:
+            self.truncated = True
+            self._add("warn", f"build log truncated at {len(self.entries)} entries "
+                      f"({MAX_ENTRIES} entries or {MAX_CHARS >> 20} MiB of text at most)",
+                      step)
             return
         self._add(level, message, step)
 
@@ -45,6 +53,7 @@ class BuildLogBuffer:
         text = str(message)
         if len(text) > MAX_MESSAGE:
             text = text[:MAX_MESSAGE] + " [truncated]"
+        self.chars += len(text)
         self.entries.append(LogRecord(seq=self.first_seq + len(self.entries),
                                       timestamp=self.clock(), level=level, message=text,
                                       step=None if step is None else str(step)))
