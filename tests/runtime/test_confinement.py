@@ -177,3 +177,78 @@ def _qemu_pids() -> list[int]:
     out = subprocess.run(["pgrep", "-f", "qemu-system-x86_64"], capture_output=True, text=True,
                          check=False).stdout
     return [int(x) for x in out.split()]
+
+
+def _bytes_under(root: Path) -> int:
+    """Bytes allocated to the files under the node's run dir (tmpfs on a real host)."""
+    total = 0
+    for f in root.rglob("*"):
+        try:
+            st = f.lstat()
+        except OSError:
+            continue
+        if f.is_file() and not f.is_symlink():
+            total += st.st_blocks * 512
+    return total
+
+
+async def test_a_console_flood_stays_under_its_cap_and_off_tmpfs(
+        runtime: NodeRuntime, template: SnapshotRef) -> None:
+    """`yes` into the serial console for 60 s: the log lives on the state dir's disk, not
+    /run, and stays bounded (rotated past 1 MiB; RLIMIT_FSIZE is the hard stop)."""
+    sid = "jail-flood"
+    p = await runtime.start(sid, template, NET)
+    try:
+        serial = runtime.parts.get(sid).vm.serial_log
+        assert runtime.config.state_dir in serial.parents
+        run_before = _bytes_under(runtime.config.run_dir)
+        await background(p, "sudo sh -c 'timeout 60 yes > /dev/ttyS0'")
+        peak = 0
+        for _ in range(65):
+            await asyncio.sleep(1)
+            size = serial.stat().st_size + (serial.with_name("serial.log.1").stat().st_size
+                                            if serial.with_name("serial.log.1").exists() else 0)
+            peak = max(peak, size)
+        run_after = _bytes_under(runtime.config.run_dir)
+        print(f"\nconsole flood: peak log {peak / 2**20:.2f} MiB (two files), run dir "
+              f"{run_before / 2**20:.2f} -> {run_after / 2**20:.2f} MiB")
+        assert serial.with_name("serial.log.1").exists(), "the flood never needed a rotation"
+        assert peak <= runtime.config.jail.fsize_bytes + (1 << 20)
+        assert abs(run_after - run_before) < 1 << 20
+        assert (await run(p, "echo alive")).strip() == "alive"
+    finally:
+        await runtime.kill(sid)
+
+
+async def test_a_fork_bomb_and_a_memory_hog_stay_inside_their_sandbox(
+        runtime: NodeRuntime, template: SnapshotRef) -> None:
+    """A guest fork bomb and a guest eating its RAM load only their own QEMU, which stays
+    inside its cgroup's limits, and another sandbox still answers."""
+    bad, good = "jail-bomb", "jail-good"
+    pb = await runtime.start(bad, template, NET)
+    pg = await runtime.start(good, template, NET)
+    try:
+        await background(pb, "python3 -c 'import time; x = bytearray(180 << 20); "
+                             "x[::4096] = b\"x\" * len(x[::4096]); time.sleep(600)'")
+        await background(pb, "bash -c ':(){ :|:& };:'")
+        await asyncio.sleep(10)
+        for _ in range(3):
+            assert (await run(pg, "true && echo ok")).strip() == "ok"
+        pid = runtime.vm_pid(bad)
+        cg_line = next(ln for ln in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+                       if f"/{runtime.config.jail.cgroup_parent}/" in ln)
+        name = cg_line.rsplit("/", 1)[1]
+        version = 2 if cg_line.startswith("0::") else 1
+        cg = Cgroup(runtime.config.jail.cgroup_parent, name, version=version)
+        mem_dir = cg.dirs()["" if version == 2 else "memory"]
+        usage = int((mem_dir / ("memory.current" if version == 2 else
+                                "memory.usage_in_bytes")).read_text())
+        limit = cg.memory_limit()
+        assert limit is not None and usage <= limit
+        pids_dir = cg.dirs()["" if version == 2 else "pids"]
+        assert int((pids_dir / "pids.current").read_text()) <= runtime.config.jail.pids
+        print(f"\nhostile sandbox's QEMU: {usage >> 20} MiB of {limit >> 20} MiB, "
+              f"{(pids_dir / 'pids.current').read_text().strip()} threads")
+    finally:
+        await runtime.kill(bad)
+        await runtime.kill(good)

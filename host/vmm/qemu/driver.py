@@ -252,6 +252,7 @@ class QemuVm(VmBase):
         taken between our pick and QEMU's bind."""
         net = self._spec.network
         assert self.accel is not None
+        self.serial_log.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._jail = self._driver.new_jail(self._spec.name)
         if self._jail is not None:
             self._jail.prepare(
@@ -293,7 +294,6 @@ class QemuVm(VmBase):
     async def _spawn(self) -> None:
         for stale in (self.files.qmp_socket,):
             stale.unlink(missing_ok=True)
-        self.serial_log.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         err = await asyncio.to_thread(open, self.stderr_log, "wb")
         with err:
             if self._jail is None:
@@ -322,7 +322,7 @@ class QemuVm(VmBase):
         initrd, the memory file (a private base read-only; a shared scratch file made here
         at its full size, RLIMIT_FSIZE forbids QEMU to grow it), the disks (a stack's own
         NBD socket directory; file disks and their backing file)."""
-        spec, work = self._spec, self.work_dir
+        spec = self._spec
         binds = [Bind(p) for p in (spec.kernel, spec.initrd) if p is not None]
         if self._driver.log_dir is not None:
             binds.append(Bind(self.serial_log.parent, writable=True))
@@ -333,10 +333,8 @@ class QemuVm(VmBase):
                 with open(path, "ab") as f:
                     if os.fstat(f.fileno()).st_size < size:
                         f.truncate(size)
-                if not path.is_relative_to(work):
-                    binds.append(Bind(path, writable=True))
-                else:
-                    path.chmod(0o600)
+                path.chmod(0o600)
+                binds.append(Bind(path, writable=True))  # handed to the VM's uid
             else:
                 if not path.stat().st_mode & 0o004:
                     path.chmod(0o444)  # a frozen base: never written, read by every VM
