@@ -50,75 +50,45 @@ async def snapshot(p: NodeParts, sandbox_id: str, snapshot_id: str, *, stop: boo
     return ref
 
 
+@dataclasses.dataclass
+class _Cut:
+    """What one snapshot captured while the guest was stopped: the memory record (None
+    for a disk-only snapshot), the VM's memory lineage after it, the sealed disk layer."""
+
+    mem: dict[str, Any] | None
+    memsnap_dir: Path | None
+    base_dir: Path | None
+    layer: str
+
+
+class _Sealer:
+    """Seals the sandbox's disk upper once, at the instant the memory capture chooses
+    (while the guest is stopped), and times it."""
+
+    def __init__(self, p: NodeParts, sb: RunningSandbox, timings: dict[str, float]) -> None:
+        self.p, self.sb, self.timings = p, sb, timings
+        self.layer: str | None = None
+
+    async def __call__(self) -> None:
+        t = time.perf_counter()
+        self.layer = await self.p.block.client.seal(self.sb.stack, upload=False)
+        self.timings["seal_s"] = time.perf_counter() - t
+
+
 async def _snapshot(p: NodeParts, sb: RunningSandbox, snapshot_id: str, *, stop: bool,
                     memory: bool, stopped: Callable[[], None] | None,
                     keep: bool = False) -> SnapshotRef:
+    """Cut memory and disk at one instant, publish them, commit the manifest, then let the
+    VM go (a pause) or go on from this snapshot (a live snapshot, a kept VM)."""
     t0 = time.perf_counter()
     root = p.memory.dir / snapshot_id
-    if await p.committed(snapshot_id):
-        raise NodeRuntimeError(f"snapshot {snapshot_id} already exists")
-    if not memory and not stop:
-        raise NodeRuntimeError("a filesystem-only snapshot stops the sandbox (stop=True)")
-    if root.exists():  # leftovers of an uncommitted attempt
-        shutil.rmtree(root)
-    vm = sb.vm
+    await _check_new(p, snapshot_id, root, stop=stop, memory=memory)
     timings: dict[str, float] = {}
-    sealed: list[str] = []
-
-    async def seal() -> None:
-        t = time.perf_counter()
-        sealed.append(await p.block.client.seal(sb.stack, upload=False))
-        timings["seal_s"] = time.perf_counter() - t
-
     try:
-        t_stop = time.perf_counter()
-        if stop:
-            if vm.alive():
-                await vm.pause()
-            # else: the VM died by itself; its disk (the block server's upper) is intact
-            # and is what this snapshot keeps (the watchdog's salvage, timeouts.vm_exited)
-            timings["stop_s"] = time.perf_counter() - t_stop
-            if stopped is not None:  # nothing the guest does can change this snapshot now
-                stopped()
-        if not memory:
-            await seal()
-            mem, new_memsnap, new_base = None, None, sb.base_dir
-        elif sb.scratch is not None:
-            mem, new_base = await _freeze(p, sb, root, seal, timings)
-            new_memsnap = None
-            if not stop:
-                await vm.resume()
-                timings["downtime_s"] = time.perf_counter() - t_stop
-        else:
-            mem, new_memsnap = await _incremental(p, sb, root, seal, stop, timings)
-            new_base = sb.base_dir
-        t_mem = time.perf_counter()
-        timings["memory_s"] = t_mem - t_stop
-        await p.block.client.push(sealed[0])
-        info = await p.block.client.info(sb.stack)
-        timings["push_s"] = time.perf_counter() - t_mem
-        if mem is not None:
-            t_up = time.perf_counter()
-            own = await p.memory.upload(root)
-            timings["upload_memory_s"] = time.perf_counter() - t_up
-            mem["files"] = sorted({*mem["files"], *own})
-            # what a fetch checks: this snapshot's files as uploaded, the older ones
-            # (base, parent diffs) as recorded when they were
-            known = {**sb.memory_sha256, **{n: h for n, h in own.items() if h}}
-            mem["sha256"] = {n: known[n] for n in mem["files"] if n in known}
-        depends = p.memory.owners((mem or {}).get("files", ())) | {snapshot_id}
-        boot = sb.boot or boot_of(await p.manifests.get(sb.snapshot_id))  # old facts
-        m: dict[str, Any] = {
-            "version": VERSION, "kind": "snapshot" if mem else "disk",
-            "snapshot_id": snapshot_id, "created_at": time.time(),
-            "parent_id": sb.snapshot_id, "sandbox_id": sb.sandbox_id,
-            "machine": dataclasses.asdict(sb.machine), "network_mode": sb.mode, **boot,
-            "config_sha256": sb.config_sha256, "memory": mem,
-            # what restores of this memory must run under (starts.check_vmm)
-            **({"vmm": sb.vmm} if mem is not None and sb.vmm else {}),
-            "disk": {"layers": list(info.layers), "virtual_size": info.virtual_size},
-            "depends_on": sorted(depends),
-        }
+        cut = await _cut(p, sb, root, stop=stop, memory=memory, stopped=stopped,
+                         timings=timings)
+        disk = await _publish(p, sb, root, cut, timings)
+        m = await _manifest(p, sb, snapshot_id, cut, disk)
         timings["total_s"] = time.perf_counter() - t0
         m["timings"] = {k: round(v, 4) for k, v in timings.items()}
         await p.manifests.put(snapshot_id, m)  # the commit point
@@ -130,19 +100,105 @@ async def _snapshot(p: NodeParts, sb: RunningSandbox, snapshot_id: str, *, stop:
     log.info("sandbox %s: snapshot %s (%s) in %.0f ms: %s; %d memory pages", sb.sandbox_id,
              snapshot_id, "pause" if stop else "live", timings["total_s"] * 1e3,
              stages(timings), int(timings.get("diff_pages", 0)))
-    if stop and not (keep and mem is not None and sb.vm.alive()):
+    await _after_commit(p, sb, snapshot_id, cut, stop=stop, keep=keep)
+    return SnapshotRef(snapshot_id, sb.machine, m["created_at"], m["parent_id"], m)
+
+
+async def _check_new(p: NodeParts, snapshot_id: str, root: Path, *, stop: bool,
+                     memory: bool) -> None:
+    if await p.committed(snapshot_id):
+        raise NodeRuntimeError(f"snapshot {snapshot_id} already exists")
+    if not memory and not stop:
+        raise NodeRuntimeError("a filesystem-only snapshot stops the sandbox (stop=True)")
+    if root.exists():  # leftovers of an uncommitted attempt
+        shutil.rmtree(root)
+
+
+async def _cut(p: NodeParts, sb: RunningSandbox, root: Path, *, stop: bool, memory: bool,
+               stopped: Callable[[], None] | None, timings: dict[str, float]) -> _Cut:
+    """Stop the guest (a pause), then capture its memory and seal its disk while it
+    cannot change either; a live snapshot's guest runs again as soon as both are cut."""
+    vm = sb.vm
+    seal = _Sealer(p, sb, timings)
+    t_stop = time.perf_counter()
+    if stop:
+        if vm.alive():
+            await vm.pause()
+        # else: the VM died by itself; its disk (the block server's upper) is intact
+        # and is what this snapshot keeps (the watchdog's salvage, timeouts.vm_exited)
+        timings["stop_s"] = time.perf_counter() - t_stop
+        if stopped is not None:  # nothing the guest does can change this snapshot now
+            stopped()
+    if not memory:
+        await seal()
+        mem, memsnap_dir, base_dir = None, None, sb.base_dir
+    elif sb.scratch is not None:
+        mem, base_dir = await _freeze(p, sb, root, seal, timings)
+        memsnap_dir = None
+        if not stop:
+            await vm.resume()
+            timings["downtime_s"] = time.perf_counter() - t_stop
+    else:
+        mem, memsnap_dir = await _incremental(p, sb, root, seal, stop, timings)
+        base_dir = sb.base_dir
+    timings["memory_s"] = time.perf_counter() - t_stop
+    assert seal.layer is not None
+    return _Cut(mem=mem, memsnap_dir=memsnap_dir, base_dir=base_dir, layer=seal.layer)
+
+
+async def _publish(p: NodeParts, sb: RunningSandbox, root: Path, cut: _Cut,
+                   timings: dict[str, float]) -> Any:
+    """Push the sealed layer and upload the memory files (the guest may run meanwhile);
+    records in `cut.mem` every file a restore needs and the sha256 a fetch checks.
+    Returns the stack's info (its layers as the manifest records them)."""
+    t_mem = time.perf_counter()
+    await p.block.client.push(cut.layer)
+    info = await p.block.client.info(sb.stack)
+    timings["push_s"] = time.perf_counter() - t_mem
+    if cut.mem is not None:
+        t_up = time.perf_counter()
+        own = await p.memory.upload(root)
+        timings["upload_memory_s"] = time.perf_counter() - t_up
+        cut.mem["files"] = sorted({*cut.mem["files"], *own})
+        # what a fetch checks: this snapshot's files as uploaded, the older ones
+        # (base, parent diffs) as recorded when they were
+        known = {**sb.memory_sha256, **{n: h for n, h in own.items() if h}}
+        cut.mem["sha256"] = {n: known[n] for n in cut.mem["files"] if n in known}
+    return info
+
+
+async def _manifest(p: NodeParts, sb: RunningSandbox, snapshot_id: str, cut: _Cut,
+                    disk: Any) -> dict[str, Any]:
+    mem = cut.mem
+    depends = p.memory.owners((mem or {}).get("files", ())) | {snapshot_id}
+    boot = sb.boot or boot_of(await p.manifests.get(sb.snapshot_id))  # old facts
+    return {
+        "version": VERSION, "kind": "snapshot" if mem else "disk",
+        "snapshot_id": snapshot_id, "created_at": time.time(),
+        "parent_id": sb.snapshot_id, "sandbox_id": sb.sandbox_id,
+        "machine": dataclasses.asdict(sb.machine), "network_mode": sb.mode, **boot,
+        "config_sha256": sb.config_sha256, "memory": mem,
+        # what restores of this memory must run under (starts.check_vmm)
+        **({"vmm": sb.vmm} if mem is not None and sb.vmm else {}),
+        "disk": {"layers": list(disk.layers), "virtual_size": disk.virtual_size},
+        "depends_on": sorted(depends),
+    }
+
+
+async def _after_commit(p: NodeParts, sb: RunningSandbox, snapshot_id: str, cut: _Cut, *,
+                        stop: bool, keep: bool) -> None:
+    if stop and not (keep and cut.mem is not None and sb.vm.alive()):
         # committed: the network and stack go after the caller has its answer
         await p.release(sb, wait=False)
-    else:
-        # The VM goes on from this snapshot: running (a live snapshot), or stopped and
-        # kept (`keep`: its disk stack already writes over the sealed layer, its memory
-        # is this snapshot's), so a resume continues it instead of restoring.
-        sb.held = stop
-        sb.base_dir, sb.memsnap_dir = new_base, new_memsnap
-        sb.snapshot_id = snapshot_id
-        if mem is not None:
-            sb.memory_sha256 = dict(mem["sha256"])
-    return SnapshotRef(snapshot_id, sb.machine, m["created_at"], m["parent_id"], m)
+        return
+    # The VM goes on from this snapshot: running (a live snapshot), or stopped and
+    # kept (`keep`: its disk stack already writes over the sealed layer, its memory
+    # is this snapshot's), so a resume continues it instead of restoring.
+    sb.held = stop
+    sb.base_dir, sb.memsnap_dir = cut.base_dir, cut.memsnap_dir
+    sb.snapshot_id = snapshot_id
+    if cut.mem is not None:
+        sb.memory_sha256 = dict(cut.mem["sha256"])
 
 
 async def _after_failure(p: NodeParts, sb: RunningSandbox, *, stop: bool) -> None:

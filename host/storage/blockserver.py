@@ -161,8 +161,14 @@ class BlockServer:
         the socket is 0666 inside a 0700 directory that the jail hands to the VM's uid."""
         path = own_socket(self.socket_dir, name)
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        server = NbdServer(path, lambda n, name=name: self._stacks.get(n) if n == name else None,
-                           lambda name=name: [name] if name in self._stacks else [])
+
+        def lookup(export: str) -> StackExport | None:
+            return self._stacks.get(export) if export == name else None
+
+        def names() -> list[str]:
+            return [name] if name in self._stacks else []
+
+        server = NbdServer(path, lookup, names)
         await server.start()
         os.chmod(path, 0o666)
         self._own[name] = server
