@@ -46,6 +46,9 @@ PKG_COMMON=(python3 python3-venv ca-certificates)
 # what the node runs: VMMs and disk tools, netns + nftables, OCI pulls (template builds)
 PKG_NODE=(qemu-system-x86 qemu-utils e2fsprogs iproute2 nftables kmod procps attr
           cpio xz-utils zstd skopeo)
+# from bookworm-backports (QEMU 10): the VM jail runs QEMU unprivileged, which needs 8.2+
+# to map a shared memory base without opening it for writing; bookworm's own is 7.2
+PKG_BACKPORTS=(qemu-system-x86 qemu-utils)
 # --build: the inputs of scripts/setup.sh's kernel, envd and rootfs steps, and `make web`
 PKG_BUILD=(make linux-source-6.12 build-essential flex bison bc libelf-dev libssl-dev dwarves
            debootstrap erofs-utils python3.11-venv python3.11-dev patchelf scons nodejs npm)
@@ -142,9 +145,26 @@ if [ "${#missing[@]}" -gt 0 ]; then
     printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
     chmod 0755 /usr/sbin/policy-rc.d
   fi
+  backports=() plain=()
+  for p in "${missing[@]}"; do
+    if [[ " ${PKG_BACKPORTS[*]} " == *" $p "* ]]; then backports+=("$p"); else plain+=("$p"); fi
+  done
+  if [ "${#backports[@]}" -gt 0 ] &&
+     ! grep -rqs bookworm-backports /etc/apt/sources.list /etc/apt/sources.list.d/; then
+    uri=$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)
+    changed "add bookworm-backports (${uri:-http://deb.debian.org/debian}) for QEMU 10"
+    [ "$dry_run" = 1 ] || printf 'Types: deb\nURIs: %s\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+      "${uri:-http://deb.debian.org/debian}" >/etc/apt/sources.list.d/aenv-backports.sources
+  fi
   run apt-get update -q
-  run env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-    "${missing[@]}"
+  if [ "${#plain[@]}" -gt 0 ]; then
+    run env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+      "${plain[@]}"
+  fi
+  if [ "${#backports[@]}" -gt 0 ]; then
+    run env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+      -t bookworm-backports "${backports[@]}"
+  fi
   if [ "$own_policy" = 1 ]; then rm -f /usr/sbin/policy-rc.d; own_policy=0; fi
 fi
 

@@ -40,6 +40,7 @@ fi
 # which needs `memory-backend-file,readonly=on,rom=off` (8.2+) to map a shared base memory
 # file copy-on-write without opening it for writing; bookworm's own QEMU is 7.2.
 QEMU_MIN_MAJOR=10
+BACKPORTS_PACKAGES=(qemu-system-x86 qemu-utils)
 qemu_major() { qemu-system-x86_64 --version 2>/dev/null | sed -n 's/.*version \([0-9]*\)\..*/\1/p' | head -1; }
 if [ "$(qemu_major || true)" != "" ] && [ "$(qemu_major)" -ge "$QEMU_MIN_MAJOR" ]; then
   :
@@ -51,9 +52,9 @@ else
     printf 'Types: deb\nURIs: %s\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
       "${uri:-http://deb.debian.org/debian}" > "$src"
   fi
-  echo "setup: apt-get install -t bookworm-backports qemu-system-x86 qemu-utils"
+  echo "setup: apt-get install -t bookworm-backports ${BACKPORTS_PACKAGES[*]}"
   apt-get update -q
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q -t bookworm-backports qemu-system-x86 qemu-utils
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q -t bookworm-backports "${BACKPORTS_PACKAGES[@]}"
 fi
 
 if [ ! -x .venv/bin/python ]; then
