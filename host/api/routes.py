@@ -151,13 +151,14 @@ OPERATIONS: tuple[Operation, ...] = (
         body=m.ResumedSandbox, body_required=False, errors=_ENVD),
     _op("POST", f"/cluster{SID}/adopt", "adoptSandbox", cluster.adopt,
         Reply(201, "This node holds the paused sandbox now (aenv cluster extension)",
-              m.SandboxDetail), errors=(400, 401, 404, 500)),
+              m.SandboxDetail), errors=(400, 401, 403, 404, 500)),
+    # /cluster/*: the node key only; a client's API key gets 403 (host/api/auth.py)
     _op("DELETE", f"/cluster{SID}", "forgetSandbox", cluster.forget, *NO_CONTENT,
-        errors=_409),
+        errors=(*_409, 403)),
     _op("POST", "/cluster/signer", "findUrlSigner", cluster.signer,
         Reply(200, "The sandbox of this node that signed a /files URL (aenv cluster "
                    "extension)", cluster.Signer), body=cluster.SignedFiles,
-        errors=(400, 401, 404, 500)),
+        errors=(400, 401, 403, 404, 500)),
     _op("POST", f"{SID}/terminal", "createTerminalLink", term.create_link,
         Reply(201, "A signed link to the sandbox's web terminal (aenv extension)",
               term.TerminalLink), body=term.TerminalLinkRequest, body_required=False),

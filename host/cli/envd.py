@@ -197,7 +197,8 @@ def _body_size(resp: httpx.Response) -> int | None:
 def _envelopes(stream: Iterator[bytes]) -> Iterator[dict[str, Any]]:
     """Decode Connect envelopes; raise ApiError for an end-of-stream error."""
     try:
-        for flags, msg in messages(stream):
+        # envd streams output in 64 KiB chunks: a larger message is not envd's
+        for flags, msg in messages(stream, max_bytes=_MAX_MESSAGE_BYTES):
             if flags & COMPRESSED:
                 raise CliError("envd sent a compressed message the CLI did not ask for")
             if flags & END_STREAM:
@@ -210,6 +211,9 @@ def _envelopes(stream: Iterator[bytes]) -> Iterator[dict[str, Any]]:
             yield msg
     except EnvelopeError as exc:
         raise CliError(f"envd stream: {exc}") from exc
+
+
+_MAX_MESSAGE_BYTES = 16 << 20
 
 
 # Connect error code -> the HTTP status it corresponds to (connectrpc.com/docs/protocol)

@@ -33,7 +33,8 @@ async def probe_health(url: str) -> bool:
                 status = await reader.readline()
             finally:
                 writer.close()
-    except (OSError, TimeoutError):
+    except (OSError, TimeoutError, ValueError):
+        # ValueError: a status line past the reader's 64 KiB limit (not envd's answer)
         return False
     words = status.split()
     return len(words) >= 2 and words[0].startswith(b"HTTP/") and words[1] in (b"200", b"204")
