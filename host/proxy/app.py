@@ -255,30 +255,7 @@ class ProxyApp:
     async def _http_exchange(self, scope: Scope, receive: Receive, send: Send,
                              target: Target, route: Route) -> None:
         body_done = asyncio.Event()
-        headers = guest_headers(scope, target.port)
-        masked = _masked_host(route, target)
-        if masked is not None:
-            # the client's Host goes on as X-Forwarded-Host (what E2B's proxy does)
-            original = header(scope, b"host")
-            headers = [(k, v) for k, v in headers if k != b"host"]
-            headers.append((b"host", masked.encode()))
-            if original:
-                headers.append((FORWARDED_HOST, original.encode("latin-1")))
-        names = {k for k, _ in headers}
-        if b"host" not in names:
-            headers.append((b"host", f"{route.host}:{route.port}".encode()))
-        content = None
-        if b"content-length" in names:
-            content = self._request_body(receive, body_done)
-        elif any(k == b"transfer-encoding" for k, _ in scope["headers"]):
-            headers.append((b"transfer-encoding", b"chunked"))
-            content = self._request_body(receive, body_done)
-        else:
-            body_done.set()
-        query = scope.get("query_string", b"")
-        raw_path = scope.get("raw_path") or scope["path"].encode()
-        request = (scope["method"].encode(), raw_path + (b"?" + query if query else b""),
-                   headers, content)
+        request = self._upstream_request(scope, receive, target, route, body_done)
 
         # The response is pumped in this task; a watcher cancels it when the client goes
         # away, so an endless upstream stream does not keep running for nobody, and a
@@ -307,6 +284,36 @@ class ProxyApp:
             watcher.cancel()
             if unsubscribe is not None:
                 unsubscribe()
+
+    def _upstream_request(self, scope: Scope, receive: Receive, target: Target, route: Route,
+                          body_done: asyncio.Event) -> _Forward:
+        """The request as it goes into the guest: the headers a guest may see (no
+        credentials of ours, X-Forwarded-For set), the Host the sandbox asked for, and
+        the client's body streamed through (`body_done` is set once it is read)."""
+        headers = guest_headers(scope, target.port)
+        masked = _masked_host(route, target)
+        if masked is not None:
+            # the client's Host goes on as X-Forwarded-Host (what E2B's proxy does)
+            original = header(scope, b"host")
+            headers = [(k, v) for k, v in headers if k != b"host"]
+            headers.append((b"host", masked.encode()))
+            if original:
+                headers.append((FORWARDED_HOST, original.encode("latin-1")))
+        names = {k for k, _ in headers}
+        if b"host" not in names:
+            headers.append((b"host", f"{route.host}:{route.port}".encode()))
+        content = None
+        if b"content-length" in names:
+            content = self._request_body(receive, body_done)
+        elif any(k == b"transfer-encoding" for k, _ in scope["headers"]):
+            headers.append((b"transfer-encoding", b"chunked"))
+            content = self._request_body(receive, body_done)
+        else:
+            body_done.set()
+        query = scope.get("query_string", b"")
+        raw_path = scope.get("raw_path") or scope["path"].encode()
+        return (scope["method"].encode(), raw_path + (b"?" + query if query else b""),
+                headers, content)
 
     @staticmethod
     async def _request_body(receive: Receive, done: asyncio.Event) -> AsyncIterator[bytes]:

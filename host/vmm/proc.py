@@ -118,29 +118,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def rotate_log(path: Path, max_bytes: int) -> bool:
-    """Past `max_bytes`, move the log's last `max_bytes // 2` bytes to `<path>.1` and empty
-    the log (its writer appends, O_APPEND, so it goes on at the new end). A log and its
-    predecessor then hold at most about 1.5x `max_bytes` between two calls, the newest
-    lines kept. True when it rotated."""
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        return False
-    if size <= max_bytes:
-        return False
-    keep = max_bytes // 2
-    with path.open("rb") as f:
-        f.seek(max(0, size - keep))
-        data = f.read(keep)
-    old = path.with_name(path.name + ".1")
-    tmp = path.with_name(path.name + ".1.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, old)
-    os.truncate(path, 0)
-    return True
-
-
 def tail(path: Path, lines: int = 30, max_bytes: int = 64 * 1024) -> str:
     """The last `lines` lines of a text file ('' if it does not exist)."""
     try:

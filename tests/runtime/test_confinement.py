@@ -195,7 +195,7 @@ def _bytes_under(root: Path) -> int:
 async def test_a_console_flood_stays_under_its_cap_and_off_tmpfs(
         runtime: NodeRuntime, template: SnapshotRef) -> None:
     """`yes` into the serial console for 60 s: the log lives on the state dir's disk, not
-    /run, and stays bounded (rotated past 1 MiB; RLIMIT_FSIZE is the hard stop)."""
+    /run, and stays under the jail's RLIMIT_FSIZE (writes past it fail, QEMU runs on)."""
     sid = "jail-flood"
     p = await runtime.start(sid, template, NET)
     try:
@@ -212,8 +212,7 @@ async def test_a_console_flood_stays_under_its_cap_and_off_tmpfs(
         run_after = _bytes_under(runtime.config.run_dir)
         print(f"\nconsole flood: peak log {peak / 2**20:.2f} MiB (two files), run dir "
               f"{run_before / 2**20:.2f} -> {run_after / 2**20:.2f} MiB")
-        assert serial.with_name("serial.log.1").exists(), "the flood never needed a rotation"
-        assert peak <= runtime.config.jail.fsize_bytes + (1 << 20)
+        assert peak <= runtime.config.jail.fsize_bytes
         assert abs(run_after - run_before) < 1 << 20
         assert (await run(p, "echo alive")).strip() == "alive"
     finally:

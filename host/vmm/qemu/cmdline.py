@@ -154,7 +154,7 @@ def build_argv(
         "-smp", str(spec.vcpus),
         "-m", f"{spec.mem_mib}M",
         "-nodefaults", "-no-user-config", "-no-reboot", "-display", "none",
-        # append: the host may truncate the log when it rotates it (VmBase.rotate_serial)
+        # append: a log the host truncates goes on at its new end
         "-chardev", f"file,id=ser0,path={qopt(files.serial_log)},append=on",
         "-serial", "chardev:ser0",
         "-qmp", f"unix:{qopt(files.qmp_socket)},server=on,wait=off",
