@@ -49,8 +49,8 @@ def assert_jailed(rt: NodeRuntime, pid: int, mem_mib: int) -> int:
     own = [ln.rsplit(":", 1)[1] for ln in cg_lines.splitlines()
            if f"/{rt.config.jail.cgroup_parent}/" in ln]
     assert own, cg_lines
-    name = own[0].rsplit("/", 1)[1]
-    cg = Cgroup(rt.config.jail.cgroup_parent, name,
+    parent, name = own[0].strip("/").rsplit("/", 1)
+    cg = Cgroup(parent, name,
                 version=2 if cg_lines.startswith("0::") and len(cg_lines.splitlines()) == 1
                 else 1)
     assert pid in cg.procs()
@@ -236,9 +236,9 @@ async def test_a_fork_bomb_and_a_memory_hog_stay_inside_their_sandbox(
         pid = runtime.vm_pid(bad)
         cg_line = next(ln for ln in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
                        if f"/{runtime.config.jail.cgroup_parent}/" in ln)
-        name = cg_line.rsplit("/", 1)[1]
+        parent, name = cg_line.rsplit(":", 1)[1].strip("/").rsplit("/", 1)
         version = 2 if cg_line.startswith("0::") else 1
-        cg = Cgroup(runtime.config.jail.cgroup_parent, name, version=version)
+        cg = Cgroup(parent, name, version=version)
         mem_dir = cg.dirs()["" if version == 2 else "memory"]
         usage = int((mem_dir / ("memory.current" if version == 2 else
                                 "memory.usage_in_bytes")).read_text())

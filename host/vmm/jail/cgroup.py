@@ -57,6 +57,25 @@ def detect_version(root: Path = CGROUP_ROOT) -> int:
                       " (the VM jail needs them)")
 
 
+def nested_parent(parent: str, version: int, *, proc: Path = Path("/proc/self/cgroup")) -> str:
+    """`parent` below the cgroup this process runs in, under cgroup v1 (its memory
+    controller's path): a node's own memory budget (a systemd slice, a container, an
+    operator's limit) then bounds its VMs too. Under v2 a cgroup with processes may not
+    have children with controllers, so VMs go under `parent` at the top."""
+    if version != 1:
+        return parent
+    try:
+        lines = proc.read_text().splitlines()
+    except OSError:
+        return parent
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            own = path.strip("/")
+            return f"{own}/{parent}" if own else parent
+    return parent
+
+
 class Cgroup:
     """One VMM's cgroup; `create()` makes it and writes the limits, `remove()` deletes it
     once its processes are gone (idempotent)."""
@@ -110,7 +129,7 @@ class Cgroup:
             if c not in dirs:
                 raise CgroupError(f"cgroup v1 controller {c} is not mounted under {self.root}")
         for d in dirs.values():
-            d.parent.mkdir(exist_ok=True)
+            d.parent.mkdir(parents=True, exist_ok=True)
             d.mkdir(exist_ok=True)
         (dirs["memory"] / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
         # without swap accounting the file is absent: nothing to bound there

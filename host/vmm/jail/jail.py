@@ -44,7 +44,7 @@ from typing import Any
 
 from ..errors import VmmError, VmmStartError
 from . import syscalls as sc
-from .cgroup import CPU_PERIOD_US, Cgroup, Limits, detect_version
+from .cgroup import CPU_PERIOD_US, Cgroup, Limits, detect_version, nested_parent
 from .config import JailConfig, UidPool
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,9 @@ class Jail:
         cfg = self.config
         self._work_dir = work_dir
         self.uid = uid = self.pool.allocate()
-        self.cgroup = Cgroup(cfg.cgroup_parent, work_dir.name, version=detect_version())
+        version = detect_version()
+        self.cgroup = Cgroup(nested_parent(cfg.cgroup_parent, version), work_dir.name,
+                             version=version)
         self.cgroup.create(Limits(
             memory_bytes=(mem_mib + cfg.overhead_mib) << 20, pids=cfg.pids,
             # the vCPU threads plus half a core for the main loop and I/O
