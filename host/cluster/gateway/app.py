@@ -63,11 +63,11 @@ from ..errors import ClusterError, SandboxLost, SandboxStranded, SandboxUnknown,
 from ..registry import Registry
 from ..store import DEFAULT_PREFIX, ClusterStore
 from . import listing, nodes, sandboxes, templates
-from .context import GatewayContext
 from .forward import NodeClient, node_tls
 from .metrics import GatewayMetrics, error_code
 from .resolve import Resolver
 from .scheduling import SchedulerClient
+from .shared import GatewayContext
 from .websocket import deny, relay_websocket
 
 _PORT_HOST = re.compile(rf"^[0-9]+-{ROUTABLE_ID_BODY}\.")   # `<port>-<id>.`: traffic

@@ -39,8 +39,8 @@ from host.api.validation import validate
 
 from ..errors import NodeUnreachable
 from ..registry import NodeRecord
-from .context import ctx_of
 from .forward import NodeClient
+from .shared import ctx_of
 
 LIST_TIMEOUT_S = 30.0
 _WIDEN_US = 2            # float seconds resolve ~0.24 us today: a safe margin

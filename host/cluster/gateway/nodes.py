@@ -20,8 +20,8 @@ from starlette.responses import JSONResponse, Response
 
 from ..errors import NodeUnknown
 from ..registry import BindingState, NodeRecord
-from .context import ctx_of
 from .resolve import rfc3339
+from .shared import ctx_of
 
 
 def node_json(n: NodeRecord) -> dict[str, Any]:

@@ -37,10 +37,10 @@ from ..errors import (
 )
 from ..registry import BindingState
 from ..scheduler.service import Placement, PlacementRequest
-from .context import GatewayContext, ctx_of
 from .forward import NodeAnswer
 from .metrics import Stopwatch
 from .resolve import Located
+from .shared import GatewayContext, ctx_of
 
 log = logging.getLogger(__name__)
 

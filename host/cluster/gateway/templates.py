@@ -44,10 +44,10 @@ from host.orchestrator.templates.names import lookup_name
 from ..errors import NodeUnreachable, SandboxUnknown
 from ..registry import NodeRecord
 from ..scheduler.service import PlacementRequest
-from .context import GatewayContext, ctx_of
 from .forward import NodeAnswer
 from .listing import gather, get_page, live_nodes, with_unreachable
 from .sandboxes import target
+from .shared import GatewayContext, ctx_of
 
 log = logging.getLogger(__name__)
 
