@@ -30,8 +30,8 @@ from tests.e2e.conftest import E2EService, build_template  # noqa: E402
 ROWS = (("create p50", "create_p50_s"), ("pause idle p50 (answered)", "pause_idle_p50_s"),
         ("resume + run p50 (kept VM)", "resume_p50_s"),
         ("resume + run p50 (restored)", "resume_restored_p50_s"),
-        ("kill p50", "kill_p50_s"), ("fork 16", "fork16_s"),
-        ("fork 16: parent down", "fork16_parent_down_s"))
+        ("kill p50", "kill_p50_s"), ("fork {n}", "fork16_s"),
+        ("fork {n}: parent down", "fork16_parent_down_s"))
 
 
 def measure(args: argparse.Namespace, jailed: bool) -> dict[str, Any]:
@@ -79,7 +79,8 @@ def main() -> int:
     for label, key in ROWS:
         a, b = plain.get(key), jailed.get(key)
         if isinstance(a, float) and isinstance(b, float) and a > 0:
-            print(f"  {label:30} {a * 1e3:8.0f} ms {b * 1e3:8.0f} ms {b / a:6.2f}x")
+            name = label.format(n=args.fork)  # bench_density keys fork rows "fork16"
+            print(f"  {name:30} {a * 1e3:8.0f} ms {b * 1e3:8.0f} ms {b / a:6.2f}x")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"bench": "jail", "time": time.strftime(
         "%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "unjailed": plain, "jailed": jailed},
