@@ -24,8 +24,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_density import Bench  # noqa: E402
-from tests.e2e.conftest import E2EService, build_template  # noqa: E402
+from bench.bench_density import Bench
+from tests.e2e.conftest import E2EService, build_template
 
 ROWS = (("create p50", "create_p50_s"), ("pause idle p50 (answered)", "pause_idle_p50_s"),
         ("resume + run p50 (kept VM)", "resume_p50_s"),
