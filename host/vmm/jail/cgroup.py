@@ -129,8 +129,7 @@ class Cgroup:
             if c not in dirs:
                 raise CgroupError(f"cgroup v1 controller {c} is not mounted under {self.root}")
         for d in dirs.values():
-            d.parent.mkdir(parents=True, exist_ok=True)
-            d.mkdir(exist_ok=True)
+            d.mkdir(parents=True, exist_ok=True)
         (dirs["memory"] / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
         # without swap accounting the file is absent: nothing to bound there
         _optional(dirs["memory"] / "memory.memsw.limit_in_bytes", str(limits.memory_bytes))
@@ -166,6 +165,10 @@ class Cgroup:
         for d in self.dirs().values():
             try:
                 d.rmdir()
+                # the parent too once it is empty: it sits in the service's own cgroup,
+                # which its owner (systemd, a container, a test) must be able to remove
+                with contextlib.suppress(OSError):
+                    d.parent.rmdir()
             except FileNotFoundError:
                 pass
             except OSError as exc:
