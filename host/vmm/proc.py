@@ -118,18 +118,50 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def rotate_log(path: Path, max_bytes: int) -> bool:
+    """Past `max_bytes`, move the log's newest `max_bytes // 2` bytes to `<path>.1` and
+    empty the log. Its writer opened it O_APPEND (QEMU's `append=on`, Firecracker's
+    stdout), so it goes on at the new end. Between two calls a log and its predecessor
+    hold about 1.5x `max_bytes` plus what was written meanwhile (a jail's RLIMIT_FSIZE
+    bounds that); what a writer adds between the copy and the truncate is lost, which a
+    flood's console can afford. True when it rotated."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return False
+    if size <= max_bytes:
+        return False
+    keep = max_bytes // 2
+    with path.open("rb") as f:
+        f.seek(max(0, size - keep))
+        data = f.read(keep)
+    old = path.with_name(path.name + ".1")
+    tmp = path.with_name(path.name + ".1.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, old)
+    os.truncate(path, 0)
+    return True
+
+
 def tail(path: Path, lines: int = 30, max_bytes: int = 64 * 1024) -> str:
-    """The last `lines` lines of a text file ('' if it does not exist)."""
+    """The last `lines` lines of a text file and, where it is short of them, of its
+    rotated predecessor `<path>.1` ('' if neither exists)."""
+    data = _tail_bytes(path, max_bytes)
+    if data.count(b"\n") < lines and len(data) < max_bytes:
+        data = _tail_bytes(path.with_name(path.name + ".1"), max_bytes - len(data)) + data
+    text = data.decode(errors="replace").replace("\r\n", "\n")
+    return "\n".join(deque(text.splitlines(), maxlen=lines))
+
+
+def _tail_bytes(path: Path, max_bytes: int) -> bytes:
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
             size = f.tell()
             f.seek(max(0, size - max_bytes))
-            data = f.read()
+            return f.read(max_bytes)
     except OSError:
-        return ""
-    text = data.decode(errors="replace").replace("\r\n", "\n")
-    return "\n".join(deque(text.splitlines(), maxlen=lines))
+        return b""
 
 
 def group_alive(pgid: int) -> bool:

@@ -209,7 +209,8 @@ class FirecrackerVm(MemoryMixin, VmBase):
         net = self._spec.network
         netns = net.netns if isinstance(net, TapNet) else None
         self.argv = self.root.argv(self._driver.firecracker, netns)
-        out = await asyncio.to_thread(open, self.serial_log, "wb")
+        # append: the node's log rotation (proc.rotate_log) truncates it under the writer
+        out = await asyncio.to_thread(open, self.serial_log, "ab")
         err = await asyncio.to_thread(open, self.stderr_log, "wb")
         with out, err:
             await self._exec(stdout=out, stderr=err, cwd=self.root.root)

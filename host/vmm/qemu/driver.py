@@ -69,8 +69,8 @@ class QemuDriver(DriverBase["QemuVm"]):
         log_dir: Path | None = None,
     ) -> None:
         super().__init__(run_dir=run_dir or default_run_dir(), die_with_parent=die_with_parent)
-        # serial logs: here (on disk) instead of the work dir (often tmpfs); a jail's
-        # RLIMIT_FSIZE bounds each
+        # serial logs: here (on disk) instead of the work dir (often tmpfs); the runtime
+        # rotates them (proc.rotate_log), a jail's RLIMIT_FSIZE bounds each in between
         self.log_dir = log_dir
         self.qemu = qemu
         self.ksm = ksm  # VMs' memory may be merged by ksmd (`--ksm`)
