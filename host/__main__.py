@@ -106,13 +106,16 @@ async def serve(cfg: Config) -> None:
                                 disk_mb=cfg.disk_mb, image=cfg.image),
             admission=AdmissionPolicy(max_starts=cfg.max_starts,
                                       max_sandboxes=cfg.max_sandboxes,
-                                      reserve_mib=cfg.memory_reserve_mib),
+                                      reserve_mib=cfg.memory_reserve_mib,
+                                      disk_path=cfg.state_dir,
+                                      min_free_disk_mib=cfg.min_free_disk_mib),
             pressure=(PressurePolicy(low_mib=cfg.memory_pressure_mib,
                                      high_mib=2 * cfg.memory_pressure_mib)
                       if cfg.memory_pressure_mib else None),
             # in a cluster, pauses leave handoffs so another node can take a sandbox over
             metrics=metrics, handoff=bool(cfg.cluster_redis), warm_pool=cfg.warm_pool,
-            keep_paused_s=cfg.keep_paused_s)
+            keep_paused_s=cfg.keep_paused_s, gc_interval_s=cfg.gc_interval_s,
+            retain_killed_s=cfg.retain_killed_s)
         await orch.start(ttl_interval_s=cfg.ttl_interval_s)
         keys = ApiKeys.load_or_create(cfg.keys_path)
         extra_routes: list[Any] = []

@@ -44,6 +44,14 @@
     AENV_IMAGE, AENV_CPU_COUNT, AENV_MEMORY_MB, AENV_DISK_MB   the default template's machine
     AENV_MAX_STARTS  --max-starts   4                 VM starts (creates, forks, resumes) at once;
                                                       more wait their turn
+    AENV_GC_INTERVAL_S --gc-interval 600            seconds between runs of the node's collector
+                                                      (killed sandboxes' records, unreachable
+                                                      snapshots, layers and memory files; 0: only
+                                                      `aenv gc`)
+    AENV_RETAIN_KILLED --retain-killed 86400          seconds a killed sandbox's record and events
+                                                      are kept
+    AENV_MIN_FREE_DISK_MIB --min-free-disk-mib 2048   below this much free disk in the state dir,
+                                                      starts are refused (507) and /health is 503
     AENV_MAX_SANDBOXES --max-sandboxes 0              sandboxes holding a VM on this node (0: no
                                                       fixed limit); beyond it a start is refused
                                                       with E2B's capacity error (429)
@@ -151,6 +159,9 @@ class Config:
     memory_pressure_mib: int = 768
     warm_pool: int = 1
     keep_paused_s: float = 30.0
+    gc_interval_s: float = 600.0
+    retain_killed_s: float = 86400.0
+    min_free_disk_mib: int = 2048
     ksm: bool = False
     vm_jail: bool = True
     vm_uid_range: str = DEFAULT_UID_RANGE
@@ -266,6 +277,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-paused", dest="keep_paused_s", type=float,
                    help="seconds a paused sandbox's VM stays, stopped, for a fast resume "
                         "(0: never)")
+    p.add_argument("--gc-interval", dest="gc_interval_s", type=float,
+                   help="seconds between runs of the node's collector (0: only `aenv gc`)")
+    p.add_argument("--retain-killed", dest="retain_killed_s", type=float,
+                   help="seconds a killed sandbox's record and events are kept")
+    p.add_argument("--min-free-disk-mib", type=int,
+                   help="refuse starts (507) and answer /health 503 below this much free "
+                        "disk in the state dir (0: never)")
     p.add_argument("--ksm", action=argparse.BooleanOptionalAction, default=None,
                    help="start ksmd and let it merge the VMs' identical pages")
     p.add_argument("--vm-jail", action=argparse.BooleanOptionalAction, default=None,
@@ -314,6 +332,9 @@ _ENV: dict[str, tuple[str, type]] = {
     "memory_reserve_mib": ("AENV_MEMORY_RESERVE_MIB", int),
     "memory_pressure_mib": ("AENV_MEMORY_PRESSURE_MIB", int),
     "warm_pool": ("AENV_WARM_POOL", int), "keep_paused_s": ("AENV_KEEP_PAUSED", float),
+    "gc_interval_s": ("AENV_GC_INTERVAL_S", float),
+    "retain_killed_s": ("AENV_RETAIN_KILLED", float),
+    "min_free_disk_mib": ("AENV_MIN_FREE_DISK_MIB", int),
     "ksm": ("AENV_KSM", bool), "vm_jail": ("AENV_VM_JAIL", bool),
     "vm_uid_range": ("AENV_VM_UID_RANGE", str), "vm_overhead_mib": ("AENV_VM_OVERHEAD_MIB", int),
     "cluster_redis": ("AENV_CLUSTER_REDIS", str), "p2p": ("AENV_P2P", bool), "node_id": ("AENV_NODE_ID", str),
@@ -389,6 +410,8 @@ def _validate(cfg: Config) -> None:
             cfg.memory_pressure_mib < 0 or cfg.warm_pool < 0 or cfg.keep_paused_s < 0:
         raise ConfigError("max_starts >= 1, max_sandboxes >= 0, memory_reserve_mib >= 0, "
                           "memory_pressure_mib >= 0, warm_pool >= 0, keep_paused >= 0")
+    if cfg.gc_interval_s < 0 or cfg.retain_killed_s < 0 or cfg.min_free_disk_mib < 0:
+        raise ConfigError("gc_interval >= 0, retain_killed >= 0, min_free_disk_mib >= 0")
     _validate_cluster(cfg)
     if cfg.cache_mib < 64:
         raise ConfigError(f"cache_mib must be at least 64, got {cfg.cache_mib}")

@@ -244,6 +244,12 @@ class SandboxRuntime(Protocol):
         """The tail of the guest's serial console."""
         ...
 
+    async def collect_storage(self, *, dry_run: bool = False) -> dict[str, Any]:
+        """Remove (`dry_run`: count) the layers and memory files nothing needs; per kind
+        {files, bytes, digests}, and `held`: bytes on disk by kind. (Optional: the
+        collector skips a runtime without it.)"""
+        ...
+
     async def aclose(self) -> None:
         """Release node resources; running VMs are left running (for adoption)."""
         ...

@@ -25,6 +25,7 @@ from host.orchestrator.errors import (
     InvalidRequest,
     OperationFailed,
     OrchestratorError,
+    OutOfDisk,
     SandboxNotFound,
     SnapshotNotFound,
     StateConflict,
@@ -71,6 +72,7 @@ _STATUS: dict[type[Exception], int] = {
     UploadTooLarge: 413,
     IncompatibleSnapshot: 409,  # memory saved by another VMM / CPU: resume with a reboot
     CapacityExceeded: 429,      # error_code sandbox_capacity_unavailable, Retry-After
+    OutOfDisk: 507,             # error_code insufficient_storage: free disk first
 }
 
 # Statuses a client may retry unchanged; every other 5xx carries `Should-Retry: false`

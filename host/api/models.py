@@ -314,6 +314,15 @@ class Error(WireModel):
 
 class Health(WireModel):
     status: str
+    # why a node takes no new sandboxes now (aenv extension; absent when healthy)
+    reasons: list[str] | None = None
+
+
+class HealthQuery(QueryModel):
+    probe: Literal["ready", "live"] = Field(
+        default="ready", description="live: 200 while the service answers (a liveness "
+        "probe: a full disk is not cured by a restart); ready: 503 while the node should "
+        "take no new sandboxes")
 
 
 class Sandbox(WireModel):

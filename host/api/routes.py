@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from . import cluster, uploads
+from . import admin, cluster, uploads
 from . import models as m
 from . import sandboxes as sb
 from . import snapshots as snap
@@ -101,7 +101,10 @@ def starlette_routes(operations: Iterable[Operation]) -> list[Route]:
 
 # --- the table ------------------------------------------------------------------------
 
-async def health(request: Request) -> Response:
+async def health(request: Request, *, query: m.HealthQuery) -> Response:
+    reasons = [] if query.probe == "live" else sb.orch(request).health()
+    if reasons:
+        return sb.reply(m.Health(status="unhealthy", reasons=reasons), 503)
     return sb.reply(m.Health(status="ok"))
 
 
@@ -126,7 +129,12 @@ def _op(method: str, path: str, operation_id: str, handler: Handler,
 
 
 OPERATIONS: tuple[Operation, ...] = (
-    _op("GET", "/health", "health", health, Reply(200, "OK", m.Health), errors=()),
+    _op("GET", "/health", "health", health, Reply(200, "OK", m.Health),
+        Reply(503, "The node takes no new sandboxes now (its disk under the floor)", m.Health),
+        query=m.HealthQuery, errors=(400,)),
+    _op("POST", "/admin/gc", "collectGarbage", admin.collect,
+        Reply(200, "What the node's collector removed, or would remove with dryRun (aenv "
+                   "extension)", admin.GcReport), query=admin.GcQuery, errors=(400, 401, 500)),
     _op("GET", "/openapi.json", "openapi", openapi, Reply(200, "This document", dict[str, Any]),
         errors=(401,)),
     _op("POST", "/v2/sandboxes", "createSandboxV2", sb.create_v2,

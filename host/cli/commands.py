@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import click
 
-from . import auth, completion, in_sandbox, nodes, snapshots, templates
+from . import auth, completion, gc, in_sandbox, nodes, snapshots, templates
 from .errors import EXIT_GENERIC
 from .invocation import (
     API_KEY_ENV,
@@ -201,7 +201,7 @@ def metrics(ctx: click.Context, sandbox_id: str, output: str) -> None:
 
 
 for _command in (*in_sandbox.COMMANDS, *snapshots.COMMANDS, *templates.COMMANDS, *auth.COMMANDS,
-                 *completion.COMMANDS, nodes.nodes):
+                 *completion.COMMANDS, *gc.COMMANDS, nodes.nodes):
     cli.add_command(_command)
 
 

@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from host.api import models as m
 from host.api import template_models as tm
+from host.api.admin import GcReport
 
 from .errors import ApiError, CliError, ConnectionFailed
 
@@ -222,6 +223,12 @@ class ApiClient:
 
     def delete_snapshot(self, snapshot_id: str) -> None:
         self.request("DELETE", f"/templates/{_seg(snapshot_id)}", missing="snapshot")
+
+    # --- the node (aenv extensions) --------------------------------------------------------
+
+    def collect_garbage(self, *, dry_run: bool) -> GcReport:
+        resp = self.request("POST", "/admin/gc", params={"dryRun": "true" if dry_run else "false"})
+        return parse(resp, GcReport)
 
     # --- templates (builds go through the e2b SDK: builder.py) ----------------------------
 

@@ -24,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from contextvars import ContextVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from .collectors import (
     LabelCountsCollector,
@@ -99,6 +99,20 @@ class Metrics(ServiceMetrics):
             "Body and WebSocket message bytes through the sandbox proxy "
             "(in: from clients, out: to clients)",
             ["direction"], registry=r)
+        self.collected_records = Counter(
+            "aenv_gc_records_total",
+            "Records the node's collector deleted (sandboxes, events, idempotency keys past "
+            "--retain-killed; snapshots nothing reaches)", ["kind"], registry=r)
+        self.collected_files = Counter(
+            "aenv_gc_files_total", "Layer files and memory dirs the node's collector removed",
+            ["kind"], registry=r)
+        self.collected_bytes = Counter(
+            "aenv_gc_bytes_total", "Bytes of disk the node's collector freed", ["kind"],
+            registry=r)
+        self.held_bytes = Gauge(
+            "aenv_storage_held_bytes",
+            "Bytes on disk by kind (layers, memory; repository_* where the node owns its "
+            "repository), as of the collector's last run", ["kind"], registry=r)
         for op in OPERATIONS:
             self.operation_seconds.labels(op)
         for direction in ("in", "out"):

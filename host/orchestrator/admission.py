@@ -12,6 +12,10 @@ refused with E2B's capacity error before they could exhaust the node.
   Before refusing, a start waits for the pauses that are freeing VMs and releases the
   spare ones (warm VMs, VMs kept after pauses), then is checked again.
 
+- A start is refused with 507 (`error_code: insufficient_storage`, not retried) while
+  the disk of the node's state dir has less than `min_free_disk_mib` free: layers,
+  uppers and memory files would fail mid-write; `/health` says so too (readiness).
+
 Refusing is what keeps the host out of its OOM killer; the SDKs see a RateLimit error
 (the Python SDK retries it after Retry-After).
 """
@@ -20,13 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from host.hostmem import node_available_mib
 
-from .errors import CapacityExceeded
+from .errors import CapacityExceeded, OutOfDisk
 from .states import SandboxState as S
 
 # states in which a sandbox holds (or is about to hold) a VM
@@ -41,6 +47,8 @@ class AdmissionPolicy:
     max_sandboxes: int = 0          # 0: no fixed limit
     reserve_mib: int = 1024         # never start a VM that would leave less available
     first_touch_mib: int = 64       # what a restored sandbox needs at once, at least
+    disk_path: Path | None = None   # the state dir: its filesystem's free space is checked
+    min_free_disk_mib: int = 0      # refuse starts below this much free there (0: never)
 
     def need_mib(self, memory_mb: int) -> int:
         """What a restored sandbox of `memory_mb` touches at first (its RAM is otherwise
@@ -50,8 +58,10 @@ class AdmissionPolicy:
 
 class Admission:
     def __init__(self, policy: AdmissionPolicy | None = None, *,
-                 available_mib: Callable[[], int] = node_available_mib) -> None:
+                 available_mib: Callable[[], int] = node_available_mib,
+                 free_disk_mib: Callable[[Path], int] | None = None) -> None:
         self.policy = policy or AdmissionPolicy()
+        self._free_disk_mib = free_disk_mib or _free_mib
         self._slots = asyncio.Semaphore(max(1, self.policy.max_starts))
         self._available_mib = available_mib
         self.in_flight = 0              # starts past the check, not finished
@@ -76,6 +86,8 @@ class Admission:
         when the node cannot take it. `holding()`: how many sandboxes hold a VM now
         (this one included)."""
         async with self._slots:
+            if (problem := self.disk_problem()) is not None:  # no VM release frees disk
+                raise OutOfDisk(f"{problem}; sandbox {sandbox_id} was not started")
             # the count is a store query: only made when there is a limit to check
             count = await holding() if self.policy.max_sandboxes else 0
             try:
@@ -102,6 +114,18 @@ class Admission:
             freed = bool(await self.spare()) or freed
         return freed
 
+    def disk_problem(self) -> str | None:
+        """Why the state dir's disk cannot take new sandboxes, or None."""
+        p = self.policy
+        if not p.min_free_disk_mib or p.disk_path is None:
+            return None
+        free = self._free_disk_mib(p.disk_path)
+        if free >= p.min_free_disk_mib:
+            return None
+        return (f"this node's disk is nearly full: {free} MiB free under {p.disk_path}, "
+                f"below its floor of {p.min_free_disk_mib} MiB (--min-free-disk-mib); "
+                "free space (aenv gc, kill sandboxes, delete snapshots or templates)")
+
     def _check(self, sandbox_id: str, memory_mb: int, holding: int) -> None:
         p = self.policy
         if p.max_sandboxes and holding > p.max_sandboxes:
@@ -117,3 +141,8 @@ class Admission:
                 f"available, {need} MiB needed at start and {p.reserve_mib} MiB kept in "
                 f"reserve; kill or pause sandboxes, or retry later (sandbox {sandbox_id} "
                 "was not started)", retry_after_s=RETRY_AFTER_S)
+
+
+def _free_mib(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize >> 20

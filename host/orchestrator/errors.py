@@ -13,6 +13,7 @@
     ├── InvalidRequest           400
     ├── IncompatibleSnapshot     409  (its memory was saved by another VMM / CPU: reboot it)
     ├── CapacityExceeded         429  (the node's sandbox limit or memory: admission.py)
+    │   └── OutOfDisk            507  (its state dir's disk under the floor: admission.py)
     └── OperationFailed          500  (the VMM or storage failed; state was rolled back)
         └── GuestAnswerInvalid   502  (envd answered past its call's limit, host/guestio.py,
                                        or off-protocol: retrying gets the same answer)
@@ -85,6 +86,15 @@ class CapacityExceeded(OrchestratorError):
     def __init__(self, message: str, *, retry_after_s: int = 5) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class OutOfDisk(CapacityExceeded):
+    """The node's state dir has less free disk than its floor (`--min-free-disk-mib`):
+    nothing was started. Not retried unchanged (507): space must be freed first (`aenv
+    gc`, killing sandboxes, deleting snapshots and templates)."""
+
+    status = 507
+    error_code = "insufficient_storage"
 
 
 class IncompatibleSnapshot(OrchestratorError):

@@ -33,6 +33,7 @@ from host.metrics import Metrics
 
 from . import forks, guest_access, handoff, lifecycle, pausing, snapshots, timeouts
 from .admission import Admission, AdmissionPolicy
+from .collector import Collector
 from .envd import EnvdClient
 from .errors import OperationFailed, OrchestratorError
 from .kept import KeptVms
@@ -103,7 +104,8 @@ class NodeOrchestrator:
                  admission: AdmissionPolicy | None = None,
                  pressure: PressurePolicy | None = None,
                  metrics: Metrics | None = None, handoff: bool = False,
-                 warm_pool: int = 0, keep_paused_s: float = 0.0) -> None:
+                 warm_pool: int = 0, keep_paused_s: float = 0.0,
+                 gc_interval_s: float = 0.0, retain_killed_s: float = 86400.0) -> None:
         self.domain = domain
         # the host-side inputs of built-in templates (pip trees, archives): like the
         # kernel and image, reusable across state dirs
@@ -137,6 +139,8 @@ class NodeOrchestrator:
         self.warm = WarmPool(self._ctx, warm_pool, room=self._room_for_warm)
         self._ctx.warm = self.warm
         self.kept = KeptVms(self._ctx, keep_paused_s, room=self._room_for_warm)
+        self.collector = Collector(self._ctx, interval_s=gc_interval_s,
+                                   retain_killed_s=retain_killed_s)
         self._ctx.kept = self.kept
         self._ctx.admission.spare = self.release_spare
         self.service_metrics.track_counts(
@@ -154,6 +158,7 @@ class NodeOrchestrator:
             await builds.recover(self._ctx)
         self._ttl = TtlLoop(self, interval_s=ttl_interval_s)
         self._ttl.start()
+        self.collector.start()
         if self._pressure_policy is not None:
             self.pressure = PressureGuard(self, self._pressure_policy)
             self.pressure.start()
@@ -166,6 +171,7 @@ class NodeOrchestrator:
         self._closed = True
         if self._ttl is not None:
             await self._ttl.aclose()
+        await self.collector.aclose()
         if self.pressure is not None:
             await self.pressure.aclose()
         await self.warm.aclose()
@@ -323,9 +329,15 @@ class NodeOrchestrator:
     async def delete_snapshot(self, snapshot_id: str) -> None:
         await snapshots.delete_snapshot(self._ctx, snapshot_id)
 
-    async def collect_snapshots(self) -> builtins.list[str]:
-        """Delete the pause/fork snapshots nobody can reach any more; returns their ids."""
-        return await snapshots.collect_snapshots(self._ctx)
+    async def collect(self, *, dry_run: bool = False) -> dict[str, Any]:
+        """One run of the node's collector (collector.py): its report."""
+        return await self.collector.run(dry_run=dry_run)
+
+    def health(self) -> builtins.list[str]:
+        """Why this node should take no new sandboxes now ([] when healthy): its state
+        dir's disk under the admission floor."""
+        problem = self._ctx.admission.disk_problem()
+        return [problem] if problem else []
 
     async def fork(self, sandbox_id: str, count: int, timeout_s: int | None) -> Sequence[ForkResult]:
         return await forks.fork(self._ctx, sandbox_id, count, timeout_s)

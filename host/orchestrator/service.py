@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import AsyncIterable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from .model import (
     BuildRequest,
@@ -79,6 +79,14 @@ class Orchestrator(Protocol):
         ...
     async def build_status(self, template_id: str, build_id: str, *, offset: int = 0,
                            limit: int = 100, level: str | None = None) -> BuildStatus: ...
+    async def collect(self, *, dry_run: bool = False) -> dict[str, Any]:
+        """One run of the node's collector: {records, storage, dry_run, seconds}."""
+        ...
+
+    def health(self) -> builtins.list[str]:
+        """Why the node should take no new sandboxes now; [] when healthy."""
+        ...
+
     async def list_templates(self) -> Sequence[TemplateInfo]: ...
     async def get_template(self, template_id: str) -> TemplateInfo:
         """With its builds, newest first."""

@@ -299,6 +299,25 @@ class Store:
         with self._tx() as db:
             db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
 
+    def prune_killed(self, before: float, *, dry_run: bool = False) -> dict[str, int]:
+        """Delete the rows of sandboxes killed before `before` (their last update), with
+        their events, and idempotency keys claimed before it; the counts. `dry_run`:
+        count only."""
+        gone = "SELECT id FROM sandboxes WHERE state = ? AND updated_at < ?"
+        args = (SandboxState.KILLED.value, before)
+        with self._tx() as db:
+            counts = {
+                "sandboxes": db.execute(f"SELECT COUNT(*) FROM ({gone})", args).fetchone()[0],
+                "events": db.execute(f"SELECT COUNT(*) FROM events WHERE sandbox_id IN ({gone})",
+                                     args).fetchone()[0],
+                "idempotency": db.execute("SELECT COUNT(*) FROM idempotency WHERE created_at < ?",
+                                          (before,)).fetchone()[0]}
+            if not dry_run:
+                db.execute(f"DELETE FROM events WHERE sandbox_id IN ({gone})", args)
+                db.execute("DELETE FROM sandboxes WHERE state = ? AND updated_at < ?", args)
+                db.execute("DELETE FROM idempotency WHERE created_at < ?", (before,))
+        return {k: int(v) for k, v in counts.items()}
+
     # ---- snapshots -------------------------------------------------------------------
     def insert_snapshot(self, snap: SnapshotRecord) -> SnapshotRecord:
         with self._tx() as db:

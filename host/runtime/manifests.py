@@ -58,15 +58,22 @@ class ManifestStore:
             await asyncio.to_thread(self.repo.put_manifest, name, {"deleted": True})
 
     async def all(self) -> dict[str, dict[str, Any]]:
+        """Every snapshot manifest, by snapshot id."""
+        docs = await self.documents(PREFIX)
+        return {name[len(PREFIX):]: doc for name, doc in docs.items()}
+
+    async def documents(self, prefix: str = "") -> dict[str, dict[str, Any]]:
+        """Every document of the manifest space whose name starts with `prefix`, by name
+        (deleted ones and unreadable ones left out)."""
         names = await asyncio.to_thread(self.repo.list_manifests)
         out: dict[str, dict[str, Any]] = {}
         for name in names:
-            if not name.startswith(PREFIX):
+            if not name.startswith(prefix):
                 continue
             try:
                 m = await asyncio.to_thread(self.repo.get_manifest, name)
-            except RepositoryError:
+            except (RepositoryError, ValueError):
                 continue
             if not m.get("deleted"):
-                out[name[len(PREFIX):]] = m
+                out[name] = m
         return out

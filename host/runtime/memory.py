@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from host.storage.collect import Swept
 from host.storage.errors import IntegrityError, LayerNotFoundError, RepositoryError
 from host.storage.repository import OssRepository, PosixFsRepository
 
@@ -221,17 +222,23 @@ class MemoryFiles:
         pinned |= {o for o in (self.owner(p) for p in live_dirs) if o}
         return pinned
 
-    async def gc(self, used: set[str]) -> None:
-        """Remove local memory dirs not in `used` (nor pinned or being written now)."""
-        removed = []
+    async def gc(self, used: set[str], *, dry_run: bool = False) -> Swept:
+        """Remove local memory dirs not in `used` (nor pinned or being written now);
+        returns what went (`dry_run`: would go). A file's bytes count when its last link
+        goes (a posix_fs repository's copy is a hard link: `delete_remote` frees it)."""
+        out = Swept()
         if self.dir.is_dir():
             for d in self.dir.iterdir():
                 if d.name not in used and d.name not in self.pins and \
                         d.name not in self.writing:
-                    await asyncio.to_thread(shutil.rmtree, d, True)
-                    removed.append(d.name)
-        if removed and self.peers is not None:
-            await self.peers.withdraw(removed)
+                    out.files += 1
+                    out.digests.append(d.name)
+                    out.bytes += await asyncio.to_thread(_unshared_bytes, d)
+                    if not dry_run:
+                        await asyncio.to_thread(shutil.rmtree, d, True)
+        if out.digests and not dry_run and self.peers is not None:
+            await self.peers.withdraw(out.digests)
+        return out
 
     async def trim(self, pinned: Callable[[], set[str]],
                    committed: Callable[[str], Awaitable[bool]]) -> None:
@@ -275,3 +282,14 @@ class MemoryFiles:
             log.info("memory cache over %d MiB: evicted %s", self.bound_mib, ", ".join(evicted))
             if self.peers is not None:
                 await self.peers.withdraw(evicted)
+
+
+def _unshared_bytes(root: Path) -> int:
+    """Bytes of the files under `root` that no other link holds."""
+    total = 0
+    for f in root.rglob("*"):
+        with contextlib.suppress(OSError):
+            st = f.lstat()
+            if f.is_file() and st.st_nlink == 1:
+                total += st.st_blocks * 512
+    return total

@@ -40,9 +40,9 @@ from host.storage.errors import StorageError
 from host.storage.peers import held_layers, held_range
 from host.vmm.accel import host_tsc_khz
 from host.vmm.errors import VmmError
-from host.vmm.proc import tail
+from host.vmm.proc import rotate_log, tail
 
-from . import adoption, builds, snapshots, starts, templates, usage
+from . import adoption, builds, collect, snapshots, starts, templates, usage
 from .blockd import BlockServerHandle
 from .config import RuntimeConfig
 from .errors import NodeRuntimeError, SnapshotNotFoundError
@@ -56,6 +56,11 @@ if TYPE_CHECKING:
     from host.metrics import Metrics
 
 log = logging.getLogger(__name__)
+
+# A console log past this is rotated (its newest half kept in `<log>.1`), checked every
+# SERIAL_CHECK_S; between checks a jail's RLIMIT_FSIZE is the hard stop.
+SERIAL_MAX_BYTES = 1 << 20
+SERIAL_CHECK_S = 2.0
 
 
 def make_dirs(cfg: RuntimeConfig) -> None:
@@ -81,7 +86,8 @@ class NodeRuntime:
             memory=MemoryFiles(cfg.memory_dir, manifests.repo, bound_mib=cfg.memory_cache_mib),
             manifests=manifests)
         self._open = False
-        self._watchdog: asyncio.Task[None] | None = None
+        # owned by this runtime: cancelled in aclose(), before anything they could race
+        self._tasks: list[asyncio.Task[None]] = []
         if metrics is not None:
             metrics.track_vms(lambda: usage.vm_pids(self.parts))
             metrics.track_storage(lambda: usage.storage_usage(self.parts))
@@ -93,10 +99,11 @@ class NodeRuntime:
             return self
         await asyncio.to_thread(make_dirs, self.config)
         await self.block.ensure()
-        # owned by this runtime: cancelled in aclose(), before anything it could race
-        self._watchdog = asyncio.get_running_loop().create_task(self.block.watch(),
-                                                                name="block-server-watchdog")
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self.block.watch(), name="block-server-watchdog"))
         await self.parts.machines.open()
+        self._tasks.append(loop.create_task(self._rotate_console_logs(),
+                                            name="console-log-rotation"))
         await asyncio.to_thread(host_tsc_khz)  # cached; QEMU under TCG needs it
         self._open = True
         return self
@@ -111,11 +118,11 @@ class NodeRuntime:
         """Release node resources; running VMs (and their networks, stacks and the block
         server) are left running for adoption, unless `stop_block_server`."""
         await self.parts.settle()
-        if self._watchdog is not None:
-            self._watchdog.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._watchdog
-            self._watchdog = None
+                await task
+        self._tasks.clear()
         for sb in list(self.parts.sandboxes.values()):
             with contextlib.suppress(VmmError):  # a VM that died meanwhile: nothing to keep
                 await sb.vm.detach()
@@ -124,6 +131,22 @@ class NodeRuntime:
         if stop_block_server:
             await self.block.stop()
         self._open = False
+
+    async def _rotate_console_logs(self) -> None:
+        """Every VM's console log (sandboxes, warm, kept and build VMs: all the driver's),
+        kept bounded with its newest lines: a guest writes it at will."""
+        while True:
+            await asyncio.sleep(SERIAL_CHECK_S)
+            driver = self.parts.machines.driver
+            for vm in driver.vms if driver is not None else []:
+                try:
+                    path = vm.serial_log
+                except VmmError:  # not started yet
+                    continue
+                try:
+                    await asyncio.to_thread(rotate_log, path, SERIAL_MAX_BYTES)
+                except OSError as exc:  # a VM gone meanwhile, its dir with it
+                    log.debug("console log %s not rotated: %s", path, exc)
 
     async def shutdown(self) -> None:
         """Kill every sandbox, remove networks and stop the block server (tests, drain)."""
@@ -261,6 +284,10 @@ class NodeRuntime:
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         await snapshots.delete(self.parts, snapshot_id)
+
+    async def collect_storage(self, *, dry_run: bool = False) -> dict[str, Any]:
+        return await collect.collect(self.parts, dry_run=dry_run,
+                                     min_age_s=self.config.collect_min_age_s)
 
     async def use_peers(self, peers: Peers) -> None:
         """Fetch memory files from neighbours before the repository (a cluster node's

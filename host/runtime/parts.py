@@ -6,9 +6,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from host.storage.collect import Swept
 from host.vmm.memsnap import MemSnapError, MemSnapshot
 
 from .blockd import BlockServerHandle
@@ -41,12 +44,28 @@ class NodeParts:
     last_timings: dict[str, float] = field(default_factory=dict)
     # network + stack teardowns left running after a pause (release(wait=False))
     teardowns: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    # layer digest -> starts about to stack it (collect.py keeps them)
+    layer_pins: Counter[str] = field(default_factory=Counter)
 
     def get(self, sandbox_id: str) -> RunningSandbox:
         try:
             return self.sandboxes[sandbox_id]
         except KeyError:
             raise SandboxNotFoundError(f"no sandbox {sandbox_id} on this node") from None
+
+    @contextlib.contextmanager
+    def pin_layers(self, digests: Iterable[str]) -> Iterator[None]:
+        """Keep `digests` out of a layer collection while the block runs (a start, from
+        its manifest's read until its stack holds them); released on every way out."""
+        held = set(digests)
+        self.layer_pins.update(held)
+        try:
+            yield
+        finally:
+            self.layer_pins.subtract(held)
+            for digest in held:
+                if self.layer_pins[digest] <= 0:
+                    del self.layer_pins[digest]
 
     def pinned_memory(self) -> set[str]:
         """Memory dirs this node needs locally now: live sandboxes' bases and diff chains,
@@ -99,11 +118,11 @@ class NodeParts:
     async def trim_memory(self) -> None:
         await self.memory.trim(self.pinned_memory, self.committed)
 
-    async def gc_memory(self) -> set[str]:
-        """Remove local memory dirs nothing uses; returns the snapshot ids still used."""
+    async def gc_memory(self, *, dry_run: bool = False) -> tuple[set[str], Swept]:
+        """Remove local memory dirs nothing uses; returns the snapshot ids still used and
+        what went (or would go, `dry_run`)."""
         manifests = await self.manifests.all()
         used: set[str] = set(manifests) | self.pinned_memory()
         for m in manifests.values():
             used |= set(m.get("depends_on", ()))
-        await self.memory.gc(used)
-        return used
+        return used, await self.memory.gc(used, dry_run=dry_run)

@@ -257,5 +257,5 @@ async def delete(p: NodeParts, snapshot_id: str) -> None:
     with contextlib.suppress(SnapshotNotFoundError):
         gone |= set((await p.manifests.get(snapshot_id)).get("depends_on", ()))
     await p.manifests.delete(snapshot_id)
-    used = await p.gc_memory()
+    used, _ = await p.gc_memory()
     await p.memory.delete_remote(gone - used)

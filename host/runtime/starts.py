@@ -61,7 +61,10 @@ async def start(p: NodeParts, sandbox_id: str, snapshot: SnapshotRef, network: N
                                    f"{snapshot.snapshot_id} is booted)")
         # A restore's memory dirs are pinned from before their fetch until the sandbox is
         # live (its VM's dirs pin them then): another start's trim must not evict them.
-        with p.memory.pin(p.memory.needed(m) if restore else ()):
+        # Its layers from the manifest's read (no await between) until its stack holds
+        # them: a collection listing the documents after the snapshot's delete keeps them.
+        with p.pin_layers(m["disk"]["layers"]), \
+                p.memory.pin(p.memory.needed(m) if restore else ()):
             if restore:
                 sb = await _restore(p, sandbox_id, snapshot.snapshot_id, m, network)
             else:

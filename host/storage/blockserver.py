@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import builtins
 import contextlib
 import ctypes
 import json
@@ -36,6 +37,7 @@ from typing import Any
 
 from .blob import Blob, FileBlob
 from .cache import ChunkCache
+from .collect import Swept, sweep_layers
 from .control import CONTROL_SOCKET, NBD_SOCKET, StackInfo, error_reply, own_socket
 from .errors import LayerNotFoundError, StackExistsError, StackNotFoundError, StorageError
 from .lsmt import SealedLayer, Upper, digest_of_file
@@ -439,6 +441,34 @@ class BlockServer:
             await self.push(digest)
         return digest
 
+    async def collect(self, keep: builtins.list[str], *, min_age_s: float = 600.0,
+                      dry_run: bool = False, repository: bool = False) -> dict[str, Any]:
+        """Remove the sealed layers no stack of this server uses and `keep` does not name,
+        older than `min_age_s` (collect.py says why age); with `repository`, the
+        repository's copies too (a posix_fs one only: the caller says whether this node
+        owns it). Under the ops lock: no stack is created over a layer while it goes."""
+        async with self._ops_lock:
+            used = {d for e in self._stacks.values() for d in e.stack.layer_digests}
+            keep_all = used | set(keep)
+            links: dict[tuple[int, int], list[int]] = {}  # bytes freed counted once
+            local = await asyncio.to_thread(
+                sweep_layers, self.state_dir / "layers", keep_all, min_age_s=min_age_s,
+                dry_run=dry_run, links=links)
+            remote = Swept()
+            layers_dir = getattr(self.repository, "layers_dir", None)
+            if repository and isinstance(layers_dir, Path):
+                remote = await asyncio.to_thread(
+                    sweep_layers, layers_dir, keep_all, min_age_s=min_age_s,
+                    dry_run=dry_run, links=links)
+            if not dry_run:
+                self._release_unused_layers()  # closes what was open of the removed ones
+            if local.files or remote.files:
+                log.info("layers %s: %d local, %d in the repository, %d bytes",
+                         "collectable" if dry_run else "collected", local.files,
+                         remote.files, local.bytes + remote.bytes)
+            return {"local": local.to_dict(), "repository": remote.to_dict(),
+                    "in_use": sorted(used)}
+
     def stats(self) -> dict[str, Any]:
         """Counters for the host's metrics: the chunk cache (None without one) and the
         bytes moved to and from the repository (None without one), since this start."""
@@ -494,7 +524,8 @@ class BlockServer:
             ops: dict[str, Callable[..., Awaitable[Any]]] = {
                 "create": self.create, "seal": self.seal, "clone": self.clone,
                 "delete": self.delete, "flush": self.flush, "info": self.info,
-                "import_layer": self.import_layer, "push": self.push}
+                "import_layer": self.import_layer, "push": self.push,
+                "collect": self.collect}
             fn = ops.get(op)
             if fn is None:
                 raise ValueError(f"unknown op {op!r}")

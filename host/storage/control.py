@@ -11,6 +11,7 @@ host.storage.errors come back as those classes; anything else as ControlError.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import hashlib
 import json
 import socket
@@ -148,6 +149,15 @@ class BlockServerClient:
     async def push(self, digest: str) -> None:
         """Upload a local layer to the repository (durable once this returns)."""
         await self._call("push", digest=digest)
+
+    async def collect(self, keep: builtins.list[str], *, min_age_s: float, dry_run: bool = False,
+                      repository: bool = False) -> dict[str, Any]:
+        """Remove sealed layers no stack uses and `keep` does not name, older than
+        `min_age_s` (`BlockServer.collect`): {local, repository: {files, bytes, digests},
+        in_use}."""
+        result: dict[str, Any] = await self._call(
+            "collect", keep=keep, min_age_s=min_age_s, dry_run=dry_run, repository=repository)
+        return result
 
     async def stats(self) -> dict[str, Any]:
         """The server's counters (`BlockServer.stats`): chunk cache, repository bytes."""

@@ -111,8 +111,14 @@ class PosixFsRepository:
         (self.root / "layers").mkdir(parents=True, exist_ok=True)
         (self.root / "manifests").mkdir(parents=True, exist_ok=True)
 
+    @property
+    def layers_dir(self) -> Path:
+        """Where the sealed layers are, `<hex>.lsmt` (the block server's collection
+        sweeps it when this node owns the repository)."""
+        return self.root / "layers"
+
     def _layer(self, digest: str) -> Path:
-        return self.root / "layers" / f"{_hex(digest)}.lsmt"
+        return self.layers_dir / f"{_hex(digest)}.lsmt"
 
     def has_layer(self, digest: str) -> bool:
         return self._layer(digest).exists()

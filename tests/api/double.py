@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from host.orchestrator import NodeOrchestrator, Store
 from host.orchestrator.envd import EnvdClient
@@ -66,6 +67,7 @@ class FakeOrchestrator:
         self.snapshots: dict[str, SnapshotInfo] = {}
         self.idempotency: dict[str, tuple[CreateRequest, str]] = {}
         self.calls: list[tuple[str, tuple[object, ...]]] = []
+        self.unhealthy: list[str] = []                  # health()'s reasons
         self.upstream: tuple[str, int] | None = None    # route() target for every port
         self.port_map: dict[int, int] = {}               # sandbox port -> local port
         # route()'s RunEnded per sandbox, with the loop it was made on (the proxy's)
@@ -276,6 +278,14 @@ class FakeOrchestrator:
                            limit: int = 100, level: str | None = None) -> BuildStatus:
         return await self.node.build_status(template_id, build_id, offset=offset,
                                             limit=limit, level=level)
+
+    async def collect(self, *, dry_run: bool = False) -> dict[str, Any]:
+        self.calls.append(("collect", (dry_run,)))
+        return {"records": {"sandboxes": 0}, "storage": {}, "dry_run": dry_run,
+                "seconds": 0.0}
+
+    def health(self) -> list[str]:
+        return list(self.unhealthy)
 
     async def list_templates(self) -> Sequence[TemplateInfo]:
         return await self.node.list_templates()

@@ -32,6 +32,31 @@ def sdk_metadata(meta: dict[str, str]) -> str:
                                    for k, v in meta.items()})
 
 
+async def test_health_is_503_with_reasons_while_the_node_takes_no_sandboxes(
+        client: httpx.AsyncClient, orch: FakeOrchestrator) -> None:
+    orch.unhealthy = ["this node's disk is nearly full: 10 MiB free"]
+    resp = await client.get("/health")
+    assert resp.status_code == 503
+    assert resp.json() == {"status": "unhealthy",
+                           "reasons": ["this node's disk is nearly full: 10 MiB free"]}
+    # a liveness probe: the process answers, a restart would not free the disk
+    live = await client.get("/health", params={"probe": "live"})
+    assert live.status_code == 200 and live.json() == {"status": "ok"}
+    assert (await client.get("/health", params={"probe": "nonsense"})).status_code == 400
+    orch.unhealthy = []
+    assert (await client.get("/health")).json() == {"status": "ok"}
+
+
+async def test_admin_gc_runs_the_collector_or_a_dry_run(
+        client: httpx.AsyncClient, orch: FakeOrchestrator) -> None:
+    resp = await client.post("/admin/gc", params={"dryRun": "true"})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["dryRun"] is True and resp.json()["records"] == {"sandboxes": 0}
+    assert (await client.post("/admin/gc")).json()["dryRun"] is False
+    assert orch.calls[-2:] == [("collect", (True,)), ("collect", (False,))]
+    assert (await client.post("/admin/gc", headers={"X-API-Key": "wrong"})).status_code == 401
+
+
 async def test_health_is_open(client: httpx.AsyncClient) -> None:
     resp = await client.get("/health", headers={"X-API-Key": ""})
     assert resp.status_code == 200

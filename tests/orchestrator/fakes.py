@@ -230,6 +230,11 @@ class FakeRuntime:
     async def console_log(self, sandbox_id: str, limit: int = 1000) -> list[str]:
         return [f"console of {sandbox_id}"]
 
+    async def collect_storage(self, *, dry_run: bool = False) -> dict[str, Any]:
+        self.calls.append(("collect_storage", (dry_run,)))
+        return {"memory": {"files": 0, "bytes": 0, "digests": []}, "held": {"memory": 0},
+                "dry_run": dry_run}
+
     async def aclose(self) -> None:
         pass
 

@@ -1,0 +1,104 @@
+"""Collection of sealed layers nothing needs any more: the block server's side.
+
+The runtime knows what is referenced (every layer a repository document names, what starts
+are about to use: `host/runtime/collect.py`); the block server knows what its stacks hold
+open. A layer file goes when neither names it and it is older than a grace period: a layer
+just sealed or imported is named by no document until its snapshot's manifest is written
+(a pause writes it after the seal), so age is what keeps in-flight work safe from a
+collection that listed the documents a moment before.
+
+With `repository`, the repository's copies go by the same rule; the runtime asks for that
+only where this node owns the repository (the default posix_fs one under its state dir,
+whose layers are hard links of the local ones): in a shared repository another node's
+stacks may read a layer no document names any more.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+LAYER_SUFFIX = ".lsmt"
+# what a crashed import or seal leaves next to the layers (`.tmp` of import_layer)
+PARTIAL_SUFFIXES = (".tmp",)
+
+
+def layer_hex(digest: str) -> str:
+    """A digest's hex part, the layer files' stem (`sha256:<hex>` or `<hex>`)."""
+    return digest.split(":", 1)[-1]
+
+
+@dataclass
+class Swept:
+    """What one collection removed (or, in a dry run, would remove) from one place.
+    `bytes` counts a file's bytes when its last link goes, across the sweeps sharing
+    `links`: a posix_fs repository's layer is a hard link of the local one, so removing
+    the local one alone frees nothing."""
+
+    files: int = 0
+    bytes: int = 0
+    digests: list[str] = field(default_factory=list)
+    # (dev, inode) -> [links removed by this collection, links it had when first seen]
+    links: dict[tuple[int, int], list[int]] = field(default_factory=dict, repr=False)
+
+    def add(self, digest: str, st: os.stat_result) -> None:
+        self.files += 1
+        self.digests.append(digest)
+        seen = self.links.setdefault((st.st_dev, st.st_ino), [0, st.st_nlink])
+        seen[0] += 1
+        if seen[0] == seen[1]:
+            self.bytes += st.st_blocks * 512
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"files": self.files, "bytes": self.bytes, "digests": self.digests}
+
+
+def _candidates(layer_dir: Path) -> Iterator[tuple[str, Path, os.stat_result]]:
+    if not layer_dir.is_dir():
+        return
+    for entry in os.scandir(layer_dir):
+        name = entry.name
+        if name.endswith(LAYER_SUFFIX):
+            stem = name[:-len(LAYER_SUFFIX)]
+        elif name.endswith(PARTIAL_SUFFIXES):
+            stem = ""  # never referenced: only its age protects it
+        else:
+            continue
+        try:
+            yield stem, Path(entry.path), entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+
+
+def sweep_layers(layer_dir: Path, keep: Iterable[str], *, min_age_s: float,
+                 dry_run: bool, links: dict[tuple[int, int], list[int]] | None = None,
+                 now: float | None = None) -> Swept:
+    """Remove `layer_dir/<hex>.lsmt` files whose digest `keep` does not name and whose
+    mtime is older than `min_age_s`, and partial files as old; returns what went."""
+    kept = {layer_hex(d) for d in keep}
+    cutoff = (time.time() if now is None else now) - min_age_s
+    out = Swept(links={} if links is None else links)
+    for stem, path, st in _candidates(layer_dir):
+        if (stem and stem in kept) or st.st_mtime > cutoff:
+            continue
+        if not dry_run:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                continue
+        out.add(stem or path.name, st)
+    return out
+
+
+def layer_bytes(layer_dir: Path) -> tuple[int, int]:
+    """(files, bytes on disk) of the sealed layers in `layer_dir`."""
+    files = total = 0
+    for stem, _, st in _candidates(layer_dir):
+        if stem:
+            files += 1
+            total += st.st_blocks * 512
+    return files, total
