@@ -203,15 +203,8 @@ class MemoryFiles:
         """Keep the memory dirs of `owners` (snapshot ids) out of `trim` and `gc` while
         the block runs; released on every way out (error, cancellation). Pins count: a
         dir stays pinned while any start holds it."""
-        held = set(owners)
-        self.pins.update(held)
-        try:
+        with counted(self.pins, owners):
             yield
-        finally:
-            self.pins.subtract(held)
-            for owner in held:
-                if self.pins[owner] <= 0:
-                    del self.pins[owner]
 
     def pinned(self, live_dirs: Iterable[Path]) -> set[str]:
         """Snapshot ids whose memory must stay local: what live VMs map (`live_dirs`),
@@ -293,3 +286,18 @@ def _unshared_bytes(root: Path) -> int:
             if f.is_file() and st.st_nlink == 1:
                 total += st.st_blocks * 512
     return total
+
+
+@contextlib.contextmanager
+def counted(pins: Counter[str], keys: Iterable[str]) -> Iterator[None]:
+    """Count `keys` in `pins` while the block runs, on every way out taken back (a key
+    leaves `pins` when its count reaches 0): starts' pins of memory dirs and layers."""
+    held = set(keys)
+    pins.update(held)
+    try:
+        yield
+    finally:
+        pins.subtract(held)
+        for key in held:
+            if pins[key] <= 0:
+                del pins[key]

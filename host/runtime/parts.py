@@ -19,7 +19,7 @@ from .config import RuntimeConfig
 from .errors import SandboxNotFoundError, SnapshotNotFoundError
 from .machines import Machines
 from .manifests import ManifestStore
-from .memory import MemoryFiles
+from .memory import MemoryFiles, counted
 from .sandbox import RunningSandbox
 
 
@@ -57,15 +57,8 @@ class NodeParts:
     def pin_layers(self, digests: Iterable[str]) -> Iterator[None]:
         """Keep `digests` out of a layer collection while the block runs (a start, from
         its manifest's read until its stack holds them); released on every way out."""
-        held = set(digests)
-        self.layer_pins.update(held)
-        try:
+        with counted(self.layer_pins, digests):
             yield
-        finally:
-            self.layer_pins.subtract(held)
-            for digest in held:
-                if self.layer_pins[digest] <= 0:
-                    del self.layer_pins[digest]
 
     def pinned_memory(self) -> set[str]:
         """Memory dirs this node needs locally now: live sandboxes' bases and diff chains,
