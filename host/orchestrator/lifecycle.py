@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import time
 
 from host.contract import NetworkConfig
 from host.metrics import bind_sandbox
@@ -25,6 +26,7 @@ from .errors import (
     IncompatibleSnapshot,
     OperationFailed,
     OrchestratorError,
+    SandboxNotFound,
     SnapshotNotFound,
     start_failed,
 )
@@ -271,12 +273,41 @@ async def kill_locked(ctx: Context, rec: SandboxRecord, op: str) -> None:
     ctx.end_run(rec.id, "killed" if op != "timeout" else "killed (its timeout ran out)")
     if ctx.kept is not None:
         ctx.kept.take(rec.id)  # a paused sandbox's kept VM goes with the kill below
+    await _finish_kill(ctx, rec)
+
+
+async def _finish_kill(ctx: Context, rec: SandboxRecord) -> None:
+    """killing -> killed once the runtime has removed the VM, its network and its stack.
+    On failure the sandbox stays `killing` (invisible, still counted by admission) and
+    the TTL loop retries (`retry_kill`), as recovery does at the next start."""
     try:
         await ctx.runtime.kill(rec.id)
     except Exception as exc:
-        # Stays `killing` (invisible); recovery retries the kill at the next start.
         raise OperationFailed(f"killing sandbox {rec.id} failed: {exc}") from exc
     await ctx.db(ctx.store.transition, rec.id, {S.KILLING}, S.KILLED,
                  end_at=ctx.clock(), runtime=with_runtime(rec, placement=None))
     if rec.state is S.PAUSED:
         await handoff.withdraw(ctx, rec.id)
+
+
+async def unfinished_kills(ctx: Context, older_than_s: float) -> list[str]:
+    """Sandboxes left `killing` by a kill that failed more than `older_than_s` ago (a
+    kill in progress is younger, or holds the sandbox's lock)."""
+    before = time.time() - older_than_s  # the store's update times are wall-clock
+    recs = await ctx.db(ctx.store.list_sandboxes, {S.KILLING})
+    return [r.id for r in recs if r.updated_at < before]
+
+
+async def retry_kill(ctx: Context, sandbox_id: str) -> str | None:
+    """Kill again a sandbox a failed kill left `killing`; "killed", or None when there
+    was nothing left to do (another operation finished it)."""
+    async with ctx.lock(sandbox_id):
+        try:  # not ctx.record: a `killing` sandbox reads as gone there
+            rec = await ctx.db(ctx.store.get_sandbox, sandbox_id)
+        except SandboxNotFound:
+            return None
+        if rec.state is not S.KILLING:
+            return None
+        await _finish_kill(ctx, rec)
+    ctx.drop_lock(sandbox_id)
+    return S.KILLED.value

@@ -79,6 +79,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_TEMPLATE = "base"
+KILL_RETRY_S = 10.0  # a sandbox `killing` for longer: its kill failed, the TTL loop retries
 
 
 class NodeOrchestrator:
@@ -255,6 +256,13 @@ class NodeOrchestrator:
         """Settle a running sandbox whose VM ended by itself (paused or killed); returns
         the new state, or None when nothing was to be done."""
         return await timeouts.vm_exited(self._ctx, sandbox_id)
+
+    async def unfinished_kills(self) -> builtins.list[str]:
+        """Sandboxes a failed kill left `killing` over KILL_RETRY_S ago."""
+        return await lifecycle.unfinished_kills(self._ctx, KILL_RETRY_S)
+
+    async def retry_kill(self, sandbox_id: str) -> str | None:
+        return await lifecycle.retry_kill(self._ctx, sandbox_id)
 
     async def expired(self) -> builtins.list[str]:
         """Running sandboxes whose TTL has run out."""

@@ -23,6 +23,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from host.contract import SnapshotRef
+
 from . import handoff, ids
 from .errors import (
     GuestUnresponsive,
@@ -144,25 +146,60 @@ async def pause_locked(ctx: Context, rec: SandboxRecord, op: str, *,
                        runtime=with_runtime(rec, pending=pending))
     # Streams into the VM end now, before it stops (if the pause fails they stay ended).
     ctx.end_run(sid, "paused" if op != "timeout" else "paused (its timeout ran out)")
+    answered = False
+
+    def on_stop() -> None:
+        nonlocal answered
+        answered = True
+        if stopped is not None:
+            stopped()
+
+    degraded: dict[str, str] = {}
     try:
         ref = await ctx.runtime.snapshot(sid, snap_id, stop=True, memory=memory,
-                                         stopped=stopped, keep=keep)
+                                         stopped=on_stop, keep=keep)
     except Exception as exc:
-        await ctx.db(ctx.store.transition, sid, {S.PAUSING}, S.RUNNING,
-                     event={"op": "pause_failed", "error": str(exc)},
-                     runtime=with_runtime(rec, pending=None))
-        raise OperationFailed(f"pausing sandbox {sid} failed: {exc}") from exc
+        # A pause already answered, or one whose VM died, keeps the disk at least (the
+        # caller was told "paused"; a VM-less sandbox must not read as running).
+        fallback = memory and (answered or sid in ctx.runtime.exited())
+        disk = await _disk_only(ctx, rec, sid, exc) if fallback else None
+        if disk is None:
+            await ctx.db(ctx.store.transition, sid, {S.PAUSING}, S.RUNNING,
+                         event={"op": "pause_failed", "error": str(exc)},
+                         runtime=with_runtime(rec, pending=None))
+            raise OperationFailed(f"pausing sandbox {sid} failed: {exc}") from exc
+        ref, snap_id, memory, keep = disk, disk.snapshot_id, False, False
+        degraded = {"degraded": f"its memory could not be kept ({exc}); its disk was"}
     now = ctx.clock()
     ttl_left = 0.0 if op == "timeout" or rec.end_at is None else max(0.0, rec.end_at - now)
     await ctx.db(ctx.store.insert_snapshot, snapshot_record(snap_id, "pause", ref, rec))
     await ctx.db(ctx.store.transition, sid, {S.PAUSING}, S.PAUSED,
-                 event={"op": op, **({} if memory else {"mode": "filesystem"})},
+                 event={"op": op, **({} if memory else {"mode": "filesystem"}), **degraded},
                  snapshot_id=snap_id, end_at=None, ttl_left_s=ttl_left,
                  runtime=with_runtime(rec, pending=None, placement=None,
                                       pause_mode="full" if memory else "filesystem"))
     if keep and ctx.kept is not None:
         ctx.kept.kept(sid)
     await handoff.publish(ctx, sid)
+
+
+async def _disk_only(ctx: Context, rec: SandboxRecord, sid: str,
+                     exc: Exception) -> SnapshotRef | None:
+    """The disk-only snapshot of a pause whose memory snapshot failed (`exc`); None when
+    that fails too (the runtime no longer has the sandbox, or its disk cannot be sealed)."""
+    snap_id = ids.new_runtime_snapshot_id("pause")
+    pending = {"store_id": snap_id, "runtime_id": snap_id, "kind": "pause",
+               "mode": "filesystem"}
+    await ctx.db(ctx.store.update_fields, sid, runtime=with_runtime(rec, pending=pending))
+    try:
+        ref = await ctx.runtime.snapshot(sid, snap_id, stop=True, memory=False)
+    except Exception as again:  # noqa: BLE001 - the first error is the one reported
+        log.warning("sandbox %s: its memory snapshot failed (%s), and so did keeping its "
+                    "disk (%s)", sid, exc, again)
+        return None
+    log.warning("sandbox %s: its memory snapshot failed (%s); paused with its disk only "
+                "(a resume boots it)", sid, exc)
+    return ref
 
 
 # ---- resume --------------------------------------------------------------------------

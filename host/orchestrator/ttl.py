@@ -1,5 +1,6 @@
-"""The TTL loop: pauses (autoPause, the default) or kills sandboxes whose TTL ran out, and
-watches for VMs that ended by themselves (`runtime.exited()` -> `vm_exited`).
+"""The TTL loop: pauses (autoPause, the default) or kills sandboxes whose TTL ran out,
+watches for VMs that ended by themselves (`runtime.exited()` -> `vm_exited`), and retries
+kills that failed (`killing` sandboxes: their VM, network or stack is not gone yet).
 
 Owned by the orchestrator (`NodeOrchestrator.start()` starts it, `aclose()` stops it),
 which it sees only through `TtlOwner`, what the loop calls. Each expiry runs as an orchestrator-owned task under the sandbox's lock and re-checks the
@@ -48,6 +49,14 @@ class TtlOwner(Protocol):
         """Settle a sandbox whose VM exited; its new state, or None if nothing was done."""
         ...
 
+    async def unfinished_kills(self) -> list[str]:
+        """Sandboxes a failed kill left `killing` (not one in progress)."""
+        ...
+
+    async def retry_kill(self, sandbox_id: str) -> str | None:
+        """Kill it again; "killed", or None when nothing was left to do."""
+        ...
+
 
 class TtlLoop:
     def __init__(self, orchestrator: TtlOwner, *, interval_s: float = 1.0) -> None:
@@ -82,6 +91,11 @@ class TtlLoop:
                 continue
             if not self._run_once(sandbox_id, self._expire(sandbox_id)):
                 return
+        for sandbox_id in await self.orchestrator.unfinished_kills():
+            if sandbox_id in self._busy or self._retry_at.get(sandbox_id, 0.0) > now:
+                continue
+            if not self._run_once(sandbox_id, self._retry_kill(sandbox_id)):
+                return
 
     def _run_once(self, sandbox_id: str, coro: Coroutine[Any, Any, None]) -> bool:
         """Run `coro` as an orchestrator task, marking the sandbox busy until it ends;
@@ -108,6 +122,18 @@ class TtlLoop:
             return
         if outcome is not None:
             log.info("sandbox %s: VM exited -> %s", sandbox_id, outcome)
+
+    async def _retry_kill(self, sandbox_id: str) -> None:
+        try:
+            outcome = await self.orchestrator.retry_kill(sandbox_id)
+        except OrchestratorError as exc:
+            log.warning("killing %s failed again (retry in %.0fs): %s", sandbox_id,
+                        self.retry_s, exc)
+            self._retry_at[sandbox_id] = time.monotonic() + self.retry_s
+            return
+        self._retry_at.pop(sandbox_id, None)
+        if outcome:
+            log.info("sandbox %s: its kill finished on a retry", sandbox_id)
 
     async def _expire(self, sandbox_id: str) -> None:
         try:

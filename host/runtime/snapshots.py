@@ -203,16 +203,21 @@ async def _after_commit(p: NodeParts, sb: RunningSandbox, snapshot_id: str, cut:
 
 async def _after_failure(p: NodeParts, sb: RunningSandbox, *, stop: bool) -> None:
     """A failed snapshot leaves the guest running if its VM lives (a pause that failed
-    keeps the sandbox running); a VM that died meanwhile is released."""
+    keeps the sandbox running). A VM that died meanwhile (or no longer answers, and is
+    killed) leaves the sandbox registered with its disk: its stack's upper holds what
+    the guest wrote since its last snapshot, which a disk-only snapshot keeps (the
+    orchestrator's pause does that at once, the watchdog otherwise: `exited()`)."""
     dead = not sb.vm.alive()
     if not dead:
         try:
             await sb.vm.resume()
         except Exception:  # noqa: BLE001 - control channel gone: the sandbox is unusable
             dead = True
+            with contextlib.suppress(Exception):
+                await sb.vm.kill()
     if dead:
-        log.warning("sandbox %s: the VM died during a snapshot: releasing it", sb.sandbox_id)
-        await p.release(sb)
+        log.warning("sandbox %s: the VM died during a snapshot; its disk is kept for a "
+                    "disk-only snapshot", sb.sandbox_id)
 
 
 async def _incremental(p: NodeParts, sb: RunningSandbox, root: Path, seal: Seal, stop: bool,
