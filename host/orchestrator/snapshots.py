@@ -89,10 +89,14 @@ async def delete_snapshot(ctx: Context, snapshot_id: str) -> None:
 
 
 async def collect_snapshots(ctx: Context) -> list[str]:
-    """Delete pause/fork snapshots nobody can reach any more: their sandbox is gone, no
-    live sandbox started from or resumes from them, no other snapshot builds on them. The
-    same for template snapshots no tag points at any more (`orphaned`, templates.py) that
-    no running build starts from."""
+    """Delete the snapshots nobody can reach any more:
+    - pause and fork snapshots of gone sandboxes, and the earlier pauses of live ones (a
+      sandbox resumes from its last pause only; each manifest names every file it needs,
+      so a later pause does not need an earlier one's record: chains stay short),
+    - template snapshots no tag points at any more (`orphaned`, templates.py),
+    unless a live sandbox started from or resumes from them, a running build starts from
+    them, or a snapshot other than a pause builds on them (a fork's children, a named
+    snapshot, a template: lineage those keep)."""
     deleted: list[str] = []
     while True:
         recs = await ctx.db(ctx.store.list_sandboxes)
@@ -101,13 +105,17 @@ async def collect_snapshots(ctx: Context) -> list[str]:
         alive = {r.id for r in recs if r.state not in GONE}
         used = {r.snapshot_id for r in recs if r.state not in GONE}
         used |= {r.runtime.get("origin") for r in recs if r.state not in GONE}
+        used |= {(r.runtime.get("pending") or {}).get("store_id") for r in recs
+                 if r.state not in GONE}
         used |= {b.spec.get("source") for b in building}
-        parents = {s.parent_id for s in snaps} | {
-            snapshot_ref(s).parent_id for s in snaps if "ref" in s.spec}
+        lineage = [s for s in snaps if s.kind != "pause"]
+        parents = {s.parent_id for s in lineage} | {
+            snapshot_ref(s).parent_id for s in lineage if "ref" in s.spec}
         victims = [s for s in snaps
-                   if (s.kind in ("pause", "fork")
+                   if (s.kind == "pause"
+                       or (s.kind == "fork" and s.sandbox_id not in alive)
                        or (s.kind == "template" and s.spec.get("orphaned")))
-                   and s.sandbox_id not in alive and s.id not in used
+                   and s.id not in used
                    and s.id not in parents and snapshot_ref(s).snapshot_id not in parents]
         if not victims:
             return deleted

@@ -115,3 +115,38 @@ def test_the_real_free_space_of_a_directory_is_read(tmp_path: Path) -> None:
     adm = Admission(AdmissionPolicy(disk_path=tmp_path, min_free_disk_mib=1 << 40))
     assert "below its floor" in (adm.disk_problem() or "")
     assert Admission(AdmissionPolicy(disk_path=tmp_path, min_free_disk_mib=1)).disk_problem() is None
+
+
+@on_loop
+async def test_a_live_sandbox_keeps_only_its_last_pause(store, rt, envd):
+    """Paused and resumed many times, a sandbox keeps the pause it resumes from (and
+    what a named snapshot builds on); its earlier pauses' records and runtime snapshots
+    go (their files stay while a later manifest names them: runtime/collect.py)."""
+    o = NodeOrchestrator(store, rt, domain="sbx.test",
+                         envd=EnvdClient(transport=envd.transport()))
+    await o.start(ttl_interval_s=3600)
+    try:
+        sid = (await o.create(CreateRequest())).sandbox_id
+        for _ in range(5):
+            await o.pause(sid)
+            await o.connect(sid, None)
+        named = await o.snapshot(sid, "keepme")  # its parent: the pause it resumed from
+        for _ in range(3):
+            await o.pause(sid)
+            await o.connect(sid, None)
+        pauses = [s.id for s in store.list_snapshots(sandbox_id=sid) if s.kind == "pause"]
+        assert len(pauses) == 8
+        report = await o.collect()
+        left = {s.id for s in store.list_snapshots(sandbox_id=sid) if s.kind == "pause"}
+        current = store.get_sandbox(sid).snapshot_id
+        named_parent = store.get_snapshot(named.snapshot_id).parent_id
+        assert left == {current, named_parent}
+        assert report["records"]["snapshots"] == 6
+        deleted = {args[0] for args in rt.ops("delete_snapshot")}
+        assert current not in deleted and named_parent not in deleted and len(deleted) >= 6
+        info, resumed = await o.connect(sid, None)  # running: nothing to do
+        await o.pause(sid)
+        info, resumed = await o.connect(sid, None)  # resumes from the newest pause
+        assert resumed and info.state is S.RUNNING
+    finally:
+        await o.aclose()

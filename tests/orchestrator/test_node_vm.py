@@ -10,8 +10,11 @@ machine, and that nothing is left behind.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -405,3 +408,54 @@ def test_crash_during_create_pause_resume_fork(sdk_env: HostService, delay_s: fl
         for pid in svc.qemu_pids():  # end it here so the next test starts clean
             os.kill(pid, 9)
         pytest.xfail(f"runtime left QEMU of sandboxes killed while creating: {orphans | left}")
+
+
+def test_a_sandbox_paused_twelve_times_keeps_a_short_chain(sdk_env: HostService) -> None:
+    """Paused and resumed 12 times (past the memory diff chain's bound of 8), each time
+    after a write: once collected (`aenv gc`, the real CLI and route), only the pause it
+    resumes from is left of its pauses, its memory dirs are bounded by the chain, a
+    resume reads a bounded number of memory files, and its data is intact."""
+    svc = sdk_env
+    rounds = 12
+    with svc.client(timeout_s=300) as c:
+        r = c.post("/v2/sandboxes", json={"templateID": "base", "timeout": 600})
+        assert r.status_code == 201, r.text
+        info = r.json()
+        sid = info["sandboxID"]
+        try:
+            for i in range(rounds):
+                _write(svc, info, f"round {i}")
+                assert c.post(f"/sandboxes/{sid}/pause").status_code == 204
+                assert c.post(f"/sandboxes/{sid}/connect", json={"timeout": 600}
+                              ).status_code in (200, 201)
+            manifests = svc.state / "repo" / "manifests"
+
+            def ours() -> list[dict]:
+                docs = [json.loads(p.read_text()) for p in manifests.glob("snapshot-*.json")]
+                return [d for d in docs if d.get("sandbox_id") == sid]
+
+            before = len(ours())
+            env = {**os.environ, "AENV_API_URL": svc.api_url, "E2B_API_KEY": svc.api_key}
+            out = subprocess.run([sys.executable, "-m", "host.cli", "gc", "--output", "json"],
+                                 env=env, capture_output=True, text=True, timeout=300,
+                                 check=False)
+            assert out.returncode == 0, out.stderr
+            report = json.loads(out.stdout)
+            left = ours()
+            memory_dirs = [d for d in (svc.state / "memory").iterdir()
+                           if d.name in {m["snapshot_id"] for m in left}
+                           or any(d.name in m.get("depends_on", ()) for m in left)]
+            reads = max(len(m["memory"]["files"]) for m in left)
+            print(f"\n{rounds} pauses: {before} manifests of this sandbox -> {len(left)} "
+                  f"after gc ({report['records']['snapshots']} snapshots collected); "
+                  f"{len(memory_dirs)} memory dirs needed; a resume reads {reads} memory "
+                  f"files; layers {len(left[0]['disk']['layers'])}")
+            assert before >= rounds and len(left) == 1
+            assert reads <= 8 + 3  # base files + at most max_chain diffs
+            assert _read(info) == f"round {rounds - 1}"
+            assert c.post(f"/sandboxes/{sid}/pause").status_code == 204
+            assert c.post(f"/sandboxes/{sid}/connect", json={"timeout": 600}
+                          ).status_code in (200, 201)
+            assert _read(info) == f"round {rounds - 1}"
+        finally:
+            c.delete(f"/sandboxes/{sid}")
