@@ -48,6 +48,8 @@
                                                       (killed sandboxes' records, unreachable
                                                       snapshots, layers and memory files; 0: only
                                                       `aenv gc`)
+    AENV_GC_MIN_AGE_S --gc-min-age 600              a layer or memory file younger than this is never
+                                                      collected (its snapshot may still be writing)
     AENV_RETAIN_KILLED --retain-killed 86400          seconds a killed sandbox's record and events
                                                       are kept
     AENV_MIN_FREE_DISK_MIB --min-free-disk-mib 2048   below this much free disk in the state dir,
@@ -161,6 +163,7 @@ class Config:
     keep_paused_s: float = 30.0
     gc_interval_s: float = 600.0
     retain_killed_s: float = 86400.0
+    gc_min_age_s: float = 600.0
     min_free_disk_mib: int = 2048
     ksm: bool = False
     vm_jail: bool = True
@@ -279,6 +282,8 @@ def _parser() -> argparse.ArgumentParser:
                         "(0: never)")
     p.add_argument("--gc-interval", dest="gc_interval_s", type=float,
                    help="seconds between runs of the node's collector (0: only `aenv gc`)")
+    p.add_argument("--gc-min-age", dest="gc_min_age_s", type=float,
+                   help="seconds before an unused layer or memory file may be collected")
     p.add_argument("--retain-killed", dest="retain_killed_s", type=float,
                    help="seconds a killed sandbox's record and events are kept")
     p.add_argument("--min-free-disk-mib", type=int,
@@ -334,6 +339,7 @@ _ENV: dict[str, tuple[str, type]] = {
     "warm_pool": ("AENV_WARM_POOL", int), "keep_paused_s": ("AENV_KEEP_PAUSED", float),
     "gc_interval_s": ("AENV_GC_INTERVAL_S", float),
     "retain_killed_s": ("AENV_RETAIN_KILLED", float),
+    "gc_min_age_s": ("AENV_GC_MIN_AGE_S", float),
     "min_free_disk_mib": ("AENV_MIN_FREE_DISK_MIB", int),
     "ksm": ("AENV_KSM", bool), "vm_jail": ("AENV_VM_JAIL", bool),
     "vm_uid_range": ("AENV_VM_UID_RANGE", str), "vm_overhead_mib": ("AENV_VM_OVERHEAD_MIB", int),
@@ -410,8 +416,10 @@ def _validate(cfg: Config) -> None:
             cfg.memory_pressure_mib < 0 or cfg.warm_pool < 0 or cfg.keep_paused_s < 0:
         raise ConfigError("max_starts >= 1, max_sandboxes >= 0, memory_reserve_mib >= 0, "
                           "memory_pressure_mib >= 0, warm_pool >= 0, keep_paused >= 0")
-    if cfg.gc_interval_s < 0 or cfg.retain_killed_s < 0 or cfg.min_free_disk_mib < 0:
-        raise ConfigError("gc_interval >= 0, retain_killed >= 0, min_free_disk_mib >= 0")
+    if cfg.gc_interval_s < 0 or cfg.retain_killed_s < 0 or cfg.min_free_disk_mib < 0 or \
+            cfg.gc_min_age_s < 0:
+        raise ConfigError("gc_interval >= 0, retain_killed >= 0, min_free_disk_mib >= 0, "
+                          "gc_min_age >= 0")
     _validate_cluster(cfg)
     if cfg.cache_mib < 64:
         raise ConfigError(f"cache_mib must be at least 64, got {cfg.cache_mib}")
