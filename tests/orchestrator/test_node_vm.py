@@ -10,6 +10,7 @@ machine, and that nothing is left behind.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import os
 import shutil
@@ -459,3 +460,68 @@ def test_a_sandbox_paused_twelve_times_keeps_a_short_chain(sdk_env: HostService)
             assert _read(info) == f"round {rounds - 1}"
         finally:
             c.delete(f"/sandboxes/{sid}")
+
+
+def test_a_crash_during_a_collection_loses_nothing(sdk_env: HostService) -> None:
+    """SIGKILL of the service while a collection runs, then a restart: the paused and the
+    running sandbox keep everything they need, and the next collection takes what the
+    cut one left (no layer file is left that nothing names). Last of the module: it runs
+    the service with --gc-min-age 0."""
+    svc = sdk_env
+    with svc.client(timeout_s=300) as c:
+        made = [c.post("/v2/sandboxes", json={"templateID": "base", "timeout": 600}).json()
+                for _ in range(3)]
+        paused, running, doomed = made
+        for info, text in zip(made, ("paused data", "running data", "x")):
+            _write(svc, info, text)
+        for _ in range(3):  # garbage: the doomed sandbox's pauses, its layers after its kill
+            assert c.post(f"/sandboxes/{doomed['sandboxID']}/pause").status_code == 204
+            assert c.post(f"/sandboxes/{doomed['sandboxID']}/connect",
+                          json={"timeout": 600}).status_code in (200, 201)
+            _write(svc, doomed, "more")
+        c.delete(f"/sandboxes/{doomed['sandboxID']}")
+        assert c.post(f"/sandboxes/{paused['sandboxID']}/pause").status_code == 204
+    svc.stop()
+    svc.extra += ["--gc-min-age", "0"]
+    svc.start()
+    layers = svc.state / "storage" / "layers"
+    before = len(list(layers.glob("*.lsmt")))
+
+    def collect() -> None:
+        with svc.client(timeout_s=60) as c, contextlib.suppress(httpx.HTTPError):
+            c.post("/admin/gc")
+
+    t = threading.Thread(target=collect)
+    t.start()
+    time.sleep(0.05)
+    svc.sigkill()  # most likely mid-collection; wherever it lands, nothing may be lost
+    t.join()
+    svc.start()
+    with svc.client(timeout_s=300) as c:
+        report = c.post("/admin/gc").json()
+        assert c.post(f"/sandboxes/{paused['sandboxID']}/connect",
+                      json={"timeout": 600}).status_code in (200, 201)
+        assert _read(paused) == "paused data"
+        assert _read(running) == "running data"
+        named = set()
+        for doc in (svc.state / "repo" / "manifests").glob("*.json"):
+            named |= {d.split(":")[-1] for d in _layers_of(json.loads(doc.read_text()))}
+        for stack in (svc.state / "storage" / "stacks").glob("*.json"):
+            named |= {d.split(":")[-1] for d in json.loads(stack.read_text())["layers"]}
+        left = {p.stem for p in layers.glob("*.lsmt")}
+        print(f"\nlayers: {before} before the cut collection, {len(left)} after the next "
+              f"({report['storage']['layers']['files']} taken by it)")
+        assert left <= named | _image_layers(svc), left - named
+        for info in (paused, running):
+            c.delete(f"/sandboxes/{info['sandboxID']}")
+
+
+def _layers_of(doc: object) -> set[str]:
+    from host.runtime.collect import named_layers
+    return set(named_layers(doc))
+
+
+def _image_layers(svc: HostService) -> set[str]:
+    cache = svc.state / "layers.json"
+    return ({str(v).split(":")[-1] for v in json.loads(cache.read_text()).values()}
+            if cache.exists() else set())
