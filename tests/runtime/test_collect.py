@@ -6,6 +6,7 @@ that read a manifest deleted meanwhile still gets its layers (pins)."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -117,3 +118,51 @@ async def test_a_start_keeps_the_layers_of_a_manifest_deleted_after_it_read_it(
     out = await collect(parts, min_age_s=0)
     assert layer_hex(snap.facts["disk"]["layers"][-1]) in out["layers"]["digests"]
     assert "gc-pinned" in out["memory"]["digests"]
+
+
+async def test_collections_while_16_children_start_from_a_deleted_snapshot(
+        runtime: NodeRuntime, template: SnapshotRef) -> None:
+    """16 children read a snapshot's manifest, then it is deleted and collections run
+    again and again while they create their stacks and restore its memory: every child
+    boots with the snapshot's data (their pins, then their stacks and VMs, hold it)."""
+    parts = runtime.parts
+    src, n = "gc16-src", 16
+    p = await runtime.start(src, template, NET)
+    await write(p, "/home/user/mark.txt", "for the children")
+    await run(p, "sync")
+    snap = await runtime.snapshot(src, "gc16", stop=True)
+    provision = parts.machines.provision
+    entered, all_in, go = 0, asyncio.Event(), asyncio.Event()
+
+    async def gated(sid: str, layers: list[str], policy: Any) -> Any:
+        nonlocal entered
+        if sid.startswith("gc16-c"):
+            entered += 1
+            if entered == n:
+                all_in.set()
+            await go.wait()  # every child has read the manifest and pinned what it names
+        return await provision(sid, layers, policy)
+
+    kids = [f"gc16-c{i}" for i in range(n)]
+    parts.machines.provision = gated  # type: ignore[method-assign]
+    starts = [asyncio.create_task(runtime.start(k, snap, NET)) for k in kids]
+    try:
+        await asyncio.wait_for(all_in.wait(), 300)
+        await parts.manifests.delete("gc16")
+        runs = [await collect(parts, min_age_s=0)]
+        go.set()
+        while not all(t.done() for t in starts):
+            runs.append(await collect(parts, min_age_s=0))
+            await asyncio.sleep(0.05)
+        placements = await asyncio.gather(*starts)
+        taken = {d for r in runs for d in r["layers"]["digests"]}
+        print(f"\n{len(runs)} collections while {n} children started; none took their layers")
+        assert not taken & {layer_hex(d) for d in snap.facts["disk"]["layers"]}
+        texts = await asyncio.gather(*(read(pl, "/home/user/mark.txt") for pl in placements))
+        assert texts == ["for the children"] * n
+    finally:
+        parts.machines.provision = provision  # type: ignore[method-assign]
+        go.set()
+        await asyncio.gather(*starts, return_exceptions=True)
+        for sid in (*kids, src):
+            await runtime.kill(sid)
