@@ -30,7 +30,7 @@ from typing import Any
 from host.storage.collect import Swept, layer_bytes
 from host.storage.repository import PosixFsRepository
 
-from .memory import MEMORY_KEY
+from .memory import MEMORY_KEY, tree_bytes
 from .parts import NodeParts
 
 log = logging.getLogger(__name__)
@@ -82,11 +82,9 @@ async def collect(p: NodeParts, *, dry_run: bool = False,
     out: dict[str, Any] = {
         "layers": layers["local"], "repository_layers": layers["repository"],
         "memory": memory.to_dict(), "repository_memory": remote_memory.to_dict()}
-    freed = sum(int(v["bytes"]) for k, v in out.items() if isinstance(v, dict))
-    if freed or any(isinstance(v, dict) and v["files"] for v in out.values()):
+    if any(v["files"] for v in out.values()):
         log.info("storage %s: %s", "collectable" if dry_run else "collected",
-                 ", ".join(f"{k} {v['files']} ({v['bytes']} bytes)"
-                           for k, v in out.items() if isinstance(v, dict)))
+                 ", ".join(f"{k} {v['files']} ({v['bytes']} bytes)" for k, v in out.items()))
     out["held"] = await asyncio.to_thread(held_bytes, p)
     out["dry_run"] = dry_run
     out["seconds"] = round(time.perf_counter() - t0, 3)
@@ -101,19 +99,13 @@ def held_bytes(p: NodeParts) -> dict[str, int]:
     repo = p.memory.repo
     if isinstance(repo, PosixFsRepository):
         held["repository_layers"] = layer_bytes(repo.layers_dir)[1]
-        mem = repo.root / "files" / MEMORY_KEY.rstrip("/")
-        held["repository_memory"] = _tree_bytes(mem)
+        held["repository_memory"] = tree_bytes(_repository_memory(repo))
     return held
 
 
-def _tree_bytes(root: Path) -> int:
-    total = 0
-    if root.is_dir():
-        for f in root.rglob("*"):
-            with contextlib.suppress(OSError):  # removed meanwhile
-                if f.is_file():
-                    total += f.lstat().st_blocks * 512
-    return total
+def _repository_memory(repo: PosixFsRepository) -> Path:
+    """Where a posix_fs repository keeps memory files: `files/memory/<snapshot id>/`."""
+    return repo.root / "files" / MEMORY_KEY.rstrip("/")
 
 
 def _sweep_repository_memory(repo: PosixFsRepository, used: set[str], min_age_s: float,
@@ -122,7 +114,7 @@ def _sweep_repository_memory(repo: PosixFsRepository, used: set[str], min_age_s:
     or start uses, older than `min_age_s` (a pause uploads its memory before its
     manifest names it)."""
     out = Swept()
-    root = repo.root / "files" / MEMORY_KEY.rstrip("/")
+    root = _repository_memory(repo)
     if not root.is_dir():
         return out
     cutoff = time.time() - min_age_s
@@ -132,8 +124,7 @@ def _sweep_repository_memory(repo: PosixFsRepository, used: set[str], min_age_s:
                 continue
             out.files += 1
             out.digests.append(d.name)
-            out.bytes += sum(f.lstat().st_blocks * 512 for f in d.rglob("*")
-                             if f.is_file() and f.lstat().st_nlink == 1)
+            out.bytes += tree_bytes(d, unshared=True)
             if not dry_run:
                 shutil.rmtree(d, ignore_errors=True)
     return out

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import shutil
+import stat
 import time
 import uuid
 from collections import Counter
@@ -188,15 +189,7 @@ class MemoryFiles:
 
     def used_bytes(self) -> int:
         """Bytes `memory/` holds on disk (blocking: walks the dir)."""
-        if not self.dir.is_dir():
-            return 0
-        total = 0
-        for f in self.dir.rglob("*"):
-            with contextlib.suppress(OSError):  # removed meanwhile (gc, trim)
-                st = f.lstat()
-                if not f.is_dir():
-                    total += st.st_blocks * 512
-        return total
+        return tree_bytes(self.dir)
 
     @contextlib.contextmanager
     def pin(self, owners: Iterable[str]) -> Iterator[None]:
@@ -226,7 +219,7 @@ class MemoryFiles:
                         d.name not in self.writing:
                     out.files += 1
                     out.digests.append(d.name)
-                    out.bytes += await asyncio.to_thread(_unshared_bytes, d)
+                    out.bytes += await asyncio.to_thread(tree_bytes, d, unshared=True)
                     if not dry_run:
                         await asyncio.to_thread(shutil.rmtree, d, True)
         if out.digests and not dry_run and self.peers is not None:
@@ -277,13 +270,14 @@ class MemoryFiles:
                 await self.peers.withdraw(evicted)
 
 
-def _unshared_bytes(root: Path) -> int:
-    """Bytes of the files under `root` that no other link holds."""
+def tree_bytes(root: Path, *, unshared: bool = False) -> int:
+    """Bytes the files under `root` hold on disk (blocking: walks it; 0 when it does not
+    exist); `unshared`: only files no other hard link holds (what removing them frees)."""
     total = 0
     for f in root.rglob("*"):
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # removed meanwhile (gc, trim)
             st = f.lstat()
-            if f.is_file() and st.st_nlink == 1:
+            if not stat.S_ISDIR(st.st_mode) and (not unshared or st.st_nlink == 1):
                 total += st.st_blocks * 512
     return total
 
