@@ -90,26 +90,33 @@ async def _pause(ctx: Context, sandbox_id: str, memory: bool, require_healthy: b
 async def _pause_holding(ctx: Context, lock: asyncio.Lock, sandbox_id: str, memory: bool,
                          require_healthy: bool, stopped: Callable[[], None] | None,
                          keep: bool) -> None:
-    answered = False
-
-    def answer() -> None:
-        nonlocal answered
-        answered = True
-        if stopped is not None:
-            stopped()
-
+    answer = _Answer(stopped)
     try:
         rec = await ctx.record(sandbox_id)
         if rec.state is S.RUNNING and (require_healthy or not memory):
             await check_guest(ctx, rec, sync=not memory)
         await pause_locked(ctx, rec, op="paused", memory=memory, stopped=answer, keep=keep)
     except OrchestratorError as exc:
-        if answered and stopped is not None:  # the caller has its answer: say it here
+        if answer.given and stopped is not None:  # the caller has its answer: say it here
             log.warning("sandbox %s: the pause failed after its answer (%s); the sandbox "
                         "runs again", sandbox_id, exc)
         raise
     finally:
         lock.release()
+
+
+class _Answer:
+    """The `stopped` callback of a pause, remembering whether it was called: once it was,
+    the caller may have been told "paused"."""
+
+    def __init__(self, stopped: Callable[[], None] | None) -> None:
+        self.stopped = stopped
+        self.given = False
+
+    def __call__(self) -> None:
+        self.given = True
+        if self.stopped is not None:
+            self.stopped()
 
 
 async def check_guest(ctx: Context, rec: SandboxRecord, *, sync: bool) -> None:
@@ -146,22 +153,15 @@ async def pause_locked(ctx: Context, rec: SandboxRecord, op: str, *,
                        runtime=with_runtime(rec, pending=pending))
     # Streams into the VM end now, before it stops (if the pause fails they stay ended).
     ctx.end_run(sid, "paused" if op != "timeout" else "paused (its timeout ran out)")
-    answered = False
-
-    def on_stop() -> None:
-        nonlocal answered
-        answered = True
-        if stopped is not None:
-            stopped()
-
+    answer = _Answer(stopped)
     degraded: dict[str, str] = {}
     try:
         ref = await ctx.runtime.snapshot(sid, snap_id, stop=True, memory=memory,
-                                         stopped=on_stop, keep=keep)
+                                         stopped=answer, keep=keep)
     except Exception as exc:
         # A pause already answered, or one whose VM died, keeps the disk at least (the
         # caller was told "paused"; a VM-less sandbox must not read as running).
-        fallback = memory and (answered or sid in ctx.runtime.exited())
+        fallback = memory and (answer.given or sid in ctx.runtime.exited())
         disk = await _disk_only(ctx, rec, sid, exc) if fallback else None
         if disk is None:
             await ctx.db(ctx.store.transition, sid, {S.PAUSING}, S.RUNNING,

@@ -124,25 +124,25 @@ class TtlLoop:
             log.info("sandbox %s: VM exited -> %s", sandbox_id, outcome)
 
     async def _retry_kill(self, sandbox_id: str) -> None:
-        try:
-            outcome = await self.orchestrator.retry_kill(sandbox_id)
-        except OrchestratorError as exc:
-            log.warning("killing %s failed again (retry in %.0fs): %s", sandbox_id,
-                        self.retry_s, exc)
-            self._retry_at[sandbox_id] = time.monotonic() + self.retry_s
-            return
-        self._retry_at.pop(sandbox_id, None)
-        if outcome:
+        if await self._backing_off(sandbox_id, self.orchestrator.retry_kill, "killing"):
             log.info("sandbox %s: its kill finished on a retry", sandbox_id)
 
     async def _expire(self, sandbox_id: str) -> None:
-        try:
-            outcome = await self.orchestrator.expire(sandbox_id)
-        except OrchestratorError as exc:
-            log.warning("TTL expiry of %s failed (retry in %.0fs): %s", sandbox_id,
-                        self.retry_s, exc)
-            self._retry_at[sandbox_id] = time.monotonic() + self.retry_s
-            return
-        self._retry_at.pop(sandbox_id, None)
+        outcome = await self._backing_off(sandbox_id, self.orchestrator.expire, "TTL expiry")
         if outcome:
             log.info("sandbox %s timed out: %s", sandbox_id, outcome)
+
+    async def _backing_off(self, sandbox_id: str,
+                           call: Callable[[str], Coroutine[Any, Any, str | None]],
+                           what: str) -> str | None:
+        """`call(sandbox_id)`'s outcome; on an OrchestratorError, logged, None, and no
+        new try for this sandbox before `retry_s` (tick skips it until then)."""
+        try:
+            outcome = await call(sandbox_id)
+        except OrchestratorError as exc:
+            log.warning("%s of %s failed (retry in %.0fs): %s", what, sandbox_id,
+                        self.retry_s, exc)
+            self._retry_at[sandbox_id] = time.monotonic() + self.retry_s
+            return None
+        self._retry_at.pop(sandbox_id, None)
+        return outcome
