@@ -38,6 +38,7 @@ from host.private import private_dir
 from host.storage.cache import CHUNK
 from host.storage.errors import StorageError
 from host.storage.peers import held_layers, held_range
+from host.tasks import cancel_and_wait, run_every
 from host.vmm.accel import host_tsc_khz
 from host.vmm.errors import VmmError
 from host.vmm.proc import rotate_log, tail
@@ -102,8 +103,9 @@ class NodeRuntime:
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self.block.watch(), name="block-server-watchdog"))
         await self.parts.machines.open()
-        self._tasks.append(loop.create_task(self._rotate_console_logs(),
-                                            name="console-log-rotation"))
+        self._tasks.append(loop.create_task(
+            run_every(SERIAL_CHECK_S, self._rotate_console_logs, log=log,
+                      failed="console log rotation failed"), name="console-log-rotation"))
         await asyncio.to_thread(host_tsc_khz)  # cached; QEMU under TCG needs it
         self._open = True
         return self
@@ -119,9 +121,7 @@ class NodeRuntime:
         server) are left running for adoption, unless `stop_block_server`."""
         await self.parts.settle()
         for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         self._tasks.clear()
         for sb in list(self.parts.sandboxes.values()):
             with contextlib.suppress(VmmError):  # a VM that died meanwhile: nothing to keep
@@ -135,18 +135,16 @@ class NodeRuntime:
     async def _rotate_console_logs(self) -> None:
         """Every VM's console log (sandboxes, warm, kept and build VMs: all the driver's),
         kept bounded with its newest lines: a guest writes it at will."""
-        while True:
-            await asyncio.sleep(SERIAL_CHECK_S)
-            driver = self.parts.machines.driver
-            for vm in driver.vms if driver is not None else []:
-                try:
-                    path = vm.serial_log
-                except VmmError:  # not started yet
-                    continue
-                try:
-                    await asyncio.to_thread(rotate_log, path, SERIAL_MAX_BYTES)
-                except OSError as exc:  # a VM gone meanwhile, its dir with it
-                    log.debug("console log %s not rotated: %s", path, exc)
+        driver = self.parts.machines.driver
+        for vm in driver.vms if driver is not None else []:
+            try:
+                path = vm.serial_log
+            except VmmError:  # not started yet
+                continue
+            try:
+                await asyncio.to_thread(rotate_log, path, SERIAL_MAX_BYTES)
+            except OSError as exc:  # a VM gone meanwhile, its dir with it
+                log.debug("console log %s not rotated: %s", path, exc)
 
     async def shutdown(self) -> None:
         """Kill every sandbox, remove networks and stop the block server (tests, drain)."""
