@@ -53,8 +53,6 @@ async def open_runtime(cfg: Config, metrics: Metrics | None = None) -> Any:
                          f"{exc}") from None
     rt = NodeRuntime(RuntimeConfig(state_dir=cfg.state_dir, run_dir=cfg.run_dir,
                                    repository=cfg.repository_spec, cache_dir=cfg.cache_dir,
-                                   # the default repository is the node's own: collected
-                                   repository_owned=cfg.repository is None,
                                    collect_min_age_s=cfg.gc_min_age_s,
                                    cache_mib=cfg.cache_mib, memory_cache_mib=cfg.cache_mib,
                                    network=cfg.network, vmm=cfg.vmm, firecracker=cfg.firecracker,

@@ -56,8 +56,6 @@ class RuntimeConfig:
     envd_timeout_s: float = 60.0  # restore -> envd /health
     boot_timeout_s: float = 240.0  # cold boot (template build) -> envd /health
     block_server_python: str | None = None  # default: sys.executable
-    # whether collections delete the repository's copies (None: when it is the default)
-    repository_owned: bool | None = None
     # a layer or memory dir younger than this is never collected: a snapshot's files are
     # written before its manifest names them (runtime/collect.py)
     collect_min_age_s: float = 600.0
@@ -69,12 +67,10 @@ class RuntimeConfig:
     @property
     def owns_repository(self) -> bool:
         """Whether this node alone uses its repository (the default one under its state
-        dir), so a collection may delete the repository's copies too. A configured one may
-        be shared: another node's stacks can read a layer no document names any more
-        (`repository_owned` says otherwise for one that is not)."""
-        if self.repository_owned is not None:
-            return self.repository_owned
-        return self.repository is None
+        dir, however it was named), so a collection may delete the repository's copies
+        too. Another one may be shared: another node's stacks can read a layer no
+        document names any more."""
+        return self.repository_spec == f"posix_fs:{self.state_dir / 'repo'}"
 
     @property
     def chunk_cache_dir(self) -> Path:
