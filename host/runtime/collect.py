@@ -94,11 +94,11 @@ async def collect(p: NodeParts, *, dry_run: bool = False,
 def held_bytes(p: NodeParts) -> dict[str, int]:
     """Bytes on disk by kind: sealed layers and memory dirs of the node, and of its
     repository where it is a posix_fs one (hard links of the node's files count in both)."""
-    held = {"layers": layer_bytes(p.config.layers_dir)[1],
+    held = {"layers": layer_bytes(p.config.layers_dir),
             "memory": p.memory.used_bytes()}
     repo = p.memory.repo
     if isinstance(repo, PosixFsRepository):
-        held["repository_layers"] = layer_bytes(repo.layers_dir)[1]
+        held["repository_layers"] = layer_bytes(repo.layers_dir)
         held["repository_memory"] = tree_bytes(_repository_memory(repo))
     return held
 

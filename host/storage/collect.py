@@ -28,7 +28,9 @@ PARTIAL_SUFFIXES = (".tmp",)
 
 
 def layer_hex(digest: str) -> str:
-    """A digest's hex part, the layer files' stem (`sha256:<hex>` or `<hex>`)."""
+    """A digest's hex part, the layer files' stem (`sha256:<hex>` or `<hex>`). Lenient,
+    unlike the repository's `_hex`: a keep set holds whatever documents name, and a
+    malformed entry must not stop a collection."""
     return digest.split(":", 1)[-1]
 
 
@@ -94,11 +96,6 @@ def sweep_layers(layer_dir: Path, keep: Iterable[str], *, min_age_s: float,
     return out
 
 
-def layer_bytes(layer_dir: Path) -> tuple[int, int]:
-    """(files, bytes on disk) of the sealed layers in `layer_dir`."""
-    files = total = 0
-    for stem, _, st in _candidates(layer_dir):
-        if stem:
-            files += 1
-            total += st.st_blocks * 512
-    return files, total
+def layer_bytes(layer_dir: Path) -> int:
+    """Bytes on disk of the sealed layers in `layer_dir`."""
+    return sum(st.st_blocks * 512 for stem, _, st in _candidates(layer_dir) if stem)
