@@ -57,7 +57,7 @@ class Collector:
         async with self._lock:
             t0 = time.perf_counter()
             ctx = self.ctx
-            before = ctx.clock() - self.retain_killed_s
+            before = time.time() - self.retain_killed_s  # the store's update times are wall-clock
             records = await ctx.db(ctx.store.prune_killed, before, dry_run=dry_run)
             collected = [] if dry_run else await snapshots.collect_snapshots(ctx)
             records["snapshots"] = len(collected)

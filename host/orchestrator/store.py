@@ -314,7 +314,7 @@ class Store:
                                           (before,)).fetchone()[0]}
             if not dry_run:
                 db.execute(f"DELETE FROM events WHERE sandbox_id IN ({gone})", args)
-                db.execute("DELETE FROM sandboxes WHERE state = ? AND updated_at < ?", args)
+                db.execute(f"DELETE FROM sandboxes WHERE id IN ({gone})", args)
                 db.execute("DELETE FROM idempotency WHERE created_at < ?", (before,))
         return {k: int(v) for k, v in counts.items()}
 
