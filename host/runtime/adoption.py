@@ -38,6 +38,7 @@ async def adopt(p: NodeParts, sandbox_id: str, facts: dict[str, Any]) -> Placeme
         await mx.release_leftovers(sandbox_id, facts)
         return None
     p.sandboxes[sandbox_id] = sb
+    p.compactor.request(sb)
     return sb.placement()
 
 

@@ -53,6 +53,8 @@ class RuntimeConfig:
     jail: JailConfig = field(default_factory=JailConfig)
     p2p: bool = False  # the block server reads layers from neighbours first (peers_file)
     max_chain: int = 8  # memory diff chain length before a pause writes a cumulative diff
+    # a sandbox's own disk layers before they are merged into one (compaction.py; 0: never)
+    max_disk_chain: int = 8
     envd_timeout_s: float = 60.0  # restore -> envd /health
     boot_timeout_s: float = 240.0  # cold boot (template build) -> envd /health
     block_server_python: str | None = None  # default: sys.executable

@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from host.storage.collect import Swept
+from host.storage.collect import Swept, counted
 from host.storage.errors import IntegrityError, LayerNotFoundError, RepositoryError
 from host.storage.repository import OssRepository, PosixFsRepository
 
@@ -280,18 +280,3 @@ def tree_bytes(root: Path, *, unshared: bool = False) -> int:
             if not stat.S_ISDIR(st.st_mode) and (not unshared or st.st_nlink == 1):
                 total += st.st_blocks * 512
     return total
-
-
-@contextlib.contextmanager
-def counted(pins: Counter[str], keys: Iterable[str]) -> Iterator[None]:
-    """Count `keys` in `pins` while the block runs, on every way out taken back (a key
-    leaves `pins` when its count reaches 0): starts' pins of memory dirs and layers."""
-    held = set(keys)
-    pins.update(held)
-    try:
-        yield
-    finally:
-        pins.subtract(held)
-        for key in held:
-            if pins[key] <= 0:
-                del pins[key]

@@ -45,6 +45,7 @@ from host.vmm.proc import rotate_log, tail
 
 from . import adoption, builds, collect, snapshots, starts, templates, usage
 from .blockd import BlockServerHandle
+from .compaction import Compactor
 from .config import RuntimeConfig
 from .errors import NodeRuntimeError, SnapshotNotFoundError
 from .machines import Machines
@@ -85,7 +86,7 @@ class NodeRuntime:
         self.parts = NodeParts(
             config=cfg, block=block, machines=Machines(cfg, block),
             memory=MemoryFiles(cfg.memory_dir, manifests.repo, bound_mib=cfg.memory_cache_mib),
-            manifests=manifests)
+            manifests=manifests, compactor=Compactor(block, cfg.max_disk_chain))
         self._open = False
         # owned by this runtime: cancelled in aclose(), before anything they could race
         self._tasks: list[asyncio.Task[None]] = []
@@ -120,6 +121,7 @@ class NodeRuntime:
         """Release node resources; running VMs (and their networks, stacks and the block
         server) are left running for adoption, unless `stop_block_server`."""
         await self.parts.settle()
+        await self.parts.compactor.aclose()
         for task in self._tasks:
             await cancel_and_wait(task)
         self._tasks.clear()

@@ -11,15 +11,16 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from host.storage.collect import Swept
+from host.storage.collect import Swept, counted
 from host.vmm.memsnap import MemSnapError, MemSnapshot
 
 from .blockd import BlockServerHandle
+from .compaction import Compactor
 from .config import RuntimeConfig
 from .errors import SandboxNotFoundError, SnapshotNotFoundError
 from .machines import Machines
 from .manifests import ManifestStore
-from .memory import MemoryFiles, counted
+from .memory import MemoryFiles
 from .sandbox import RunningSandbox
 
 
@@ -38,6 +39,7 @@ class NodeParts:
     machines: Machines
     memory: MemoryFiles
     manifests: ManifestStore
+    compactor: Compactor
     sandboxes: dict[str, RunningSandbox] = field(default_factory=dict)
     busy: set[str] = field(default_factory=set)      # sandbox ids being started
     building: set[str] = field(default_factory=set)  # template ids being built

@@ -39,6 +39,16 @@ def boot_of(m: dict[str, Any]) -> dict[str, Any]:
     return {"image": m.get("image"), "kernel": m["kernel"], "cmdline": m["cmdline"]}
 
 
+def disk_base(m: dict[str, Any], sandbox_id: str) -> int:
+    """How many of manifest `m`'s layers a sandbox started from it shares with other
+    stacks (compaction.py never merges those): all of them, unless `m` is the sandbox's
+    own snapshot (a resume), which records where its own layers began."""
+    n = len(m["disk"]["layers"])
+    if m.get("sandbox_id") != sandbox_id:
+        return n
+    return min(int(m["disk"].get("base", n)), n)
+
+
 @dataclass
 class RunningSandbox:
     sandbox_id: str
@@ -58,6 +68,9 @@ class RunningSandbox:
     boot: dict[str, Any] = field(default_factory=dict)  # image, kernel, cmdline it runs
     vmm: dict[str, Any] | None = None  # VmmIdentity it runs under (None: not known)
     memory_sha256: dict[str, str] = field(default_factory=dict)  # of the files it maps
+    # its stack's layers below this index are shared (a template's, a fork source's);
+    # None: not known (facts of an older service), so nothing is compacted
+    disk_base: int | None = None
     # restored for a create that has not come yet, its vCPUs stopped (starts.start(hold=True))
     held: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -73,7 +86,7 @@ class RunningSandbox:
             "config_sha256": self.config_sha256, "machine": dataclasses.asdict(self.machine),
             "vmm": self.vmm, "memory_sha256": self.memory_sha256,
             "envd_host": self.envd_host, "envd_port": self.envd_port,
-            "policy": policy_to_dict(self.policy),
+            "policy": policy_to_dict(self.policy), "disk_base": self.disk_base,
             "timings": {k: round(v, 3) for k, v in self.timings.items()},
         }
         if self.host_port is not None:
@@ -99,5 +112,6 @@ class RunningSandbox:
             machine=MachineSpec(**facts["machine"]), envd_host=str(facts["envd_host"]),
             envd_port=int(facts["envd_port"]),
             policy=policy_from_dict(facts.get("policy") or {}),
+            disk_base=int(facts["disk_base"]) if facts.get("disk_base") is not None else None,
             host_port=(int(facts["port_forwards"][str(ENVD_PORT)])
                        if facts.get("port_forwards") else None))

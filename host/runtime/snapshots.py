@@ -180,7 +180,8 @@ async def _manifest(p: NodeParts, sb: RunningSandbox, snapshot_id: str, cut: _Cu
         "config_sha256": sb.config_sha256, "memory": mem,
         # what restores of this memory must run under (starts.check_vmm)
         **({"vmm": sb.vmm} if mem is not None and sb.vmm else {}),
-        "disk": {"layers": list(disk.layers), "virtual_size": disk.virtual_size},
+        "disk": {"layers": list(disk.layers), "virtual_size": disk.virtual_size,
+                 **({"base": sb.disk_base} if sb.disk_base is not None else {})},
         "depends_on": sorted(depends),
     }
 
@@ -199,6 +200,7 @@ async def _after_commit(p: NodeParts, sb: RunningSandbox, snapshot_id: str, cut:
     sb.snapshot_id = snapshot_id
     if cut.mem is not None:
         sb.memory_sha256 = dict(cut.mem["sha256"])
+    p.compactor.request(sb)
 
 
 async def _after_failure(p: NodeParts, sb: RunningSandbox, *, stop: bool) -> None:

@@ -28,7 +28,7 @@ from .errors import (
     SnapshotIncompatibleError,
 )
 from .parts import NodeParts
-from .sandbox import RunningSandbox, boot_of, policy_of
+from .sandbox import RunningSandbox, boot_of, disk_base, policy_of
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ async def start(p: NodeParts, sandbox_id: str, snapshot: SnapshotRef, network: N
                     raise
                 sb.held = True
             p.sandboxes[sandbox_id] = sb
+        p.compactor.request(sb)  # a resume restored the chain its manifest names
         p.last_timings = sb.timings
         log.info("sandbox %s %s from %s in %.0f ms: %s", sandbox_id,
                  ("restored" if sb.base_dir is not None else "booted") + (" (held)" if hold else ""),
@@ -183,7 +184,7 @@ async def _restore(p: NodeParts, sid: str, snapshot_id: str, m: dict[str, Any],
             memsnap_dir=snap.dir if snap is not None else None,
             config_sha256=m["config_sha256"], machine=MachineSpec(**m["machine"]),
             envd_host=host, envd_port=port, policy=policy, host_port=host_port,
-            timings=timings, vmm=current.to_json(),
+            timings=timings, vmm=current.to_json(), disk_base=disk_base(m, sid),
             memory_sha256=dict(m["memory"].get("sha256") or {}))
     except BaseException:
         await mx.unprovision(sid, vm)
@@ -212,7 +213,8 @@ async def _boot(p: NodeParts, sid: str, snapshot_id: str, m: dict[str, Any],
             snapshot_id=snapshot_id, base_dir=None, memsnap_dir=None,
             config_sha256=mx.digest(spec), machine=MachineSpec(**m["machine"]),
             envd_host=host, envd_port=port, policy=policy, host_port=host_port,
-            timings=timings, scratch=scratch, vmm=current.to_json())
+            timings=timings, scratch=scratch, vmm=current.to_json(),
+            disk_base=disk_base(m, sid))
     except BaseException:
         await mx.unprovision(sid, vm)
         raise

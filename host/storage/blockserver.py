@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import builtins
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -31,109 +30,28 @@ import re
 import shutil
 import signal
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from .blob import Blob, FileBlob
 from .cache import ChunkCache
-from .collect import Swept, sweep_layers
+from .collect import Swept, counted, sweep_layers
+from .compact import write_merged
 from .control import CONTROL_SOCKET, NBD_SOCKET, StackInfo, error_reply, own_socket
 from .errors import LayerNotFoundError, StackExistsError, StackNotFoundError, StorageError
+from .export import StackExport
+from .index import SegmentIndex
 from .lsmt import SealedLayer, Upper, digest_of_file
-from .nbd import NbdServer, Piece
+from .nbd import NbdServer
 from .peers import PeerLayers
 from .repository import Repository, _hex, open_repository
-from .stack import Stack
+from .stack import Stack, merge_layers
 
 log = logging.getLogger(__name__)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 SEALED_MARKER = "sealed-as"
-
-
-# Write-behind: after this many bytes written into an upper, its dirty pages are sent
-# to disk (without waiting). A flush (the guest's fsync, and QEMU's at every `stop`, so
-# at every pause) then waits for the last few MiB only, not for everything the guest
-# wrote since: the kernel's own writeback starts at a share of the host's RAM (GiBs).
-WRITE_BEHIND = 32 << 20
-_SYNC_FILE_RANGE_WRITE = 2
-# sync_file_range(2) through libc: Python's os module has no binding for it.
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def start_writeback(fd: int) -> None:
-    """Start writing `fd`'s dirty pages to disk; does not wait for them. Best effort."""
-    _libc.sync_file_range(fd, ctypes.c_int64(0), ctypes.c_int64(0), _SYNC_FILE_RANGE_WRITE)
-
-
-class StackExport:
-    """One stack served over NBD; its lock serializes every change to the stack."""
-
-    read_only = False
-
-    def __init__(self, stack: Stack, upper_id: str) -> None:
-        self.stack = stack
-        self.upper_id = upper_id
-        self.lock = asyncio.Lock()
-        self._unsent = 0  # bytes written since the last write-behind
-
-    @property
-    def name(self) -> str:
-        return self.stack.name
-
-    @property
-    def size(self) -> int:
-        return self.stack.virtual_size
-
-    def _resolve(self, offset: int, length: int) -> list[Piece]:
-        out: list[Piece] = []
-        try:
-            for blob, boff, n in self.stack.pieces(offset, length):
-                if blob is None:
-                    out.append((None, 0, n, False))
-                else:
-                    out.extend(blob.pieces(boff, n))
-        except BaseException:
-            for fd, _o, _n, owned in out:
-                if owned and fd is not None:
-                    os.close(fd)
-            raise
-        return out
-
-    def _all_local(self, offset: int, length: int) -> bool:
-        return all(b is None or b.is_local(o, n) for b, o, n in self.stack.pieces(offset, length))
-
-    async def read_pieces(self, offset: int, length: int) -> list[Piece]:
-        async with self.lock:
-            if self._all_local(offset, length):
-                return self._resolve(offset, length)
-            return await asyncio.to_thread(self._resolve, offset, length)
-
-    async def write(self, offset: int, data: bytes | bytearray) -> None:
-        async with self.lock:
-            if (offset | len(data)) % 512:  # read-modify-write may fetch a remote chunk
-                await asyncio.to_thread(self.stack.write, offset, data)
-            else:
-                self.stack.write(offset, data)  # page-cache write: does not block long
-            self._unsent += len(data)
-            if self._unsent >= WRITE_BEHIND:
-                self._unsent = 0
-                await asyncio.to_thread(start_writeback, self.stack.upper.data_fd)
-
-    async def write_zeroes(self, offset: int, length: int) -> None:
-        async with self.lock:
-            if (offset | length) % 512:
-                await asyncio.to_thread(self.stack.write_zeroes, offset, length)
-            else:
-                self.stack.write_zeroes(offset, length)
-
-    async def flush(self) -> None:
-        async with self.lock:
-            await asyncio.to_thread(self.stack.flush)
-
-    def info(self, nbd_socket: Path) -> StackInfo:
-        return StackInfo(name=self.name, layers=tuple(self.stack.layer_digests),
-                         virtual_size=self.size, nbd_socket=str(nbd_socket))
 
 
 class BlockServer:
@@ -150,6 +68,7 @@ class BlockServer:
         self._layers: dict[str, SealedLayer] = {}
         self._stacks: dict[str, StackExport] = {}
         self._ops_lock = asyncio.Lock()  # control operations run one at a time
+        self._reading: Counter[str] = Counter()  # layers a compaction copies, kept open
         self._nbd = NbdServer(self.nbd_socket, self._lookup, lambda: sorted(self._stacks))
         self._own: dict[str, NbdServer] = {}  # stack -> the server of its own socket
         self._control: asyncio.Server | None = None
@@ -247,6 +166,7 @@ class BlockServer:
 
     def _release_unused_layers(self) -> None:
         used = {layer.digest for e in self._stacks.values() for layer in e.stack.layers}
+        used |= set(self._reading)
         for digest in [d for d in self._layers if d not in used]:
             self._layers.pop(digest).close()
 
@@ -441,6 +361,55 @@ class BlockServer:
             await self.push(digest)
         return digest
 
+    async def compact(self, name: str, start: int, *, upload: bool = True) -> dict[str, Any]:
+        """Merge stack `name`'s sealed layers from index `start` up into one (compact.py)
+        and put it under the upper in their place. The copy runs off every lock (sealed
+        layers never change), so the guest's I/O and other operations go on; the swap is
+        skipped if the stack went or its layers changed below their top meanwhile (the
+        caller tries again later; the unused merged layer is collected); layers sealed on
+        top meanwhile stay on top. Returns the merged digest (None: skipped)."""
+        exp = self._get(name)
+        before = list(exp.stack.layers)
+        run = before[start:]
+        if start < 0 or len(run) < 2:
+            return {"digest": None, "merged": 0, "layers": len(before)}
+        tmp = self.state_dir / "layers" / f"compact-{uuid.uuid4().hex}.tmp"
+
+        def work() -> tuple[str, SealedLayer, SegmentIndex]:
+            digest = write_merged(run, tmp)
+            dst = self._layer_path(digest)
+            os.replace(tmp, dst)
+            _fsync_dir(dst.parent)
+            layer = SealedLayer.open_path(dst, digest=digest)
+            return digest, layer, merge_layers([*before[:start], layer])
+
+        with counted(self._reading, [str(x.digest) for x in run]):
+            try:
+                digest, layer, below = await asyncio.to_thread(work)
+            finally:
+                tmp.unlink(missing_ok=True)
+        if self._stacks.get(name) is not exp:
+            self._release_unused_layers()  # what a delete meanwhile left open for the copy
+        if upload:
+            await self.push(digest)
+        async with self._ops_lock:
+            now = exp.stack.layers
+            if self._stacks.get(name) is not exp or now[:len(before)] != before:
+                layer.close()  # deleted, or recreated: the merged file is collected later
+                log.info("stack %s changed during its compaction; not swapped", name)
+                return {"digest": None, "merged": 0, "layers": len(now)}
+            if digest in self._layers:  # identical content already open: share it
+                layer.close()
+                layer = self._layers[digest]
+            self._layers[digest] = layer
+            layers = [*before[:start], layer, *now[len(before):]]  # pauses meanwhile stay on top
+            if len(now) > len(before):
+                below = await asyncio.to_thread(merge_layers, layers)
+            await exp.rebase(layers, below)
+            await asyncio.to_thread(self._save, exp)
+        log.info("stack %s: layers %d-%d merged into %s", name, start, len(before) - 1, digest)
+        return {"digest": digest, "merged": len(run), "layers": len(exp.stack.layers)}
+
     async def collect(self, keep: builtins.list[str], *, min_age_s: float = 600.0,
                       dry_run: bool = False, repository: bool = False) -> dict[str, Any]:
         """Remove the sealed layers no stack of this server uses and `keep` does not name,
@@ -525,7 +494,7 @@ class BlockServer:
                 "create": self.create, "seal": self.seal, "clone": self.clone,
                 "delete": self.delete, "flush": self.flush, "info": self.info,
                 "import_layer": self.import_layer, "push": self.push,
-                "collect": self.collect}
+                "collect": self.collect, "compact": self.compact}
             fn = ops.get(op)
             if fn is None:
                 raise ValueError(f"unknown op {op!r}")

@@ -15,8 +15,10 @@ stacks may read a layer no document names any more.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,3 +101,19 @@ def sweep_layers(layer_dir: Path, keep: Iterable[str], *, min_age_s: float,
 def layer_bytes(layer_dir: Path) -> int:
     """Bytes on disk of the sealed layers in `layer_dir`."""
     return sum(st.st_blocks * 512 for stem, _, st in _candidates(layer_dir) if stem)
+
+
+@contextlib.contextmanager
+def counted(pins: Counter[str], keys: Iterable[str]) -> Iterator[None]:
+    """Count `keys` in `pins` while the block runs, on every way out taken back (a key
+    leaves `pins` when its count reaches 0): starts' pins of memory dirs and layers,
+    compactions' of the layers they copy."""
+    held = set(keys)
+    pins.update(held)
+    try:
+        yield
+    finally:
+        pins.subtract(held)
+        for key in held:
+            if pins[key] <= 0:
+                del pins[key]

@@ -96,9 +96,9 @@ class BlockServerClient:
         self.socket_path = str(socket_path)
         self.timeout_s = timeout_s
 
-    async def _call(self, op: str, **args: Any) -> Any:
+    async def _call(self, op: str, *, wait_s: float | None = None, **args: Any) -> Any:
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(wait_s or self.timeout_s):
                 reader, writer = await asyncio.open_unix_connection(self.socket_path,
                                                                     limit=1 << 24)
                 try:
@@ -157,6 +157,14 @@ class BlockServerClient:
         in_use}."""
         result: dict[str, Any] = await self._call(
             "collect", keep=keep, min_age_s=min_age_s, dry_run=dry_run, repository=repository)
+        return result
+
+    async def compact(self, name: str, start: int, *, wait_s: float = 3600.0) -> dict[str, Any]:
+        """Merge the stack's sealed layers from index `start` up into one, under its upper
+        (`BlockServer.compact`): {digest (None: skipped), merged, layers}. It copies the
+        run's data, so it may take long: `wait_s` bounds it instead of the usual timeout."""
+        result: dict[str, Any] = await self._call("compact", wait_s=wait_s, name=name,
+                                                  start=start)
         return result
 
     async def stats(self) -> dict[str, Any]:

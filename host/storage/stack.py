@@ -159,6 +159,14 @@ class Stack:
             raise ValueError("fork needs an empty upper: seal first")
         return Stack(name, self.layers, upper, merged=self.merged.copy())
 
+    def rebase(self, layers: list[SealedLayer], below: SegmentIndex) -> None:
+        """Put `layers` (the same content, fewer files) under the upper; `below` is
+        `merge_layers(layers)`, computed by the caller off any lock."""
+        self.layers = list(layers)
+        self.merged = below.overlay(self.upper.index.retag(len(self.layers)))
+        self.blobs = [layer.blob for layer in self.layers]
+        self.blobs.append(self.upper)
+
     def close(self) -> None:
         self.upper.close()
 

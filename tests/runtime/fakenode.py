@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from host.contract import MachineSpec, SnapshotRef
+from host.runtime.compaction import Compactor
 from host.runtime.config import RuntimeConfig
 from host.runtime.machines import Machines
 from host.runtime.manifests import VERSION, ManifestStore
@@ -142,7 +143,8 @@ def fake_node(root: Path, repository: str, driver: FakeDriver, *,
     return NodeParts(config=cfg, block=block, machines=machines,
                      memory=MemoryFiles(cfg.memory_dir, manifests.repo,
                                         bound_mib=memory_cache_mib),
-                     manifests=manifests)
+                     manifests=manifests, compactor=Compactor(block, 0))  # no block server
+
 
 
 async def publish_template(root: Path, repository: str, snapshot_id: str, *, mib: int,

@@ -122,7 +122,7 @@ async def test_writes_are_sent_to_disk_behind_the_guest(tmp_path: Path) -> None:
     flush (QEMU sends one at every pause) waits for the tail only."""
     import os
 
-    from host.storage.blockserver import WRITE_BEHIND
+    from host.storage.export import WRITE_BEHIND
 
     if os.geteuid() != 0 or not os.access("/proc/kpageflags", os.R_OK):
         pytest.skip("reading page flags needs root and /proc/kpageflags")
