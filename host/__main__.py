@@ -54,6 +54,7 @@ async def open_runtime(cfg: Config, metrics: Metrics | None = None) -> Any:
     rt = NodeRuntime(RuntimeConfig(state_dir=cfg.state_dir, run_dir=cfg.run_dir,
                                    repository=cfg.repository_spec, cache_dir=cfg.cache_dir,
                                    collect_min_age_s=cfg.gc_min_age_s,
+                                   build_cache_ttl_s=cfg.build_cache_ttl_s,
                                    cache_mib=cfg.cache_mib, memory_cache_mib=cfg.cache_mib,
                                    network=cfg.network, vmm=cfg.vmm, firecracker=cfg.firecracker,
                                    jailer=cfg.jailer, jailer_uid=cfg.jailer_uid,
@@ -116,7 +117,7 @@ async def serve(cfg: Config) -> None:
             # in a cluster, pauses leave handoffs so another node can take a sandbox over
             metrics=metrics, handoff=bool(cfg.cluster_redis), warm_pool=cfg.warm_pool,
             keep_paused_s=cfg.keep_paused_s, gc_interval_s=cfg.gc_interval_s,
-            retain_killed_s=cfg.retain_killed_s)
+            retain_killed_s=cfg.retain_killed_s, build_cache_ttl_s=cfg.build_cache_ttl_s)
         await orch.start(ttl_interval_s=cfg.ttl_interval_s)
         keys = ApiKeys.load_or_create(cfg.keys_path)
         extra_routes: list[Any] = []

@@ -52,6 +52,9 @@
                                                       collected (its snapshot may still be writing)
     AENV_RETAIN_KILLED --retain-killed 86400          seconds a killed sandbox's record and events
                                                       are kept
+    AENV_BUILD_CACHE_TTL --build-cache-ttl 604800     seconds a build-step or image-import cache
+                                                      entry, or an uploaded COPY archive, is kept
+                                                      after its last use
     AENV_MIN_FREE_DISK_MIB --min-free-disk-mib 2048   below this much free disk in the state dir,
                                                       starts are refused (507) and /health is 503
     AENV_MAX_SANDBOXES --max-sandboxes 0              sandboxes holding a VM on this node (0: no
@@ -163,6 +166,7 @@ class Config:
     keep_paused_s: float = 30.0
     gc_interval_s: float = 600.0
     retain_killed_s: float = 86400.0
+    build_cache_ttl_s: float = 7 * 86400.0
     gc_min_age_s: float = 600.0
     min_free_disk_mib: int = 2048
     ksm: bool = False
@@ -286,6 +290,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds before an unused layer or memory file may be collected")
     p.add_argument("--retain-killed", dest="retain_killed_s", type=float,
                    help="seconds a killed sandbox's record and events are kept")
+    p.add_argument("--build-cache-ttl", dest="build_cache_ttl_s", type=float,
+                   help="seconds a build-step or image-import cache entry, or an uploaded "
+                        "COPY archive, is kept after its last use")
     p.add_argument("--min-free-disk-mib", type=int,
                    help="refuse starts (507) and answer /health 503 below this much free "
                         "disk in the state dir (0: never)")
@@ -339,6 +346,7 @@ _ENV: dict[str, tuple[str, type]] = {
     "warm_pool": ("AENV_WARM_POOL", int), "keep_paused_s": ("AENV_KEEP_PAUSED", float),
     "gc_interval_s": ("AENV_GC_INTERVAL_S", float),
     "retain_killed_s": ("AENV_RETAIN_KILLED", float),
+    "build_cache_ttl_s": ("AENV_BUILD_CACHE_TTL", float),
     "gc_min_age_s": ("AENV_GC_MIN_AGE_S", float),
     "min_free_disk_mib": ("AENV_MIN_FREE_DISK_MIB", int),
     "ksm": ("AENV_KSM", bool), "vm_jail": ("AENV_VM_JAIL", bool),
@@ -417,9 +425,9 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("max_starts >= 1, max_sandboxes >= 0, memory_reserve_mib >= 0, "
                           "memory_pressure_mib >= 0, warm_pool >= 0, keep_paused >= 0")
     if cfg.gc_interval_s < 0 or cfg.retain_killed_s < 0 or cfg.min_free_disk_mib < 0 or \
-            cfg.gc_min_age_s < 0:
+            cfg.gc_min_age_s < 0 or cfg.build_cache_ttl_s < 0:
         raise ConfigError("gc_interval >= 0, retain_killed >= 0, min_free_disk_mib >= 0, "
-                          "gc_min_age >= 0")
+                          "gc_min_age >= 0, build_cache_ttl >= 0")
     _validate_cluster(cfg)
     if cfg.cache_mib < 64:
         raise ConfigError(f"cache_mib must be at least 64, got {cfg.cache_mib}")

@@ -8,7 +8,8 @@ import click
 from .invocation import settings
 from .output import echo_table, emit_json, output_option
 
-_KINDS = ("layers", "repository_layers", "memory", "repository_memory")
+_KINDS = ("layers", "repository_layers", "memory", "repository_memory", "build_cache",
+          "copy_archives")
 
 
 def _mib(n: int) -> str:

@@ -7,8 +7,10 @@ Each run, in this order (each step frees what the next one may then take):
 2. snapshots: pause and fork snapshots nothing can reach, orphaned template snapshots
    (`snapshots.collect_snapshots`, also run at each kill; here it catches what recovery,
    handoffs and named snapshots' deletes left);
-3. storage: layers and memory files no document, stack, start or VM needs
-   (`runtime.collect_storage`, host/runtime/collect.py).
+3. uploaded COPY archives unused for `files_ttl_s` (the SDK uploads one again when it
+   asks and it is gone: templates/files.py);
+4. storage: build-cache entries unused as long, then layers and memory files no
+   document, stack, start or VM needs (`runtime.collect_storage`, host/runtime/collect.py).
 
 A run and `aenv gc` (`POST /admin/gc`) share one lock: never two at once. A dry run counts
 what a run would remove and removes nothing (step 2 is not counted: it deletes records).
@@ -25,17 +27,21 @@ from host.tasks import cancel_and_wait, run_every
 
 from . import snapshots
 from .opcontext import Context
+from .templates import files as template_files
 
 log = logging.getLogger(__name__)
 
-STORAGE_KINDS = ("layers", "repository_layers", "memory", "repository_memory")
+STORAGE_KINDS = ("layers", "repository_layers", "memory", "repository_memory", "build_cache",
+                 "copy_archives")
 
 
 class Collector:
-    def __init__(self, ctx: Context, *, interval_s: float, retain_killed_s: float) -> None:
+    def __init__(self, ctx: Context, *, interval_s: float, retain_killed_s: float,
+                 files_ttl_s: float = 7 * 86400.0) -> None:
         self.ctx = ctx
         self.interval_s = interval_s
         self.retain_killed_s = retain_killed_s
+        self.files_ttl_s = files_ttl_s
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self.last: dict[str, Any] | None = None  # the last run's report
@@ -61,10 +67,12 @@ class Collector:
             records = await ctx.db(ctx.store.prune_killed, before, dry_run=dry_run)
             collected = [] if dry_run else await snapshots.collect_snapshots(ctx)
             records["snapshots"] = len(collected)
+            archives = await template_files.expire(ctx, self.files_ttl_s, dry_run=dry_run)
             storage: dict[str, Any] = {}
             collect = getattr(ctx.runtime, "collect_storage", None)
             if collect is not None:
                 storage = await collect(dry_run=dry_run)
+            storage["copy_archives"] = archives
             report = {"records": records, "storage": storage, "dry_run": dry_run,
                       "seconds": round(time.perf_counter() - t0, 3)}
             if not dry_run:

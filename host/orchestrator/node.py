@@ -106,7 +106,8 @@ class NodeOrchestrator:
                  pressure: PressurePolicy | None = None,
                  metrics: Metrics | None = None, handoff: bool = False,
                  warm_pool: int = 0, keep_paused_s: float = 0.0,
-                 gc_interval_s: float = 0.0, retain_killed_s: float = 86400.0) -> None:
+                 gc_interval_s: float = 0.0, retain_killed_s: float = 86400.0,
+                 build_cache_ttl_s: float = 7 * 86400.0) -> None:
         self.domain = domain
         # the host-side inputs of built-in templates (pip trees, archives): like the
         # kernel and image, reusable across state dirs
@@ -141,7 +142,8 @@ class NodeOrchestrator:
         self._ctx.warm = self.warm
         self.kept = KeptVms(self._ctx, keep_paused_s, room=self._room_for_warm)
         self.collector = Collector(self._ctx, interval_s=gc_interval_s,
-                                   retain_killed_s=retain_killed_s)
+                                   retain_killed_s=retain_killed_s,
+                                   files_ttl_s=build_cache_ttl_s)
         self._ctx.kept = self.kept
         self._ctx.admission.spare = self.release_spare
         self.service_metrics.track_counts(

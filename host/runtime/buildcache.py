@@ -9,13 +9,18 @@ the repository (`buildstep-<key>`), so every node sharing the repository shares 
 A rebuild with unchanged steps hits every key; a changed step changes its key and every
 later one. Entries are small JSON documents; the layers they name are the ones the
 build sealed (and pushed) into the repository.
+
+Entries (these and imports.py's `ocilayer-`) are pure caches: each records when it was
+last used (`used_at`, wall-clock, rewritten by a hit at most hourly), and a collection
+drops those unused for `build_cache_ttl_s` (collect.py), so their layers stop being roots.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import hashlib
 import json
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -25,6 +30,34 @@ from host.storage.errors import RepositoryError
 from .manifests import ManifestStore
 
 PREFIX = "buildstep-"
+CACHE_PREFIXES = (PREFIX, "ocilayer-")  # documents that are caches (collect.py expires them)
+TOUCH_S = 3600.0  # a hit rewrites an entry's `used_at` at most this often
+
+
+async def read_entry(manifests: ManifestStore, name: str) -> dict[str, Any] | None:
+    """The cache document `name` (None: absent or unreadable); a hit is a use."""
+    try:
+        doc = await manifests.get_doc(name)  # None: absent or deleted
+    except OSError:
+        return None
+    if doc is None:
+        return None
+    if time.time() - float(doc.get("used_at") or 0) > TOUCH_S:
+        with contextlib.suppress(RepositoryError, OSError):  # still a hit
+            await write_entry(manifests, name, doc)
+    return doc
+
+
+async def write_entry(manifests: ManifestStore, name: str, doc: dict[str, Any]) -> None:
+    await manifests.put_doc(name, {**doc, "used_at": time.time()})
+
+
+def last_used(doc: dict[str, Any]) -> float | None:
+    """When a cache document was last used (None: written before entries recorded it)."""
+    try:
+        return float(doc["used_at"])
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -59,9 +92,7 @@ class BuildCache:
         self.manifests = manifests
 
     async def get(self, key: str) -> CacheEntry | None:
-        try:
-            d = await asyncio.to_thread(self.manifests.repo.get_manifest, PREFIX + key)
-        except (RepositoryError, ValueError, OSError):
+        if (d := await read_entry(self.manifests, PREFIX + key)) is None:
             return None
         try:
             return CacheEntry.from_json(d)
@@ -69,5 +100,4 @@ class BuildCache:
             return None
 
     async def put(self, key: str, entry: CacheEntry) -> None:
-        await asyncio.to_thread(self.manifests.repo.put_manifest, PREFIX + key,
-                                entry.to_json())
+        await write_entry(self.manifests, PREFIX + key, entry.to_json())

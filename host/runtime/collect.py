@@ -30,6 +30,7 @@ from typing import Any
 from host.storage.collect import Swept, layer_bytes
 from host.storage.repository import PosixFsRepository
 
+from .buildcache import CACHE_PREFIXES, last_used, write_entry
 from .memory import MEMORY_KEY, tree_bytes
 from .parts import NodeParts
 
@@ -63,10 +64,13 @@ def _image_cache_layers(cache_file: Path) -> set[str]:
 async def collect(p: NodeParts, *, dry_run: bool = False,
                   min_age_s: float = 600.0) -> dict[str, Any]:
     """Remove (`dry_run`: count) what nothing needs; returns per kind {files, bytes,
-    digests}: `layers`, `repository_layers`, `memory`, `repository_memory`."""
+    digests}: `layers`, `repository_layers`, `memory`, `repository_memory`, and
+    `build_cache` (entries expired: no bytes of their own, their layers are counted in
+    `layers`)."""
     t0 = time.perf_counter()
     owns = p.config.owns_repository
     docs = await p.manifests.documents()
+    expired = await _expire_cache_entries(p, docs, dry_run=dry_run)
     # pins are read after the documents: a start that read a manifest deleted meanwhile
     # pinned its layers before this listing ended (starts.py), with no await between
     keep = {d for doc in docs.values() for d in named_layers(doc)}
@@ -81,7 +85,8 @@ async def collect(p: NodeParts, *, dry_run: bool = False,
             _sweep_repository_memory, p.memory.repo, used, min_age_s, dry_run)
     out: dict[str, Any] = {
         "layers": layers["local"], "repository_layers": layers["repository"],
-        "memory": memory.to_dict(), "repository_memory": remote_memory.to_dict()}
+        "memory": memory.to_dict(), "repository_memory": remote_memory.to_dict(),
+        "build_cache": {"files": len(expired), "bytes": 0, "digests": expired}}
     if any(v["files"] for v in out.values()):
         log.info("storage %s: %s", "collectable" if dry_run else "collected",
                  ", ".join(f"{k} {v['files']} ({v['bytes']} bytes)" for k, v in out.items()))
@@ -89,6 +94,32 @@ async def collect(p: NodeParts, *, dry_run: bool = False,
     out["dry_run"] = dry_run
     out["seconds"] = round(time.perf_counter() - t0, 3)
     return out
+
+
+async def _expire_cache_entries(p: NodeParts, docs: dict[str, dict[str, Any]], *,
+                                dry_run: bool) -> list[str]:
+    """Drop from `docs` (and, unless `dry_run`, from the repository) the build-step and
+    OCI-import cache entries unused for `build_cache_ttl_s`, so the layers only they name
+    are collected below; none while this node builds (a build may have read an entry and
+    not yet stacked its layers). An entry written before entries recorded their use is
+    stamped now: it gets one whole period."""
+    if p.building:
+        return []
+    cutoff = time.time() - p.config.build_cache_ttl_s
+    expired = []
+    for name, doc in list(docs.items()):
+        if not name.startswith(CACHE_PREFIXES):
+            continue
+        used = last_used(doc)
+        if used is None:
+            if not dry_run:
+                await write_entry(p.manifests, name, doc)
+        elif used < cutoff:
+            expired.append(name)
+            del docs[name]
+            if not dry_run:
+                await p.manifests.delete_doc(name)
+    return expired
 
 
 def held_bytes(p: NodeParts) -> dict[str, int]:

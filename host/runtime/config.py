@@ -61,6 +61,8 @@ class RuntimeConfig:
     # a layer or memory dir younger than this is never collected: a snapshot's files are
     # written before its manifest names them (runtime/collect.py)
     collect_min_age_s: float = 600.0
+    # build-step and OCI-import cache entries unused this long are dropped (collect.py)
+    build_cache_ttl_s: float = 7 * 86400.0
 
     @property
     def repository_spec(self) -> str:

@@ -24,7 +24,7 @@ import shlex
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Self
+from typing import Self
 
 import zstandard
 
@@ -33,10 +33,10 @@ from host.images import APPLY_SCRIPT as APPLY
 from host.images import Image
 from host.network import NetworkPolicy
 from host.storage.convert import convert_image
-from host.storage.errors import RepositoryError
 from host.vmm.driver import Vm
 from host.vmm.image import GuestImage
 
+from .buildcache import read_entry, write_entry
 from .guest_shell import GuestCommandError, GuestShell
 from .layers import image_layers
 from .parts import NodeParts
@@ -58,21 +58,10 @@ def _key(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
-async def _get(p: NodeParts, name: str) -> dict[str, Any] | None:
-    try:
-        return await asyncio.to_thread(p.manifests.repo.get_manifest, name)
-    except (RepositoryError, ValueError, OSError):
-        return None
-
-
-async def _put(p: NodeParts, name: str, doc: dict[str, Any]) -> None:
-    await asyncio.to_thread(p.manifests.repo.put_manifest, name, doc)
-
-
 async def blank_layer(p: NodeParts) -> str:
     """The empty ext4 every imported image starts from (made once per repository)."""
     name = f"ociblank-{BLANK_MIB}"
-    if (doc := await _get(p, name)) is not None:
+    if (doc := await read_entry(p.manifests, name)) is not None:
         return str(doc["layer"])
     with tempfile.TemporaryDirectory(dir=p.config.state_dir, prefix=".blank-") as tmp:
         img = Path(tmp) / "blank.ext4"
@@ -86,7 +75,7 @@ async def blank_layer(p: NodeParts) -> str:
         dest = Path(tmp) / "blank.lsmt"
         await asyncio.to_thread(convert_image, img, dest)
         digest = await p.block.client.import_layer(dest, upload=True)
-    await _put(p, name, {"layer": digest})
+    await write_entry(p.manifests, name, {"layer": digest})
     return str(digest)
 
 
@@ -112,13 +101,13 @@ async def import_image(p: NodeParts, image: Image, base: GuestImage, log: BuildL
     final_key = _key(keys[-1] if keys else blank, "aenv-envd-init", envd_id)
     cmdline = f"{base.cmdline} init={INIT}"
     guest = guest_defaults(image)
-    if (doc := await _get(p, f"ocilayer-{final_key}")) is not None:
+    if (doc := await read_entry(p.manifests, f"ocilayer-{final_key}")) is not None:
         log("info", f"CACHED image {image.name} ({len(image.layers)} layers)", "base")
         return Imported(tuple(doc["layers"]), guest, cmdline)
     layers: tuple[str, ...] = (blank,)
     first = 0
     for i, key in enumerate(keys):
-        if (doc := await _get(p, f"ocilayer-{key}")) is None:
+        if (doc := await read_entry(p.manifests, f"ocilayer-{key}")) is None:
             break
         layers, first = tuple(doc["layers"]), i + 1
     log("info", f"importing {image.name}: {len(image.layers) - first} of "
@@ -129,10 +118,10 @@ async def import_image(p: NodeParts, image: Image, base: GuestImage, log: BuildL
             log("info", f"applying layer {i + 1}/{len(image.layers)} {layer.digest[:19]} "
                 f"({layer.size} bytes)", "base")
             layers = await imp.apply(layer.path, layer.compression, layer.diff_id)
-            await _put(p, f"ocilayer-{keys[i]}", {"layers": list(layers),
+            await write_entry(p.manifests, f"ocilayer-{keys[i]}", {"layers": list(layers),
                                                   "chain_id": layer.chain_id})
         layers = await imp.finish_rootfs(guest)
-    await _put(p, f"ocilayer-{final_key}", {"layers": list(layers), "image": image.name})
+    await write_entry(p.manifests, f"ocilayer-{final_key}", {"layers": list(layers), "image": image.name})
     return Imported(layers, guest, cmdline)
 
 

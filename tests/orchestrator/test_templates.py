@@ -6,7 +6,9 @@ tables. No VM runs (tests/orchestrator/fakes.py)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
+import time
 
 import pytest
 
@@ -19,7 +21,7 @@ from host.orchestrator.errors import (
     TemplateNotFound,
     UploadTooLarge,
 )
-from host.orchestrator.model import CreateRequest
+from host.orchestrator.model import BuildRequest, CreateRequest
 from host.orchestrator.states import SandboxState as S
 from host.orchestrator.store import SandboxRecord
 
@@ -264,3 +266,37 @@ async def test_an_older_database_gains_the_template_tables(tmp_path, rt, envd):
     finally:
         await o.aclose()
         store.close()
+
+
+async def test_copy_archives_unused_past_their_ttl_are_collected(orch, store):
+    """An archive goes once unused for `files_ttl_s` (the SDK then uploads it again); an
+    ask or a build's use keeps it; nothing goes while a build waits; a dry run only
+    counts."""
+    req, _ = await build(orch, "app")
+    files = store.path.parent / "template-files"
+    old, used, fresh = (await upload(orch, b"old"), await upload(orch, b"used"),
+                        await upload(orch, b"fresh"))
+    day_ago = time.time() - 86400
+    with store.transaction() as db:
+        db.execute("UPDATE template_files SET created_at = ? WHERE hash IN (?, ?)",
+                   (day_ago, old, used))
+    for h in (old, used):
+        os.utime(files / h, (day_ago, day_ago))
+    assert await orch.template_file("app", used) is True  # the SDK asks: a use
+    orch.collector.files_ttl_s = 3600
+    dry = await orch.collect(dry_run=True)
+    assert dry["storage"]["copy_archives"]["digests"] == [old]
+    assert (files / old).exists()
+    waiting = await orch.request_build(BuildRequest(name="pending"))  # waits for its start
+    held = await orch.collect()
+    assert held["storage"]["copy_archives"]["files"] == 0 and (files / old).exists()
+    await orch.delete_template(waiting.template_id)
+    report = await orch.collect()
+    assert report["storage"]["copy_archives"] == {"files": 1, "bytes": 3, "digests": [old]}
+    assert sorted(p.name for p in files.iterdir()) == sorted([used, fresh])
+    assert await orch.template_file("app", old) is False  # the SDK uploads it again
+    with pytest.raises(InvalidRequest, match="never uploaded"):  # a build says so
+        await build(orch, "app", steps=(BuildStep(type="COPY", args=("a", "/a"),
+                                                  files_hash=old),))
+    assert await orch.put_template_file(old, chunks(b"old"), max_bytes=10) == 3
+    assert await orch.template_file("app", old) is True

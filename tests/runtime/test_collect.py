@@ -166,3 +166,61 @@ async def test_collections_while_16_children_start_from_a_deleted_snapshot(
         await asyncio.gather(*starts, return_exceptions=True)
         for sid in (*kids, src):
             await runtime.kill(sid)
+
+
+async def test_build_cache_entries_unused_past_their_ttl_go_with_their_layers(
+        runtime: NodeRuntime) -> None:
+    """Build-step and OCI-import cache entries are roots only while used: one unused for
+    `build_cache_ttl_s` is dropped and its layer collected; a hit keeps an entry (it
+    rewrites `used_at`), an entry from before `used_at` existed is stamped (one whole
+    period), and nothing expires while the node builds."""
+    from host.runtime.buildcache import last_used, read_entry
+
+    parts = runtime.parts
+    client = parts.block.client
+    digests = []
+    for i in range(3):  # three distinct sealed layers, named by nothing but their entry
+        stack = f"cache-layer-{i}"
+        await client.create(stack, virtual_size=MiB)
+        await asyncio.to_thread(_write_through_nbd, runtime, stack, bytes([i + 1]) * 4096)
+        digests.append(await client.seal(stack))
+        await client.delete(stack)
+    week = 7 * 86400.0
+    ancient = {"used_at": 1.0}
+    await parts.manifests.put_doc("buildstep-old", {"layers": [digests[0]], **ancient})
+    await parts.manifests.put_doc("ocilayer-hit", {"layers": [digests[1]], **ancient})
+    await parts.manifests.put_doc("buildstep-legacy", {"layers": [digests[2]]})
+    assert await read_entry(parts.manifests, "ocilayer-hit") is not None  # a hit: a use
+    assert parts.config.build_cache_ttl_s == week  # the default
+    parts.building.add("some-build")
+    try:
+        held = await collect(parts, min_age_s=0)
+        assert held["build_cache"]["files"] == 0
+        assert all(has_layer(runtime, d) for d in digests)
+    finally:
+        parts.building.discard("some-build")
+    dry = await collect(parts, dry_run=True, min_age_s=0)
+    assert dry["build_cache"]["digests"] == ["buildstep-old"]
+    assert await parts.manifests.get_doc("buildstep-old") is not None
+    out = await collect(parts, min_age_s=0)
+    assert out["build_cache"]["digests"] == ["buildstep-old"]
+    assert await parts.manifests.get_doc("buildstep-old") is None
+    assert not has_layer(runtime, digests[0])  # its layer went with it
+    assert has_layer(runtime, digests[1]) and has_layer(runtime, digests[2])
+    legacy = await parts.manifests.get_doc("buildstep-legacy")
+    assert legacy is not None and last_used(legacy) is not None  # stamped: one period
+    for name in ("ocilayer-hit", "buildstep-legacy"):
+        await parts.manifests.delete_doc(name)
+    await collect(parts, min_age_s=0)
+
+
+def has_layer(runtime: NodeRuntime, digest: str) -> bool:
+    return (runtime.config.layers_dir / f"{layer_hex(digest)}.lsmt").exists()
+
+
+def _write_through_nbd(runtime: NodeRuntime, stack: str, data: bytes) -> None:
+    import subprocess
+
+    uri = f"nbd+unix:///{stack}?socket={runtime.block.nbd_socket}"
+    subprocess.run(["qemu-io", "-f", "raw", "-c", f"write -P {data[0]} 0 {len(data)}", uri],
+                   check=True, capture_output=True, timeout=60)

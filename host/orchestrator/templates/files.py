@@ -14,9 +14,10 @@ import contextlib
 import os
 import secrets
 import shutil
+import time
 from collections.abc import AsyncIterable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from ..errors import InvalidRequest, UploadTooLarge
 from ..opcontext import Context
@@ -34,11 +35,32 @@ def file_path(ctx: Context, files_hash: str) -> Path:
 
 
 async def present(ctx: Context, files_hash: str) -> bool:
-    """The archive was uploaded (recorded, and its file is there)."""
+    """The archive was uploaded (recorded, and its file is there). A use: it is kept
+    `build_cache_ttl` from now (the SDK asks before every build that COPYs it)."""
     path = file_path(ctx, files_hash)
-    if not await ctx.db(ctx.templates.has_file, files_hash):
+    if not await ctx.db(ctx.templates.use_file, files_hash, time.time()):
         return False
     return await asyncio.to_thread(path.is_file)
+
+
+async def expire(ctx: Context, ttl_s: float, *, dry_run: bool = False) -> dict[str, Any]:
+    """Remove the archives unused for `ttl_s` (none while a build waits or runs): their
+    rows first, so a later `present` answers no and the SDK uploads again; then each
+    file, unless it was written again meanwhile (a new upload of the same hash)."""
+    before = time.time() - ttl_s  # wall-clock, as the rows' times
+    rows = await ctx.db(ctx.templates.expire_files, before, dry_run=dry_run)
+
+    def unlink() -> None:
+        for files_hash, _ in rows:
+            path = ctx.files_dir / files_hash
+            with contextlib.suppress(OSError):
+                if path.stat().st_mtime < before:
+                    path.unlink()
+
+    if not dry_run:
+        await asyncio.to_thread(unlink)
+    return {"files": len(rows), "bytes": sum(size for _, size in rows),
+            "digests": [h for h, _ in rows]}
 
 
 async def template_file(ctx: Context, template_ref: str, files_hash: str) -> bool:
@@ -73,7 +95,7 @@ async def put_file(ctx: Context, files_hash: str, chunks: AsyncIterable[bytes], 
     except BaseException:
         await asyncio.to_thread(_discard, f, partial)
         raise
-    await ctx.db(ctx.templates.add_file, files_hash, size, ctx.clock())
+    await ctx.db(ctx.templates.add_file, files_hash, size, time.time())
     return size
 
 
@@ -97,7 +119,7 @@ async def adopt(ctx: Context, files_hash: str, source: Path) -> int:
         return final.stat().st_size
 
     size = await asyncio.to_thread(place)
-    await ctx.db(ctx.templates.add_file, files_hash, size, ctx.clock())
+    await ctx.db(ctx.templates.add_file, files_hash, size, time.time())
     return size
 
 

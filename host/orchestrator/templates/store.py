@@ -77,7 +77,7 @@ CREATE TABLE IF NOT EXISTS template_tags (
 CREATE TABLE IF NOT EXISTS template_files (
     hash        TEXT PRIMARY KEY,        -- the SDK's filesHash of a COPY step
     size        INTEGER NOT NULL,
-    created_at  REAL NOT NULL
+    created_at  REAL NOT NULL            -- uploaded or last used (files.present)
 );
 """
 
@@ -400,10 +400,25 @@ class TemplateStore:
             db.execute("INSERT OR REPLACE INTO template_files VALUES (?, ?, ?)",
                        (files_hash, size, time.time() if now is None else now))
 
-    def has_file(self, files_hash: str) -> bool:
-        return bool(self.store.select("SELECT 1 FROM template_files WHERE hash = ?",
-                                      (files_hash,)))
-
-    def forget_file(self, files_hash: str) -> None:
+    def use_file(self, files_hash: str, now: float) -> bool:
+        """Whether the archive is recorded; if so its time becomes `now` (in one statement:
+        an expiry either saw the old time and removed the row first, or sees the new)."""
         with self.store.transaction() as db:
-            db.execute("DELETE FROM template_files WHERE hash = ?", (files_hash,))
+            return db.execute("UPDATE template_files SET created_at = ? WHERE hash = ?",
+                              (now, files_hash)).rowcount > 0
+
+    def expire_files(self, before: float, *, dry_run: bool = False) -> list[tuple[str, int]]:
+        """The archives (hash, size) unused since `before`, their rows removed unless
+        `dry_run`; none while a build runs, or waits for its start (it may COPY any;
+        one requested before `before` and never started does not count)."""
+        with self.store.transaction() as db:
+            if db.execute("SELECT 1 FROM template_builds WHERE status = ? OR "
+                          "(status = ? AND updated_at >= ?) LIMIT 1",
+                          (BUILDING, WAITING, before)).fetchone():
+                return []
+            rows = [(str(r[0]), int(r[1])) for r in db.execute(
+                "SELECT hash, size FROM template_files WHERE created_at < ?", (before,))]
+            if not dry_run:
+                db.executemany("DELETE FROM template_files WHERE hash = ?",
+                               [(h,) for h, _ in rows])
+            return rows
