@@ -13,6 +13,7 @@ import contextlib
 import logging
 import shlex
 import signal
+import socket
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -55,6 +56,7 @@ async def open_runtime(cfg: Config, metrics: Metrics | None = None) -> Any:
                                    repository=cfg.repository_spec, cache_dir=cfg.cache_dir,
                                    collect_min_age_s=cfg.gc_min_age_s,
                                    build_cache_ttl_s=cfg.build_cache_ttl_s,
+                                   node_id=cfg.node_id or socket.gethostname(),
                                    cache_mib=cfg.cache_mib, memory_cache_mib=cfg.cache_mib,
                                    network=cfg.network, vmm=cfg.vmm, firecracker=cfg.firecracker,
                                    jailer=cfg.jailer, jailer_uid=cfg.jailer_uid,

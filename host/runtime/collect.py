@@ -30,6 +30,7 @@ from typing import Any
 from host.storage.collect import Swept, layer_bytes
 from host.storage.repository import PosixFsRepository
 
+from . import holds
 from .buildcache import CACHE_PREFIXES, last_used, write_entry
 from .memory import MEMORY_KEY, tree_bytes
 from .parts import NodeParts
@@ -69,15 +70,24 @@ async def collect(p: NodeParts, *, dry_run: bool = False,
     `layers`)."""
     t0 = time.perf_counter()
     owns = p.config.owns_repository
+    if not owns:  # a shared repository (holds.py): ours first, the others' below
+        await holds.publish(p)
     docs = await p.manifests.documents()
+    now = time.time()
+    peers = {} if owns else holds.others(p, docs, now)
     expired = await _expire_cache_entries(p, docs, dry_run=dry_run)
     # pins are read after the documents: a start that read a manifest deleted meanwhile
     # pinned its layers before this listing ended (starts.py), with no await between
     keep = {d for doc in docs.values() for d in named_layers(doc)}
     keep |= await asyncio.to_thread(_image_cache_layers, p.config.state_dir / "layers.json")
     keep |= set(p.layer_pins)
+    if not owns and not dry_run:  # what other nodes may still need waits a phase
+        probe = await p.block.client.collect(sorted(keep), min_age_s=min_age_s, dry_run=True)
+        found = [d for d in probe["local"]["digests"] if "." not in d]  # not partials
+        keep |= set(found) - await asyncio.to_thread(holds.ready, p, found, peers, now)
     layers = await p.block.client.collect(sorted(keep), min_age_s=min_age_s,
-                                          dry_run=dry_run, repository=owns)
+                                          dry_run=dry_run,
+                                          repository="sweep" if owns else "own")
     used, memory = await p.gc_memory(dry_run=dry_run)
     remote_memory = Swept()
     if owns and isinstance(p.memory.repo, PosixFsRepository):

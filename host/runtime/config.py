@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +64,11 @@ class RuntimeConfig:
     collect_min_age_s: float = 600.0
     # build-step and OCI-import cache entries unused this long are dropped (collect.py)
     build_cache_ttl_s: float = 7 * 86400.0
+    # this node in a repository others share (holds.py: its holdings' name), and how
+    # long another node's holdings count once it stopped rewriting them
+    node_id: str = field(default_factory=socket.gethostname)
+    node_expiry_s: float = 3600.0
+    node_clock_skew_s: float = 60.0  # how far nodes' wall clocks may differ (holds.py)
 
     @property
     def repository_spec(self) -> str:

@@ -43,7 +43,7 @@ from host.vmm.accel import host_tsc_khz
 from host.vmm.errors import VmmError
 from host.vmm.proc import rotate_log, tail
 
-from . import adoption, builds, collect, snapshots, starts, templates, usage
+from . import adoption, builds, collect, holds, snapshots, starts, templates, usage
 from .blockd import BlockServerHandle
 from .compaction import Compactor
 from .config import RuntimeConfig
@@ -107,6 +107,11 @@ class NodeRuntime:
         self._tasks.append(loop.create_task(
             run_every(SERIAL_CHECK_S, self._rotate_console_logs, log=log,
                       failed="console log rotation failed"), name="console-log-rotation"))
+        if not self.config.owns_repository:  # others may share it: say what this node holds
+            self._tasks.append(loop.create_task(
+                run_every(holds.PUBLISH_S, lambda: holds.publish(self.parts), log=log,
+                          failed="publishing this node's holdings failed"),
+                name="holdings"))
         await asyncio.to_thread(host_tsc_khz)  # cached; QEMU under TCG needs it
         self._open = True
         return self

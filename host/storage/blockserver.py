@@ -411,21 +411,36 @@ class BlockServer:
         return {"digest": digest, "merged": len(run), "layers": len(exp.stack.layers)}
 
     async def collect(self, keep: builtins.list[str], *, min_age_s: float = 600.0,
-                      dry_run: bool = False, repository: bool = False) -> dict[str, Any]:
+                      dry_run: bool = False, repository: str = "none") -> dict[str, Any]:
         """Remove the sealed layers no stack of this server uses and `keep` does not name,
-        older than `min_age_s` (collect.py says why age); with `repository`, the
-        repository's copies too (a posix_fs one only: the caller says whether this node
-        owns it). Under the ops lock: no stack is created over a layer while it goes."""
+        older than `min_age_s` (collect.py says why age). `repository` says what happens
+        to the repository's copies (the caller knows who else uses the repository):
+        "none" (they stay), "sweep" (a posix_fs repository this node alone uses: its
+        layers go by the same rule) or "own" (a shared one: the copy of each layer
+        removed here goes first, as this node made it; no other layer is touched).
+        Under the ops lock: no stack is created over a layer while it goes."""
+        if repository not in ("none", "sweep", "own"):
+            raise ValueError(f"repository must be none, sweep or own, not {repository!r}")
         async with self._ops_lock:
             used = {d for e in self._stacks.values() for d in e.stack.layer_digests}
+            used |= set(self._reading)
             keep_all = used | set(keep)
             links: dict[tuple[int, int], list[int]] = {}  # bytes freed counted once
+            remote = Swept()
+            first = None
+            if repository == "own" and self.repository is not None:
+                repo = self.repository
+
+                def first(stem: str, st: os.stat_result) -> None:
+                    remote.add_bytes(stem, repo.delete_layer(f"sha256:{stem}"))
+
             local = await asyncio.to_thread(
                 sweep_layers, self.state_dir / "layers", keep_all, min_age_s=min_age_s,
-                dry_run=dry_run, links=links)
-            remote = Swept()
+                dry_run=dry_run, links=links, first=first)
+            if repository == "own" and dry_run:
+                remote = Swept(files=local.files, bytes=local.bytes, digests=local.digests)
             layers_dir = getattr(self.repository, "layers_dir", None)
-            if repository and isinstance(layers_dir, Path):
+            if repository == "sweep" and isinstance(layers_dir, Path):
                 remote = await asyncio.to_thread(
                     sweep_layers, layers_dir, keep_all, min_age_s=min_age_s,
                     dry_run=dry_run, links=links)

@@ -16,13 +16,16 @@ stacks may read a layer no document names any more.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 LAYER_SUFFIX = ".lsmt"
 # what a crashed import or seal leaves next to the layers (`.tmp` of import_layer)
@@ -57,6 +60,12 @@ class Swept:
         if seen[0] == seen[1]:
             self.bytes += st.st_blocks * 512
 
+    def add_bytes(self, digest: str, n: int) -> None:
+        """A removal whose freed bytes the caller knows (an object store's)."""
+        self.files += 1
+        self.digests.append(digest)
+        self.bytes += n
+
     def to_dict(self) -> dict[str, Any]:
         return {"files": self.files, "bytes": self.bytes, "digests": self.digests}
 
@@ -80,9 +89,14 @@ def _candidates(layer_dir: Path) -> Iterator[tuple[str, Path, os.stat_result]]:
 
 def sweep_layers(layer_dir: Path, keep: Iterable[str], *, min_age_s: float,
                  dry_run: bool, links: dict[tuple[int, int], list[int]] | None = None,
-                 now: float | None = None) -> Swept:
+                 now: float | None = None,
+                 first: Callable[[str, os.stat_result], None] | None = None) -> Swept:
     """Remove `layer_dir/<hex>.lsmt` files whose digest `keep` does not name and whose
-    mtime is older than `min_age_s`, and partial files as old; returns what went."""
+    mtime is older than `min_age_s`, and partial files as old; returns what went.
+    `first(hex, stat)` runs before a layer file goes (the repository's copy of a layer
+    this node made: removed first, so a crash between the two leaves the local file, and
+    with it the next collection's knowledge that the copy was this node's); if it
+    raises, the file stays."""
     kept = {layer_hex(d) for d in keep}
     cutoff = (time.time() if now is None else now) - min_age_s
     out = Swept(links={} if links is None else links)
@@ -91,8 +105,13 @@ def sweep_layers(layer_dir: Path, keep: Iterable[str], *, min_age_s: float,
             continue
         if not dry_run:
             try:
+                if stem and first is not None:
+                    first(stem, st)
                 path.unlink()
             except FileNotFoundError:
+                continue
+            except Exception as exc:  # noqa: BLE001 - the next collection tries again
+                log.warning("layer %s kept: its repository copy could not go: %s", stem, exc)
                 continue
         out.add(stem or path.name, st)
     return out

@@ -151,10 +151,10 @@ class BlockServerClient:
         await self._call("push", digest=digest)
 
     async def collect(self, keep: builtins.list[str], *, min_age_s: float, dry_run: bool = False,
-                      repository: bool = False) -> dict[str, Any]:
+                      repository: str = "none") -> dict[str, Any]:
         """Remove sealed layers no stack uses and `keep` does not name, older than
-        `min_age_s` (`BlockServer.collect`): {local, repository: {files, bytes, digests},
-        in_use}."""
+        `min_age_s`; `repository`: none, sweep or own (`BlockServer.collect`): {local,
+        repository: {files, bytes, digests}, in_use}."""
         result: dict[str, Any] = await self._call(
             "collect", keep=keep, min_age_s=min_age_s, dry_run=dry_run, repository=repository)
         return result

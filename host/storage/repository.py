@@ -98,6 +98,9 @@ class Repository(Protocol):
         ...
     def has_file(self, key: str) -> bool: ...
     def delete_files(self, prefix: str) -> None: ...
+    def delete_layer(self, digest: str) -> int:
+        """Remove a layer (and what describes it); the bytes it held (0: it was absent)."""
+        ...
 
 
 class PosixFsRepository:
@@ -209,6 +212,15 @@ class PosixFsRepository:
 
     def has_file(self, key: str) -> bool:
         return self._file(key).is_file()
+
+    def delete_layer(self, digest: str) -> int:
+        path = self._layer(digest)
+        try:
+            st = path.stat()
+            path.unlink()
+        except FileNotFoundError:
+            return 0
+        return st.st_blocks * 512 if st.st_nlink == 1 else 0  # a hard link frees nothing
 
     def delete_files(self, prefix: str) -> None:
         target = self.root / "files" / _check_key(prefix.rstrip("/"))
@@ -496,6 +508,17 @@ class OssRepository:
             return True
         except LayerNotFoundError:
             return False
+
+    def delete_layer(self, digest: str) -> int:
+        # the layer first: a visible layer always has its sums (put_layer's order)
+        try:
+            size = self.layer_size(digest)
+        except LayerNotFoundError:
+            size = 0
+        with _map_boto_errors(f"delete layer {digest}"):
+            self.s3.delete_object(Bucket=self.bucket, Key=self._key(digest))
+            self.s3.delete_object(Bucket=self.bucket, Key=self._sums_key(digest))
+        return size
 
     def delete_files(self, prefix: str) -> None:
         root = self._file_key(prefix.rstrip("/")) + "/"

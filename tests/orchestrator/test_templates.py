@@ -272,7 +272,7 @@ async def test_copy_archives_unused_past_their_ttl_are_collected(orch, store):
     """An archive goes once unused for `files_ttl_s` (the SDK then uploads it again); an
     ask or a build's use keeps it; nothing goes while a build waits; a dry run only
     counts."""
-    req, _ = await build(orch, "app")
+    await build(orch, "app")
     files = store.path.parent / "template-files"
     old, used, fresh = (await upload(orch, b"old"), await upload(orch, b"used"),
                         await upload(orch, b"fresh"))

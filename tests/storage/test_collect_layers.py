@@ -45,11 +45,11 @@ async def test_unnamed_old_layers_go_and_everything_in_use_stays(tmp_path: Path)
         (local / "abandoned.tmp").write_bytes(b"x" * 4096)   # a crashed import's copy
         _age(local / "abandoned.tmp", 3600)
 
-        dry = await bs.collect([kept], min_age_s=600, dry_run=True, repository=True)
+        dry = await bs.collect([kept], min_age_s=600, dry_run=True, repository="sweep")
         assert set(dry["local"]["digests"]) == {layer_hex(gone), "abandoned.tmp"}
         assert (local / f"{layer_hex(gone)}.lsmt").exists()  # a dry run removes nothing
 
-        out = await bs.collect([kept], min_age_s=600, repository=True)
+        out = await bs.collect([kept], min_age_s=600, repository="sweep")
         assert set(out["local"]["digests"]) == {layer_hex(gone), "abandoned.tmp"}
         assert out["repository"]["digests"] == [layer_hex(gone)]
         assert out["in_use"] == [held]

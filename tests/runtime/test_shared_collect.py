@@ -1,0 +1,137 @@
+"""Collection in a repository two nodes share (host/runtime/holds.py), posix_fs and oss
+(a real moto server process), each node with its own real block server: a node deletes
+only the repository copies of layers it made, never while another node's stack holds
+them, and not before that node published its holdings after the layer was found
+unreferenced; a node gone (holdings older than `node_expiry_s`) is not waited for.
+No VM is booted: the stacks are what a start would make."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import boto3
+import pytest
+
+from host.runtime import holds
+from host.runtime.blockd import BlockServerHandle
+from host.runtime.collect import collect
+from host.runtime.compaction import Compactor
+from host.runtime.config import RuntimeConfig
+from host.runtime.machines import Machines
+from host.runtime.manifests import ManifestStore
+from host.runtime.memory import MemoryFiles
+from host.runtime.parts import NodeParts
+from host.storage.repository import open_repository
+
+pytestmark = pytest.mark.asyncio(loop_scope="function")
+MiB = 1 << 20
+
+
+@pytest.fixture(params=["posix_fs", "oss"])
+async def shared(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
+    if request.param == "posix_fs":
+        yield f"posix_fs:{tmp_path / 'shared'}"
+        return
+    endpoint = request.getfixturevalue("moto_endpoint")
+    request.getfixturevalue("s3_env")
+    bucket = f"g{uuid.uuid4().hex[:10]}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
+        Bucket=bucket)
+    yield f"oss://{bucket}/aenv?endpoint={endpoint}&region=us-east-1"
+
+
+async def _node(root: Path, name: str, repo: str) -> NodeParts:
+    cfg = RuntimeConfig(state_dir=root / name, run_dir=Path(f"/tmp/agc-{name}-{os.getpid()}"),
+                        repository=repo, cache_dir=root / f"{name}-cache", cache_mib=64,
+                        node_id=name, node_clock_skew_s=0.0)
+    for d in (cfg.state_dir, cfg.memory_dir, cfg.run_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    block = BlockServerHandle(cfg)
+    await block.ensure()
+    manifests = ManifestStore(cfg.repository_spec)
+    return NodeParts(config=cfg, block=block, machines=Machines(cfg, block),
+                     memory=MemoryFiles(cfg.memory_dir, manifests.repo, bound_mib=64),
+                     manifests=manifests, compactor=Compactor(block, 0))
+
+
+async def _layer(p: NodeParts, stack: str, byte: int) -> str:
+    """A sealed layer made on node `p`, pushed to the repository, named by nothing."""
+    await p.block.client.create(stack, virtual_size=MiB)
+    uri = f"nbd+unix:///{stack}?socket={p.block.nbd_socket}"
+    await asyncio.to_thread(subprocess.run, ["qemu-io", "-f", "raw", "-c",
+                                             f"write -P {byte} 0 64k", uri],
+                            check=True, capture_output=True, timeout=60)
+    digest = await p.block.client.seal(stack)  # uploads
+    await p.block.client.delete(stack)
+    return digest
+
+
+def _local(p: NodeParts, digest: str) -> bool:
+    return (p.config.layers_dir / f"{digest[7:]}.lsmt").exists()
+
+
+async def test_a_node_deletes_only_its_own_layers_once_no_node_holds_them(
+        shared: str, tmp_path: Path) -> None:
+    a, b = await _node(tmp_path, "na", shared), await _node(tmp_path, "nb", shared)
+    repo = open_repository(shared)
+    try:
+        mine, theirs = await _layer(a, "la", 1), await _layer(b, "lb", 2)
+        await holds.publish(b)  # b holds nothing yet
+        # b stacks a's layer: a start there that read a manifest deleted since
+        await b.block.client.create("sbx-b", [mine])
+        first = await collect(a, min_age_s=0)
+        # unreferenced, but b's holdings are older than that finding: it waits a phase
+        assert first["layers"]["files"] == 0 and _local(a, mine) and repo.has_layer(mine)
+        await holds.publish(b)  # now they name it
+        held = await collect(a, min_age_s=0)
+        assert held["layers"]["files"] == 0 and repo.has_layer(mine)
+        await b.block.client.delete("sbx-b")
+        await asyncio.sleep(0.01)
+        await holds.publish(b)  # no longer held...
+        found = await collect(a, min_age_s=0)  # ...found unreferenced now: a phase to wait
+        assert found["layers"]["files"] == 0 and repo.has_layer(mine)
+        await asyncio.sleep(0.01)
+        await holds.publish(b)
+        gone = await collect(a, min_age_s=0)
+        assert gone["layers"]["digests"] == [mine[7:]]
+        assert gone["repository_layers"]["digests"] == [mine[7:]]
+        assert not _local(a, mine) and not repo.has_layer(mine)
+        # b's layer is named by nothing either: a never touches it, b collects it itself
+        assert repo.has_layer(theirs) and _local(b, theirs)
+        await asyncio.sleep(0.01)
+        await holds.publish(a)
+        await collect(b, min_age_s=0)
+        await asyncio.sleep(0.01)
+        await holds.publish(a)
+        out = await collect(b, min_age_s=0)
+        assert out["repository_layers"]["digests"] == [theirs[7:]]
+        assert not repo.has_layer(theirs)
+    finally:
+        for p in (a, b):
+            await p.block.stop()
+
+
+async def test_a_node_gone_is_not_waited_for(shared: str, tmp_path: Path) -> None:
+    a = await _node(tmp_path, "na", shared)
+    repo = open_repository(shared)
+    try:
+        mine = await _layer(a, "la", 3)
+        # a node that stopped publishing two hours ago; its holdings named this layer
+        await a.manifests.put_doc("gcheld-ghost", {"node": "ghost", "updated_at":
+                                                   time.time() - 7200, "layers": [mine]})
+        out = await collect(a, min_age_s=0)
+        assert out["repository_layers"]["digests"] == [mine[7:]] and not repo.has_layer(mine)
+        # a node alive and holding it is a root, however long ago it found it
+        again = await _layer(a, "la2", 4)
+        await a.manifests.put_doc("gcheld-live", {"node": "live", "updated_at": time.time(),
+                                                  "layers": [again]})
+        kept = await collect(a, min_age_s=0)
+        assert kept["layers"]["files"] == 0 and repo.has_layer(again)
+    finally:
+        await a.block.stop()
