@@ -72,7 +72,7 @@ async def collect(p: NodeParts, *, dry_run: bool = False,
     owns = p.config.owns_repository
     if not owns:  # a shared repository (holds.py): ours first, the others' below
         await holds.publish(p)
-    docs = await p.manifests.documents()
+    docs = await p.manifests.documents(purge=not dry_run)
     now = time.time()
     peers = {} if owns else holds.others(p, docs, now)
     expired = await _expire_cache_entries(p, docs, dry_run=dry_run)
@@ -89,10 +89,12 @@ async def collect(p: NodeParts, *, dry_run: bool = False,
                                           dry_run=dry_run,
                                           repository="sweep" if owns else "own")
     used, memory = await p.gc_memory(dry_run=dry_run)
-    remote_memory = Swept()
+    # the repository's memory this node uploaded; on its own posix_fs one, also whatever
+    # else is there (uploaded before uploads were recorded)
+    remote_memory = await p.memory.gc_remote(used, min_age_s=min_age_s, dry_run=dry_run)
     if owns and isinstance(p.memory.repo, PosixFsRepository):
-        remote_memory = await asyncio.to_thread(
-            _sweep_repository_memory, p.memory.repo, used, min_age_s, dry_run)
+        remote_memory.merge(await asyncio.to_thread(
+            _sweep_repository_memory, p.memory.repo, used, min_age_s, dry_run))
     out: dict[str, Any] = {
         "layers": layers["local"], "repository_layers": layers["repository"],
         "memory": memory.to_dict(), "repository_memory": remote_memory.to_dict(),

@@ -8,11 +8,10 @@ before. A crash before the manifest write leaves earlier snapshots untouched.
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any
 
 from host.storage.errors import RepositoryError
-from host.storage.repository import PosixFsRepository, open_repository
+from host.storage.repository import open_repository
 
 from .errors import SnapshotNotFoundError
 
@@ -50,21 +49,18 @@ class ManifestStore:
         return None if doc.get("deleted") else doc
 
     async def delete_doc(self, name: str) -> None:
-        # The Repository protocol has no delete: unlink for posix_fs, a tombstone elsewhere.
-        if isinstance(self.repo, PosixFsRepository):
-            path = Path(self.repo.root) / "manifests" / f"{name}.json"
-            await asyncio.to_thread(path.unlink, missing_ok=True)
-        else:
-            await asyncio.to_thread(self.repo.put_manifest, name, {"deleted": True})
+        await asyncio.to_thread(self.repo.delete_manifest, name)
 
     async def all(self) -> dict[str, dict[str, Any]]:
         """Every snapshot manifest, by snapshot id."""
         docs = await self.documents(PREFIX)
         return {name[len(PREFIX):]: doc for name, doc in docs.items()}
 
-    async def documents(self, prefix: str = "") -> dict[str, dict[str, Any]]:
+    async def documents(self, prefix: str = "", *,
+                        purge: bool = False) -> dict[str, dict[str, Any]]:
         """Every document of the manifest space whose name starts with `prefix`, by name
-        (deleted ones and unreadable ones left out)."""
+        (deleted ones and unreadable ones left out). `purge`: the tombstones older
+        versions wrote for a delete (`{"deleted": true}`) are removed."""
         names = await asyncio.to_thread(self.repo.list_manifests)
         out: dict[str, dict[str, Any]] = {}
         for name in names:
@@ -76,4 +72,6 @@ class ManifestStore:
                 continue
             if not m.get("deleted"):
                 out[name] = m
+            elif purge:
+                await self.delete_doc(name)
         return out

@@ -38,6 +38,10 @@ from .errors import SandboxStartError, SnapshotCorruptError
 log = logging.getLogger(__name__)
 
 MEMORY_KEY = "memory/"  # repository file keys of memory snapshots: memory/<relpath>
+# memory/.own/<snapshot id>: this node uploaded that snapshot's memory, so its repository
+# copy is this node's to delete once nothing needs it (kept apart from the cached dirs,
+# which trim evicts: ownership outlives the local copy)
+OWN_DIR = ".own"
 
 
 class Peers(Protocol):
@@ -112,6 +116,7 @@ class MemoryFiles:
         repository shares the bytes instead of copying them (posix_fs)}."""
         files = sorted(p for p in own_dir.rglob("*") if p.is_file())
         out: dict[str, str | None] = {}
+        await asyncio.to_thread(self._own, self.owners(self.rel(f) for f in files))
         for f in files:
             name = self.rel(f)
             out[name] = await asyncio.to_thread(self.repo.put_file, MEMORY_KEY + name, f)
@@ -178,12 +183,53 @@ class MemoryFiles:
                  time.perf_counter() - t0, path.stat().st_size)
         return True
 
-    async def delete_remote(self, owners: Iterable[str]) -> None:
+    def _own(self, owners: Iterable[str]) -> None:
+        """Record, before their upload starts, that these snapshots' memory is ours."""
+        own = self.dir / OWN_DIR
+        own.mkdir(exist_ok=True)
+        for owner in owners:
+            (own / owner).touch()
+
+    def uploaded(self, owners: Iterable[str]) -> set[str]:
+        """Those of `owners` whose memory this node uploaded."""
+        return {o for o in owners if (self.dir / OWN_DIR / o).exists()}
+
+    async def delete_remote(self, owners: Iterable[str]) -> Swept:
+        """Remove the repository's copy of these snapshots' memory; what went."""
+        out = Swept()
         for owner in sorted(owners):
             try:
-                await asyncio.to_thread(self.repo.delete_files, MEMORY_KEY + owner)
+                freed = await asyncio.to_thread(self.repo.delete_files, MEMORY_KEY + owner)
             except (RepositoryError, OSError) as exc:
                 log.warning("removing memory of %s from the repository: %s", owner, exc)
+                continue
+            (self.dir / OWN_DIR / owner).unlink(missing_ok=True)
+            out.add_bytes(owner, freed)
+        return out
+
+    async def gc_remote(self, used: set[str], *, min_age_s: float,
+                        dry_run: bool = False) -> Swept:
+        """Remove the repository's copy of the memory this node uploaded (`.own`) that
+        no manifest, live VM or start uses (`used`, pins), recorded longer than
+        `min_age_s` ago (a pause uploads its memory before its manifest names it).
+        Another node's memory is never touched."""
+        own = self.dir / OWN_DIR
+        cutoff = time.time() - min_age_s
+
+        def unused() -> list[str]:
+            out = []
+            for marker in own.iterdir() if own.is_dir() else []:
+                with contextlib.suppress(OSError):
+                    name = marker.name
+                    if name not in used and name not in self.pins and \
+                            name not in self.writing and marker.stat().st_mtime <= cutoff:
+                        out.append(name)
+            return out
+
+        owners = await asyncio.to_thread(unused)
+        if dry_run:
+            return Swept(files=len(owners), digests=owners)
+        return await self.delete_remote(owners)
 
     # -- space ----------------------------------------------------------------------------
 
@@ -216,7 +262,7 @@ class MemoryFiles:
         if self.dir.is_dir():
             for d in self.dir.iterdir():
                 if d.name not in used and d.name not in self.pins and \
-                        d.name not in self.writing:
+                        d.name not in self.writing and d.name != OWN_DIR:
                     out.files += 1
                     out.digests.append(d.name)
                     out.bytes += await asyncio.to_thread(tree_bytes, d, unshared=True)

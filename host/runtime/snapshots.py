@@ -257,12 +257,16 @@ async def _freeze(p: NodeParts, sb: RunningSandbox, root: Path, seal: Seal,
 
 
 async def delete(p: NodeParts, snapshot_id: str) -> None:
-    """Remove the manifest, then every memory dir (local and in the repository) no
-    manifest or live sandbox uses. Disk layers stay in the repository (no layer GC in
-    host/storage yet)."""
+    """Remove the manifest, then every memory dir no manifest or live sandbox uses: the
+    local copies, and the repository's where this node uploaded them (or owns the
+    repository); a dir another node uploaded is its to delete. Disk layers go with the
+    next collection (collect.py)."""
     gone: set[str] = {snapshot_id}
     with contextlib.suppress(SnapshotNotFoundError):
         gone |= set((await p.manifests.get(snapshot_id)).get("depends_on", ()))
     await p.manifests.delete(snapshot_id)
     used, _ = await p.gc_memory()
-    await p.memory.delete_remote(gone - used)
+    gone -= used
+    if not p.config.owns_repository:
+        gone = p.memory.uploaded(gone)
+    await p.memory.delete_remote(gone)

@@ -66,6 +66,12 @@ class Swept:
         self.digests.append(digest)
         self.bytes += n
 
+    def merge(self, other: Swept) -> None:
+        """Add what another sweep of the same kind removed."""
+        self.files += other.files
+        self.bytes += other.bytes
+        self.digests += other.digests
+
     def to_dict(self) -> dict[str, Any]:
         return {"files": self.files, "bytes": self.bytes, "digests": self.digests}
 

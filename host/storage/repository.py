@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -87,6 +88,7 @@ class Repository(Protocol):
     def put_manifest(self, name: str, manifest: dict[str, Any]) -> None: ...
     def get_manifest(self, name: str) -> dict[str, Any]: ...
     def list_manifests(self) -> list[str]: ...
+    def delete_manifest(self, name: str) -> None: ...
     def put_file(self, key: str, path: str | os.PathLike[str]) -> str | None:
         """Store an immutable file; returns the sha256 (hex) of its content when the
         backend computed it while copying (None: the bytes are shared, not copied)."""
@@ -97,7 +99,9 @@ class Repository(Protocol):
         (refetched once, then IntegrityError, and `dest` is not created)."""
         ...
     def has_file(self, key: str) -> bool: ...
-    def delete_files(self, prefix: str) -> None: ...
+    def delete_files(self, prefix: str) -> int:
+        """Remove the files under `prefix` (a directory of keys); the bytes that frees."""
+        ...
     def delete_layer(self, digest: str) -> int:
         """Remove a layer (and what describes it); the bytes it held (0: it was absent)."""
         ...
@@ -176,6 +180,9 @@ class PosixFsRepository:
     def list_manifests(self) -> list[str]:
         return sorted(p.stem for p in (self.root / "manifests").glob("*.json"))
 
+    def delete_manifest(self, name: str) -> None:
+        (self.root / "manifests" / f"{_check_name(name)}.json").unlink(missing_ok=True)
+
     # Files are immutable once put: a hard link shares the bytes when source and repository
     # are on one filesystem (a pause's memory diff is then "uploaded" in microseconds).
 
@@ -222,12 +229,19 @@ class PosixFsRepository:
             return 0
         return st.st_blocks * 512 if st.st_nlink == 1 else 0  # a hard link frees nothing
 
-    def delete_files(self, prefix: str) -> None:
+    def delete_files(self, prefix: str) -> int:
         target = self.root / "files" / _check_key(prefix.rstrip("/"))
+        freed = 0
+        for f in (target.rglob("*") if target.is_dir() else [target]):
+            with contextlib.suppress(OSError):
+                st = f.lstat()
+                if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:  # a hard link frees nothing
+                    freed += st.st_blocks * 512
         if target.is_dir():
             shutil.rmtree(target, ignore_errors=True)
         else:
             target.unlink(missing_ok=True)
+        return freed
 
 
 
@@ -455,6 +469,11 @@ class OssRepository:
         doc: dict[str, Any] = json.loads(raw)
         return doc
 
+    def delete_manifest(self, name: str) -> None:
+        with _map_boto_errors(f"delete manifest {name}"):
+            self.s3.delete_object(Bucket=self.bucket,
+                                  Key=f"{self.prefix}manifests/{_check_name(name)}.json")
+
     def _file_key(self, key: str) -> str:
         return f"{self.prefix}files/{_check_key(key)}"
 
@@ -520,14 +539,18 @@ class OssRepository:
             self.s3.delete_object(Bucket=self.bucket, Key=self._sums_key(digest))
         return size
 
-    def delete_files(self, prefix: str) -> None:
+    def delete_files(self, prefix: str) -> int:
         root = self._file_key(prefix.rstrip("/")) + "/"
+        freed = 0
         with _map_boto_errors(f"delete {prefix}"):
             for page in self.s3.get_paginator("list_objects_v2").paginate(
                     Bucket=self.bucket, Prefix=root):
-                keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-                if keys:
-                    self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": keys})
+                objects = page.get("Contents", [])
+                if objects:
+                    self.s3.delete_objects(Bucket=self.bucket, Delete={
+                        "Objects": [{"Key": o["Key"]} for o in objects]})
+                    freed += sum(int(o["Size"]) for o in objects)
+        return freed
 
     def list_manifests(self) -> list[str]:
         names = []

@@ -135,3 +135,28 @@ async def test_a_node_gone_is_not_waited_for(shared: str, tmp_path: Path) -> Non
         assert kept["layers"]["files"] == 0 and repo.has_layer(again)
     finally:
         await a.block.stop()
+
+
+async def test_a_node_deletes_only_the_memory_it_uploaded(shared: str, tmp_path: Path) -> None:
+    """Memory in a shared repository: a node's collection removes the repository copy of
+    the snapshots' memory it uploaded once nothing uses it, even after its local copy
+    went (the ledger outlives the cache), never another node's."""
+    repo = open_repository(shared)
+    a = MemoryFiles(tmp_path / "a-memory", repo, bound_mib=64)
+    b = MemoryFiles(tmp_path / "b-memory", open_repository(shared), bound_mib=64)
+    for files, sid in ((a, "snap-a"), (a, "snap-kept"), (b, "snap-b")):
+        own = files.dir / sid / "mem"
+        own.mkdir(parents=True)
+        (own / "mem.diff").write_bytes(os.urandom(4096))
+        await files.upload(own)
+    await a.gc(set())  # a's local copies go (a trim would do the same): not its ledger
+    assert not (a.dir / "snap-a").exists()
+    assert a.uploaded({"snap-a", "snap-b", "snap-kept"}) == {"snap-a", "snap-kept"}
+    dry = await a.gc_remote({"snap-kept"}, min_age_s=0, dry_run=True)
+    assert dry.digests == ["snap-a"] and repo.has_file("memory/snap-a/mem/mem.diff")
+    out = await a.gc_remote({"snap-kept"}, min_age_s=0)
+    assert out.digests == ["snap-a"] and out.bytes >= 4096
+    assert not repo.has_file("memory/snap-a/mem/mem.diff")
+    assert repo.has_file("memory/snap-kept/mem/mem.diff")  # still used
+    assert repo.has_file("memory/snap-b/mem/mem.diff")  # b's: never a's to delete
+    assert (await a.gc_remote(set(), min_age_s=3600)).files == 0  # too young
