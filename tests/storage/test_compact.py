@@ -100,18 +100,25 @@ async def test_zeroes_in_the_run_still_hide_the_layers_below(tmp_path: Path) -> 
         assert exp.stack.read(5 * MiB, 4096) == model[5 * MiB:5 * MiB + 4096]
 
 
+class HeldCopy:
+    """A compaction's copy stopped until `go` is set (`copying` says it started)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.go, self.copying = threading.Event(), threading.Event()
+        real = bsmod.write_merged
+
+        def slow(run: list[SealedLayer], path: Path) -> str:
+            self.copying.set()
+            assert self.go.wait(30)
+            return real(run, path)
+
+        monkeypatch.setattr(bsmod, "write_merged", slow)
+
+
 async def test_pauses_during_a_compaction_stay_on_top(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     rng = random.Random(11)
-    go, copying = threading.Event(), threading.Event()
-    real = bsmod.write_merged
-
-    def slow(run: list[SealedLayer], path: Path) -> str:
-        copying.set()
-        assert go.wait(30)
-        return real(run, path)
-
-    monkeypatch.setattr(bsmod, "write_merged", slow)
+    held = HeldCopy(monkeypatch)
     async with _server(tmp_path) as bs:
         base, model = await _base(bs, rng)
         await bs.create("p", [base])
@@ -119,11 +126,11 @@ async def test_pauses_during_a_compaction_stay_on_top(tmp_path: Path,
             await _scribble(bs, "p", model, rng)
             await bs.seal("p")
         task = asyncio.create_task(bs.compact("p", 1))
-        assert await asyncio.to_thread(copying.wait, 30)
+        assert await asyncio.to_thread(held.copying.wait, 30)
         await _scribble(bs, "p", model, rng)  # the guest writes and pauses meanwhile
         top = await bs.seal("p")
         await _scribble(bs, "p", model, rng)
-        go.set()
+        held.go.set()
         out = await task
         assert out["merged"] == 4
         assert (await bs.info("p")).layers == (base, out["digest"], top)
@@ -132,15 +139,7 @@ async def test_pauses_during_a_compaction_stay_on_top(tmp_path: Path,
 
 async def test_a_stack_deleted_during_its_compaction_is_left_alone(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    go, copying = threading.Event(), threading.Event()
-    real = bsmod.write_merged
-
-    def slow(run: list[SealedLayer], path: Path) -> str:
-        copying.set()
-        assert go.wait(30)
-        return real(run, path)
-
-    monkeypatch.setattr(bsmod, "write_merged", slow)
+    held = HeldCopy(monkeypatch)
     async with _server(tmp_path) as bs:
         base, _ = await _base(bs, random.Random(5))
         await bs.create("k", [base])
@@ -149,10 +148,10 @@ async def test_a_stack_deleted_during_its_compaction_is_left_alone(
             await bs.seal("k")
         await bs.create("keep", [base])  # holds the base open
         task = asyncio.create_task(bs.compact("k", 1))
-        assert await asyncio.to_thread(copying.wait, 30)
+        assert await asyncio.to_thread(held.copying.wait, 30)
         # the run's layers are held by the compaction's copy, not closed under it
         await bs.delete("k")
-        go.set()
+        held.go.set()
         out = await task
         assert out["digest"] is None and "k" not in bs._stacks
         # no .tmp left behind; the merged file (named by nothing) is the collector's
