@@ -516,20 +516,30 @@ def test_a_crash_during_a_collection_loses_nothing(sdk_env: HostService) -> None
     svc.extra += ["--gc-min-age", "0"]
     svc.start()
     layers = svc.state / "storage" / "layers"
-    before = len(list(layers.glob("*.lsmt")))
+    before = sum(1 for _ in os.scandir(layers))
 
     def collect() -> None:
         with svc.client(timeout_s=60) as c, contextlib.suppress(httpx.HTTPError):
             c.post("/admin/gc")
 
+    # garbage enough that the sweep takes a while: the cut lands in it, not before or after
+    fake = [layers / f"{os.urandom(32).hex()}.lsmt" for _ in range(20000)]
+    for f in fake:
+        f.write_bytes(b"junk")
+    planted = sum(1 for _ in os.scandir(layers))
     t = threading.Thread(target=collect)
     t.start()
-    time.sleep(0.05)
-    svc.sigkill()  # most likely mid-collection; wherever it lands, nothing may be lost
+    while t.is_alive() and sum(1 for _ in os.scandir(layers)) >= planted:
+        time.sleep(0.002)
+    svc.sigkill()  # the sweep has begun
     t.join()
+    cut = sum(f.exists() for f in fake)
+    print(f"\nthe service was killed with {cut} of {len(fake)} junk layers left")
+    assert 0 < cut < len(fake), "the kill did not land in the middle of the sweep"
     svc.start()
     with svc.client(timeout_s=300) as c:
         report = c.post("/admin/gc").json()
+        assert not any(f.exists() for f in fake)  # the next collection took the rest
         assert c.post(f"/sandboxes/{paused['sandboxID']}/connect",
                       json={"timeout": 600}).status_code in (200, 201)
         assert _read(paused) == "paused data"
