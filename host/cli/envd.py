@@ -114,11 +114,14 @@ class Envd:
         raise CliError("envd closed the command stream without an exit status")
 
     def kill_process(self, pid: int) -> None:
-        """Best effort SIGKILL of a process started by `exec` (unary Connect, JSON)."""
-        with transport_errors(self.sandbox_url, "sandbox proxy"):
-            self._http.post("/process.Process/SendSignal",
-                            json={"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"},
-                            headers={"Connect-Protocol-Version": "1"}, timeout=5.0)
+        """Best effort SIGKILL of a process started by `exec` (unary Connect, JSON). Sent
+        on a client of its own: after a Ctrl-C cut the streaming request anywhere (even
+        inside the connection pool, which may stay locked), this one must not wait on it."""
+        with transport_errors(self.sandbox_url, "sandbox proxy"), \
+                httpx.Client(base_url=self.sandbox_url, headers=self.headers()) as http:
+            http.post("/process.Process/SendSignal",
+                      json={"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"},
+                      headers={"Connect-Protocol-Version": "1"}, timeout=5.0)
 
     # --- files --------------------------------------------------------------------------
 

@@ -37,11 +37,13 @@ def exec_command(ctx: click.Context, sandbox_id: str, command: tuple[str, ...], 
     env = pairs(envs, "--env")
     envd = settings(ctx).envd(sandbox_id)
     pid: list[int] = []
+    interrupted = False
     try:
         result = envd.exec(shell_command(command), user=user, cwd=cwd, envs=env,
                            stdout=sys.stdout.buffer,
                            stderr=sys.stderr.buffer, on_start=pid.append)
     except KeyboardInterrupt:
+        interrupted = True
         if pid:
             try:
                 envd.kill_process(pid[0])
@@ -50,7 +52,10 @@ def exec_command(ctx: click.Context, sandbox_id: str, command: tuple[str, ...], 
         click.echo("aenv: interrupted; remote process killed", err=True)
         ctx.exit(130)
     finally:
-        envd.close()
+        # an interrupted client is not closed: its pool may be left locked mid-request
+        # (closing could wait forever), and the process ends now anyway
+        if not interrupted:
+            envd.close()
     code = result.exit_code
     if not result.exited:  # killed by a signal: say so (an exit status speaks for itself)
         click.echo(f"aenv: remote command {result.error or result.status}", err=True)
