@@ -35,8 +35,6 @@ class Compactor:
         self._wanted: dict[str, int] = {}  # stack -> index of its first own layer
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._busy = False
-        self.merged = 0  # layers merged away since this start (tests, logs)
 
     def request(self, sb: RunningSandbox) -> None:
         """Look at `sb`'s stack soon; merge its own layers if there are too many."""
@@ -47,11 +45,6 @@ class Compactor:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="compactor")
 
-    async def idle(self) -> None:
-        """Until no request is waiting or running (tests)."""
-        while self._wanted or self._wake.is_set() or self._busy:
-            await asyncio.sleep(0.05)
-
     async def _run(self) -> None:
         while True:
             await self._wake.wait()
@@ -59,15 +52,12 @@ class Compactor:
             while self._wanted:
                 stack = next(iter(self._wanted))
                 start = self._wanted.pop(stack)
-                self._busy = True
                 try:
                     await self._one(stack, start)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - a later request tries again
                     log.warning("stack %s: compaction failed: %s", stack, exc)
-                finally:
-                    self._busy = False
 
     async def _one(self, stack: str, start: int) -> None:
         client = self.block.client
@@ -80,7 +70,6 @@ class Compactor:
         t0 = time.perf_counter()
         out = await client.compact(stack, start)
         if out.get("digest"):
-            self.merged += int(out["merged"]) - 1
             log.info("stack %s: %d own layers merged into one in %.0f ms (%d layers now)",
                      stack, out["merged"], (time.perf_counter() - t0) * 1e3, out["layers"])
 

@@ -39,15 +39,14 @@ PREFIX = "gcheld-"
 PUBLISH_S = 60.0
 
 
-async def publish(p: NodeParts) -> float:
+async def publish(p: NodeParts) -> None:
     """Write this node's holdings as of the time they carry (taken before they are read:
-    whatever was held then is in them); returns it."""
+    whatever was held then is in them)."""
     now = time.time()
     stacks = await p.block.client.list()
     held = {d for info in stacks for d in info.layers} | set(p.layer_pins)
     await p.manifests.put_doc(PREFIX + p.config.node_id, {
         "node": p.config.node_id, "updated_at": now, "layers": sorted(held)})
-    return now
 
 
 def others(p: NodeParts, docs: dict[str, dict[str, Any]], now: float) -> dict[str, float]:

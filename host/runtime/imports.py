@@ -61,7 +61,7 @@ def _key(*parts: str) -> str:
 async def blank_layer(p: NodeParts) -> str:
     """The empty ext4 every imported image starts from (made once per repository)."""
     name = f"ociblank-{BLANK_MIB}"
-    if (doc := await read_entry(p.manifests, name)) is not None:
+    if (doc := await p.manifests.get_doc(name)) is not None:  # kept for good: no cache
         return str(doc["layer"])
     with tempfile.TemporaryDirectory(dir=p.config.state_dir, prefix=".blank-") as tmp:
         img = Path(tmp) / "blank.ext4"
@@ -75,7 +75,7 @@ async def blank_layer(p: NodeParts) -> str:
         dest = Path(tmp) / "blank.lsmt"
         await asyncio.to_thread(convert_image, img, dest)
         digest = await p.block.client.import_layer(dest, upload=True)
-    await write_entry(p.manifests, name, {"layer": digest})
+    await p.manifests.put_doc(name, {"layer": digest})
     return str(digest)
 
 
