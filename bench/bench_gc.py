@@ -7,8 +7,9 @@ Each lifecycle: create; write 1 MiB and sync; pause and resume 3 times (a write 
 each); fork --fork children (4); a named snapshot, then its delete; kill every sandbox.
 Every --build-every lifecycles (30) also a template build through the SDK's Template API
 (a RUN and a COPY of a new file: a new archive and new cache entries), then its delete.
-The anchor is the warm-up state (one lifecycle and one build, collected): a leak shows as
-growth over it. `--repo oss` puts the repository in a real moto S3 server process and
+The anchor is the warm-up state (--warm-up lifecycles and one build, collected): a leak
+shows as growth over it. RSS is also sampled every 10 lifecycles: a leak climbs steadily,
+the heap's high-water mark levels off. `--repo oss` puts the repository in a real moto S3 server process and
 counts its objects per kind too.
 
     .venv/bin/python bench/bench_gc.py [-n 30] [--repo posix|oss]
@@ -174,6 +175,8 @@ def main() -> int:
     ap.add_argument("--build-every", type=int, default=30,
                     help="a template build + delete every this many lifecycles (0: none)")
     ap.add_argument("--repo", choices=("posix", "oss"), default="posix")
+    ap.add_argument("--warm-up", type=int, default=5,
+                    help="lifecycles before the anchor (the heap's first growth is there)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     args.json = args.json or REPO / f"out/bench/gc-{args.repo}.json"
@@ -211,7 +214,8 @@ def main() -> int:
             os.environ["E2B_DOMAIN"] = "sbx.localhost"
             soak = Soak(svc, args.fork)
             assert svc.proc is not None
-            soak.lifecycle(0)
+            for i in range(args.warm_up):
+                soak.lifecycle(100000 + i)
             if args.build_every:
                 soak.build(0, context)
             soak.collect()
@@ -220,12 +224,15 @@ def main() -> int:
             bs_before = proc_stats(bs_pid) if bs_pid else (0, 0)
             t0 = time.monotonic()
             builds = 0
+            rss: list[tuple[int, int, int]] = [(0, svc_before[1], bs_before[1])]
             for i in range(1, args.n + 1):
                 soak.lifecycle(i)
                 if args.build_every and i % args.build_every == 0:
                     soak.build(i, context)
                     builds += 1
                 if i % 10 == 0:
+                    rss.append((i, proc_stats(svc.proc.pid)[1],
+                                proc_stats(bs_pid)[1] if bs_pid else 0))
                     print(f"  {i}/{args.n} lifecycles, {time.monotonic() - t0:.0f} s; state "
                           f"dir {usage(svc.state)['state dir'][1] / 2**20:.0f} MiB before "
                           f"collection", flush=True)
@@ -246,12 +253,17 @@ def main() -> int:
                       f"{n2:5} {b2 / 2**20:8.1f} MiB {ratio:>14}")
             print(f"  service fds/RSS: {svc_before[0]}/{svc_before[1] // 1024} MiB -> "
                   f"{svc_after[0]}/{svc_after[1] // 1024} MiB; block server: {bs_before[0]}/"
-                  f"{bs_before[1] // 1024} MiB -> {bs_after[0]}/{bs_after[1] // 1024} MiB")
+                  f"{bs_before[1] // 1024} MiB -> {bs_after[0]}/{bs_after[1] // 1024} MiB "
+                  "(after the collection)")
+            print("  RSS MiB (service, block server) every 10 lifecycles, before collection: "
+                  + " ".join(f"{n}:{a // 1024}/{b // 1024}" for n, a, b in rss))
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps({"bench": "gc", "n": args.n, "repo": args.repo,
                                              "fork": args.fork, "builds": builds,
                                              "warm_up": before, "before_gc": grown,
-                                             "after_gc": after, "report": report},
+                                             "after_gc": after, "report": report,
+                                             "rss_kib": rss, "service": [svc_before, svc_after],
+                                             "block_server": [bs_before, bs_after]},
                                             indent=1, default=str) + "\n")
             return 0
         finally:

@@ -13,7 +13,8 @@ Each run, in this order (each step frees what the next one may then take):
    document, stack, start or VM needs (`runtime.collect_storage`, host/runtime/collect.py).
 
 A run and `aenv gc` (`POST /admin/gc`) share one lock: never two at once. A dry run counts
-what a run would remove and removes nothing (step 2 is not counted: it deletes records).
+what a run would remove and removes nothing (step 4 then still counts what step 2's
+snapshots hold as needed).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import logging
 import time
 from typing import Any
 
+from host import heap
 from host.tasks import cancel_and_wait, run_every
 
 from . import snapshots
@@ -65,7 +67,7 @@ class Collector:
             ctx = self.ctx
             before = time.time() - self.retain_killed_s  # the store's update times are wall-clock
             records = await ctx.db(ctx.store.prune_killed, before, dry_run=dry_run)
-            collected = [] if dry_run else await snapshots.collect_snapshots(ctx)
+            collected = await snapshots.collect_snapshots(ctx, dry_run=dry_run)
             records["snapshots"] = len(collected)
             archives = await template_files.expire(ctx, self.files_ttl_s, dry_run=dry_run)
             storage: dict[str, Any] = {}
@@ -78,6 +80,7 @@ class Collector:
             if not dry_run:
                 self._count(report)
                 self.last = report
+                heap.trim()  # what the run and the work since freed goes back (host/heap.py)
             return report
 
     def _count(self, report: dict[str, Any]) -> None:

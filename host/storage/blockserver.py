@@ -35,6 +35,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from host import heap
+
 from .blob import Blob, FileBlob
 from .cache import ChunkCache
 from .collect import Swept, counted, sweep_layers
@@ -446,6 +448,7 @@ class BlockServer:
                     dry_run=dry_run, links=links)
             if not dry_run:
                 self._release_unused_layers()  # closes what was open of the removed ones
+                heap.trim()  # what the layers' indexes held goes back (host/heap.py)
             if local.files or remote.files:
                 log.info("layers %s: %d local, %d in the repository, %d bytes",
                          "collectable" if dry_run else "collected", local.files,
