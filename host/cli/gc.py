@@ -37,6 +37,10 @@ def gc(ctx: click.Context, dry_run: bool, output: str) -> None:
     for kind, n in report.records.items():
         rows.append((f"{kind} (records)", n, "", ""))
     echo_table(rows)
+    waiting = report.storage.get("waiting_layers")
+    if waiting:  # a shared repository: other nodes must show them unused first
+        click.echo(f"{waiting} unreferenced layers wait for other nodes' holdings "
+                   "(a later run takes them)")
     click.echo(f"{'dry run' if dry_run else 'collected'} in {report.seconds:.2f}s")
 
 

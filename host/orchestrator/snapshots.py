@@ -88,7 +88,7 @@ async def delete_snapshot(ctx: Context, snapshot_id: str) -> None:
     await ctx.db(ctx.store.delete_snapshot, snapshot_id)
 
 
-async def collect_snapshots(ctx: Context) -> list[str]:
+async def collect_snapshots(ctx: Context, *, dry_run: bool = False) -> list[str]:
     """Delete the snapshots nobody can reach any more:
     - pause and fork snapshots of gone sandboxes, and the earlier pauses of live ones (a
       sandbox resumes from its last pause only; each manifest names every file it needs,
@@ -96,11 +96,12 @@ async def collect_snapshots(ctx: Context) -> list[str]:
     - template snapshots no tag points at any more (`orphaned`, templates.py),
     unless a live sandbox started from or resumes from them, a running build starts from
     them, or a snapshot other than a pause builds on them (a fork's children, a named
-    snapshot, a template: lineage those keep)."""
+    snapshot, a template: lineage those keep). `dry_run`: only their ids, each round's
+    taken as gone (what they kept becomes collectable in the next)."""
     deleted: list[str] = []
     while True:
         recs = await ctx.db(ctx.store.list_sandboxes)
-        snaps = await ctx.db(ctx.store.list_snapshots)
+        snaps = [s for s in await ctx.db(ctx.store.list_snapshots) if s.id not in deleted]
         building = await ctx.db(ctx.templates.list_builds, None, ["building"])
         alive = {r.id for r in recs if r.state not in GONE}
         used = {r.snapshot_id for r in recs if r.state not in GONE}
@@ -120,8 +121,10 @@ async def collect_snapshots(ctx: Context) -> list[str]:
         if not victims:
             return deleted
         for snap in victims:
+            deleted.append(snap.id)
+            if dry_run:
+                continue
             if not catalog.is_foreign(snap):   # another node's files stay its own
                 with contextlib.suppress(KeyError, LookupError):
                     await ctx.runtime.delete_snapshot(snapshot_ref(snap).snapshot_id)
             await ctx.db(ctx.store.delete_snapshot, snap.id)
-            deleted.append(snap.id)

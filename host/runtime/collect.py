@@ -33,7 +33,7 @@ from host.storage.repository import PosixFsRepository
 from . import holds
 from .buildcache import CACHE_PREFIXES, last_used, write_entry
 from .memory import MEMORY_KEY, tree_bytes
-from .parts import NodeParts
+from .parts import Claims, NodeParts
 
 log = logging.getLogger(__name__)
 
@@ -67,24 +67,30 @@ async def collect(p: NodeParts, *, dry_run: bool = False,
     """Remove (`dry_run`: count) what nothing needs; returns per kind {files, bytes,
     digests}: `layers`, `repository_layers`, `memory`, `repository_memory`, and
     `build_cache` (entries expired: no bytes of their own, their layers are counted in
-    `layers`)."""
+    `layers`); and `waiting_layers`, unreferenced layers kept until other nodes'
+    holdings show them unused (holds.py)."""
     t0 = time.perf_counter()
     owns = p.config.owns_repository
     if not owns:  # a shared repository (holds.py): ours first, the others' below
         await holds.publish(p)
     docs = await p.manifests.documents(purge=not dry_run)
     now = time.time()
-    peers = {} if owns else holds.others(p, docs, now)
+    peers, gone = ({}, {}) if owns else holds.others(p, docs, now)
     expired = await _expire_cache_entries(p, docs, dry_run=dry_run)
     # pins are read after the documents: a start that read a manifest deleted meanwhile
     # pinned its layers before this listing ended (starts.py), with no await between
     keep = {d for doc in docs.values() for d in named_layers(doc)}
     keep |= await asyncio.to_thread(_image_cache_layers, p.config.state_dir / "layers.json")
     keep |= set(p.layer_pins)
-    if not owns and not dry_run:  # what other nodes may still need waits a phase
+    waiting: set[str] = set()
+    lost, adopted = holds.orphans(p, gone, peers, keep) if not owns else (Claims(), {})
+    if not owns:  # what other nodes may still need waits a phase (not counted as collectable)
         probe = await p.block.client.collect(sorted(keep), min_age_s=min_age_s, dry_run=True)
         found = [d for d in probe["local"]["digests"] if "." not in d]  # not partials
-        keep |= set(found) - await asyncio.to_thread(holds.ready, p, found, peers, now)
+        candidates = sorted(set(found) | lost.layers)
+        waiting = set(candidates) - await asyncio.to_thread(
+            holds.ready, p, candidates, peers, now, remember=not dry_run)
+        keep |= waiting
     layers = await p.block.client.collect(sorted(keep), min_age_s=min_age_s,
                                           dry_run=dry_run,
                                           repository="sweep" if owns else "own")
@@ -95,13 +101,21 @@ async def collect(p: NodeParts, *, dry_run: bool = False,
     if owns and isinstance(p.memory.repo, PosixFsRepository):
         remote_memory.merge(await asyncio.to_thread(
             _sweep_repository_memory, p.memory.repo, used, min_age_s, dry_run))
+    if lost.layers or lost.memory or adopted:  # what only this node answers for now
+        gone_layers, gone_memory = await holds.delete_orphans(
+            p, lost, lost.layers - waiting, used, adopted, dry_run=dry_run)
+        gone_layers.merge(Swept(**layers["repository"]))
+        layers["repository"] = gone_layers.to_dict()
+        remote_memory.merge(gone_memory)
     out: dict[str, Any] = {
         "layers": layers["local"], "repository_layers": layers["repository"],
         "memory": memory.to_dict(), "repository_memory": remote_memory.to_dict(),
-        "build_cache": {"files": len(expired), "bytes": 0, "digests": expired}}
-    if any(v["files"] for v in out.values()):
+        "build_cache": {"files": len(expired), "bytes": 0, "digests": expired},
+        "waiting_layers": len(waiting)}
+    if any(isinstance(v, dict) and v["files"] for v in out.values()):
         log.info("storage %s: %s", "collectable" if dry_run else "collected",
-                 ", ".join(f"{k} {v['files']} ({v['bytes']} bytes)" for k, v in out.items()))
+                 ", ".join(f"{k} {v['files']} ({v['bytes']} bytes)" for k, v in out.items()
+                         if isinstance(v, dict)))
     out["held"] = await asyncio.to_thread(held_bytes, p)
     out["dry_run"] = dry_run
     out["seconds"] = round(time.perf_counter() - t0, 3)

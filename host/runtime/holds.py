@@ -17,26 +17,43 @@ manifest deleted since. So:
 - holdings not rewritten for `node_expiry_s` are a node that is gone: not waited for,
   not a root.
 
+Holdings also list what the node made (`made`: its layers dir; `memory`: its upload
+ledger), so what it put in the repository is never nobody's:
+- a node gone leaves them to the live node first by id, which deletes those nothing needs
+  (two phases, as its own) and rewrites the gone node's holdings without them; once they
+  name nothing, they go too;
+- a node that lost its state dir (or collected after its last holdings) reads its last
+  holdings at its first publish: what they list and it no longer has is still its own
+  (`NodeParts.lost`), deleted from the repository by its collections once unused.
+
 A node alone on a non-default repository (an `oss` bucket of its own) has no other
 holdings to wait for: what it finds unreferenced goes at once, as on its own posix_fs one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import time
 from typing import Any
 
-from host.storage.collect import layer_hex
+from host.storage.collect import Swept, layer_hex
 
-from .parts import NodeParts
+from .memory import MEMORY_KEY
+from .parts import Claims, NodeParts
 
 log = logging.getLogger(__name__)
 
 PREFIX = "gcheld-"
 PUBLISH_S = 60.0
+
+
+def _made(p: NodeParts) -> tuple[set[str], set[str]]:
+    """The layers (hex) and memory (snapshot ids) this node has a record of making."""
+    layers = {f.name[:-5] for f in p.config.layers_dir.glob("*.lsmt")}
+    return layers, p.memory.owned()
 
 
 async def publish(p: NodeParts) -> None:
@@ -45,14 +62,33 @@ async def publish(p: NodeParts) -> None:
     now = time.time()
     stacks = await p.block.client.list()
     held = {d for info in stacks for d in info.layers} | set(p.layer_pins)
-    await p.manifests.put_doc(PREFIX + p.config.node_id, {
-        "node": p.config.node_id, "updated_at": now, "layers": sorted(held)})
+    layers, memory = await asyncio.to_thread(_made, p)
+    name = PREFIX + p.config.node_id
+    if p.lost is None:  # this run's first: what an earlier one made and we lack is ours
+        last = await p.manifests.get_doc(name) or {}
+        p.lost = Claims(layers=set(_strings(last, "made")) - layers,
+                        memory=set(_strings(last, "memory")) - memory)
+        if p.lost.layers or p.lost.memory:
+            log.info("%d layers and %d memory dirs in the repository were this node's "
+                     "before it lost them; collections delete those unused",
+                     len(p.lost.layers), len(p.lost.memory))
+    await p.manifests.put_doc(name, {
+        "node": p.config.node_id, "updated_at": now, "layers": sorted(held),
+        "made": sorted(layers | p.lost.layers), "memory": sorted(memory | p.lost.memory)})
 
 
-def others(p: NodeParts, docs: dict[str, dict[str, Any]], now: float) -> dict[str, float]:
+def _strings(doc: dict[str, Any], key: str) -> list[str]:
+    value = doc.get(key)
+    return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
+
+
+def others(p: NodeParts, docs: dict[str, dict[str, Any]],
+           now: float) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
     """Drop from `docs` the holdings of nodes gone (older than `node_expiry_s`); returns
-    when each other node still there last published its own."""
+    when each other node still there last published its own, and the gone ones'
+    holdings by node."""
     out: dict[str, float] = {}
+    gone: dict[str, dict[str, Any]] = {}
     for name, doc in list(docs.items()):
         if not name.startswith(PREFIX) or name == PREFIX + p.config.node_id:
             continue
@@ -61,16 +97,64 @@ def others(p: NodeParts, docs: dict[str, dict[str, Any]], now: float) -> dict[st
         except (KeyError, TypeError, ValueError):
             at = 0.0
         if now - at > p.config.node_expiry_s:
-            del docs[name]  # a node gone: neither a root nor waited for
+            gone[name[len(PREFIX):]] = docs.pop(name)  # neither a root nor waited for
         else:
             out[name[len(PREFIX):]] = at
-    return out
+    return out, gone
+
+
+def orphans(p: NodeParts, gone: dict[str, dict[str, Any]], peers: dict[str, float],
+            keep: set[str]) -> tuple[Claims, dict[str, dict[str, Any]]]:
+    """The repository's layers and memory no live node but this one has a record of: its
+    own lost ones and, when it is the live node first by id, what gone nodes made (their
+    holdings, adopted, are returned too). Layers `keep` (digests) names are left out;
+    memory is checked against the manifests by the caller."""
+    out = Claims(set(p.lost.layers), set(p.lost.memory)) if p.lost else Claims()
+    adopted = gone if gone and p.config.node_id == min([p.config.node_id, *peers]) else {}
+    for doc in adopted.values():
+        out.layers |= set(_strings(doc, "made"))
+        out.memory |= set(_strings(doc, "memory"))
+    out.layers -= {layer_hex(d) for d in keep}
+    return out, adopted
+
+
+async def delete_orphans(p: NodeParts, found: Claims, layers: set[str], used: set[str],
+                         adopted: dict[str, dict[str, Any]], *,
+                         dry_run: bool) -> tuple[Swept, Swept]:
+    """Delete from the repository the orphan `layers` (hex, past their phase) and the
+    orphan memory (`found.memory`) no manifest or start `used`; forget them (adopted
+    holdings are rewritten without them, and deleted once they list nothing). Returns
+    what went (`dry_run`: would go, bytes uncounted): (layers, memory)."""
+    memory = found.memory - used
+    repo = p.manifests.repo
+    swept_layers, swept_memory = Swept(), Swept()
+    for h in sorted(layers):
+        swept_layers.add_bytes(h, 0 if dry_run else await asyncio.to_thread(
+            repo.delete_layer, f"sha256:{h}"))
+    for owner in sorted(memory):
+        swept_memory.add_bytes(owner, 0 if dry_run else await asyncio.to_thread(
+            repo.delete_files, MEMORY_KEY + owner))
+    if dry_run:
+        return swept_layers, swept_memory
+    if p.lost is not None:
+        p.lost.layers -= layers
+        p.lost.memory -= memory
+    for node, doc in adopted.items():
+        made = [h for h in _strings(doc, "made") if h not in layers]
+        mem = [o for o in _strings(doc, "memory") if o not in memory]
+        if made or mem:
+            if (made, mem) != (_strings(doc, "made"), _strings(doc, "memory")):
+                await p.manifests.put_doc(PREFIX + node, {**doc, "made": made, "memory": mem})
+        else:
+            await p.manifests.delete_doc(PREFIX + node)
+    return swept_layers, swept_memory
 
 
 def ready(p: NodeParts, candidates: list[str], peers: dict[str, float],
-          now: float) -> set[str]:
+          now: float, *, remember: bool = True) -> set[str]:
     """Of the layers unreferenced now (`candidates`, hex), those that may go: found
-    unreferenced before every other node's last holdings. Remembers the rest."""
+    unreferenced before every other node's last holdings. Remembers the rest (not on a
+    dry run: `remember` False)."""
     path = p.config.state_dir / "gc-pending.json"
     try:
         pending: dict[str, float] = json.loads(path.read_text())
@@ -81,6 +165,8 @@ def ready(p: NodeParts, candidates: list[str], peers: dict[str, float],
     horizon = min(peers.values(), default=float("inf")) - p.config.node_clock_skew_s
     out = {h for h, first in pending.items() if first < horizon}
     left = {h: t for h, t in pending.items() if h not in out}
+    if not remember:
+        return out
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(left))
     os.replace(tmp, path)

@@ -190,6 +190,11 @@ class MemoryFiles:
         for owner in owners:
             (own / owner).touch()
 
+    def owned(self) -> set[str]:
+        """Every snapshot whose memory this node uploaded and has not deleted (blocking)."""
+        own = self.dir / OWN_DIR
+        return {m.name for m in own.iterdir()} if own.is_dir() else set()
+
     def uploaded(self, owners: Iterable[str]) -> set[str]:
         """Those of `owners` whose memory this node uploaded."""
         return {o for o in owners if (self.dir / OWN_DIR / o).exists()}

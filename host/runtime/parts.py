@@ -33,6 +33,15 @@ def build_stack(snapshot_id: str) -> str:
 
 
 @dataclass
+class Claims:
+    """What this node put in a shared repository and holds no local record of: made by an
+    earlier run whose state dir was lost, or collected here after its last holdings.
+    Still this node's to delete (holds.py): layers (hex) and memory (snapshot ids)."""
+    layers: set[str] = field(default_factory=set)
+    memory: set[str] = field(default_factory=set)
+
+
+@dataclass
 class NodeParts:
     config: RuntimeConfig
     block: BlockServerHandle
@@ -48,6 +57,7 @@ class NodeParts:
     teardowns: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     # layer digest -> starts about to stack it (collect.py keeps them)
     layer_pins: Counter[str] = field(default_factory=Counter)
+    lost: Claims | None = None  # read from this node's last holdings at its first (holds.py)
 
     def get(self, sandbox_id: str) -> RunningSandbox:
         try:

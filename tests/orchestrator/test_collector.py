@@ -136,6 +136,9 @@ async def test_a_live_sandbox_keeps_only_its_last_pause(store, rt, envd):
             await o.connect(sid, None)
         pauses = [s.id for s in store.list_snapshots(sandbox_id=sid) if s.kind == "pause"]
         assert len(pauses) == 8
+        dry = await o.collect(dry_run=True)  # counts them, deletes none
+        assert dry["records"]["snapshots"] == 6 and not rt.ops("delete_snapshot")
+        assert len([s for s in store.list_snapshots(sandbox_id=sid) if s.kind == "pause"]) == 8
         report = await o.collect()
         left = {s.id for s in store.list_snapshots(sandbox_id=sid) if s.kind == "pause"}
         current = store.get_sandbox(sid).snapshot_id

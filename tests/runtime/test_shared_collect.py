@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 import time
 import uuid
@@ -88,6 +89,7 @@ async def test_a_node_deletes_only_its_own_layers_once_no_node_holds_them(
         first = await collect(a, min_age_s=0)
         # unreferenced, but b's holdings are older than that finding: it waits a phase
         assert first["layers"]["files"] == 0 and _local(a, mine) and repo.has_layer(mine)
+        assert first["waiting_layers"] == 1
         await holds.publish(b)  # now they name it
         held = await collect(a, min_age_s=0)
         assert held["layers"]["files"] == 0 and repo.has_layer(mine)
@@ -96,8 +98,14 @@ async def test_a_node_deletes_only_its_own_layers_once_no_node_holds_them(
         await holds.publish(b)  # no longer held...
         found = await collect(a, min_age_s=0)  # ...found unreferenced now: a phase to wait
         assert found["layers"]["files"] == 0 and repo.has_layer(mine)
+        # a dry run counts it as waiting, not as collectable, and starts no phase
+        dry = await collect(a, min_age_s=0, dry_run=True)
+        assert dry["layers"]["files"] == 0 and dry["waiting_layers"] == 1
         await asyncio.sleep(0.01)
         await holds.publish(b)
+        dry = await collect(a, min_age_s=0, dry_run=True)
+        assert dry["layers"]["digests"] == [mine[7:]] and dry["waiting_layers"] == 0
+        assert _local(a, mine) and repo.has_layer(mine)
         gone = await collect(a, min_age_s=0)
         assert gone["layers"]["digests"] == [mine[7:]]
         assert gone["repository_layers"]["digests"] == [mine[7:]]
@@ -160,3 +168,100 @@ async def test_a_node_deletes_only_the_memory_it_uploaded(shared: str, tmp_path:
     assert repo.has_file("memory/snap-kept/mem/mem.diff")  # still used
     assert repo.has_file("memory/snap-b/mem/mem.diff")  # b's: never a's to delete
     assert (await a.gc_remote(set(), min_age_s=3600)).files == 0  # too young
+
+
+async def _memory(p: NodeParts, sid: str) -> str:
+    """Memory of snapshot `sid` uploaded by node `p` (its ledger records it); its key."""
+    own = p.memory.dir / sid / "mem"
+    own.mkdir(parents=True)
+    (own / "mem.diff").write_bytes(os.urandom(4096))
+    await p.memory.upload(own)
+    return f"memory/{sid}/mem/mem.diff"
+
+
+async def _age(p: NodeParts, node: str, by_s: float) -> None:
+    """Make node `node`'s holdings look `by_s` seconds old (it stopped publishing)."""
+    doc = await p.manifests.get_doc(f"gcheld-{node}")
+    assert doc is not None
+    await p.manifests.put_doc(f"gcheld-{node}", {**doc, "updated_at": doc["updated_at"] - by_s})
+
+
+async def test_a_gone_nodes_objects_go_through_the_first_live_node(
+        shared: str, tmp_path: Path) -> None:
+    """A node that stops for good leaves its layers and memory in the repository: the live
+    node first by id deletes those nothing names (not the others), then its holdings."""
+    z = await _node(tmp_path, "nz", shared)
+    repo = open_repository(shared)
+    try:
+        dropped, named = await _layer(z, "lz1", 5), await _layer(z, "lz2", 6)
+        dropped_mem, named_mem = await _memory(z, "snap-z1"), await _memory(z, "snap-z2")
+        await z.manifests.put("snap-z2", {"disk": {"layers": [named]}})  # a manifest
+        await holds.publish(z)
+        doc = await z.manifests.get_doc("gcheld-nz")
+        assert doc is not None and set(doc["made"]) == {dropped[7:], named[7:]}
+        assert doc["memory"] == ["snap-z1", "snap-z2"]
+    finally:
+        await z.block.stop()
+    a, b = await _node(tmp_path, "na", shared), await _node(tmp_path, "nb", shared)
+    try:
+        await holds.publish(a)
+        await _age(b, "nz", 7200)  # nz is gone
+        out = await collect(b, min_age_s=0)  # not first by id: nz's are not b's to delete
+        assert out["repository_layers"]["files"] == 0 and repo.has_layer(dropped)
+        assert out["repository_memory"]["files"] == 0 and repo.has_file(dropped_mem)
+        # a layer found now waits for b's holdings; memory (no holdings name it) goes
+        first = await collect(a, min_age_s=0)
+        assert first["waiting_layers"] == 1 and repo.has_layer(dropped)
+        assert first["repository_memory"]["digests"] == ["snap-z1"]
+        assert not repo.has_file(dropped_mem) and repo.has_file(named_mem)
+        await asyncio.sleep(0.01)
+        await holds.publish(b)
+        dry = await collect(a, min_age_s=0, dry_run=True)
+        assert dry["repository_layers"]["digests"] == [dropped[7:]] and repo.has_layer(dropped)
+        out = await collect(a, min_age_s=0)
+        assert out["repository_layers"]["digests"] == [dropped[7:]]
+        assert not repo.has_layer(dropped)
+        assert repo.has_layer(named) and repo.has_file(named_mem)  # a manifest names them
+        doc = await a.manifests.get_doc("gcheld-nz")
+        assert doc is not None and doc["made"] == [named[7:]] and doc["memory"] == ["snap-z2"]
+        await a.manifests.delete_doc("snapshot-snap-z2")  # nothing names them now
+        await collect(a, min_age_s=0)
+        await asyncio.sleep(0.01)
+        await holds.publish(b)
+        last = await collect(a, min_age_s=0)
+        assert last["repository_layers"]["digests"] == [named[7:]]
+        assert not repo.has_layer(named) and not repo.has_file(named_mem)
+        assert await a.manifests.get_doc("gcheld-nz") is None  # nothing of nz is left
+    finally:
+        for p in (a, b):
+            await p.block.stop()
+
+
+async def test_a_node_that_lost_its_state_still_deletes_what_it_made(
+        shared: str, tmp_path: Path) -> None:
+    """A node restarted on an empty state dir (a disk replaced, a container without its
+    volume) reads its last holdings: what it made before is still its own to delete."""
+    a = await _node(tmp_path, "na", shared)
+    repo = open_repository(shared)
+    try:
+        made = await _layer(a, "la", 7)
+        key = await _memory(a, "snap-a")
+        await holds.publish(a)
+    finally:
+        await a.block.stop()
+    for d in (a.config.state_dir, a.config.run_dir):
+        shutil.rmtree(d)
+    a = await _node(tmp_path, "na", shared)  # the same node id, nothing of its own
+    try:
+        assert not _local(a, made) and repo.has_layer(made) and repo.has_file(key)
+        out = await collect(a, min_age_s=0)
+        assert a.lost is not None
+        assert out["repository_layers"]["digests"] == [made[7:]]
+        assert out["repository_memory"]["digests"] == ["snap-a"]
+        assert not repo.has_layer(made) and not repo.has_file(key)
+        assert a.lost.layers == set() and a.lost.memory == set()
+        await holds.publish(a)
+        doc = await a.manifests.get_doc("gcheld-na")
+        assert doc is not None and doc["made"] == [] and doc["memory"] == []
+    finally:
+        await a.block.stop()
