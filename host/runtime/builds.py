@@ -217,7 +217,7 @@ class _Build:
             self.timings[f"step{i + 1}_s"] = time.perf_counter() - t
         await self._check_free_disk()
         await self._start_and_wait(guest, src.start_cmd)
-        return await self._commit(m, vspec, scratch, guest, first, t1)
+        return await self._commit(m, vspec, scratch, guest, first, t1, len(src.layers))
 
     async def _create_stack(self, layers: tuple[str, ...]) -> bool:
         """The build's disk: the source's layers, grown to the machine's disk size or
@@ -314,7 +314,8 @@ class _Build:
             self.log("info", "Ready", "finalize")
 
     async def _commit(self, m: dict[str, Any], vspec: Any, scratch: Path,
-                      guest: GuestDefaults, first: int, t_boot: float) -> SnapshotRef:
+                      guest: GuestDefaults, first: int, t_boot: float,
+                      source_layers: int) -> SnapshotRef:
         p, mx, spec = self.p, self.p.machines, self.spec
         assert self.vm is not None
         t = time.perf_counter()
@@ -324,12 +325,13 @@ class _Build:
             raise SandboxStartError(f"template {spec.snapshot_id}: freezing memory: "
                                     f"{exc}") from exc
         await p.block.client.seal(self.stack, upload=True)
-        info = await p.block.client.info(self.stack)
         self.timings["freeze_s"] = time.perf_counter() - t
         self.timings["boot_to_frozen_s"] = time.perf_counter() - t_boot
         await mx.release_vm(self.vm)
         self.vm = None
         scratch.unlink(missing_ok=True)
+        await self._merge_steps(source_layers)
+        info = await p.block.client.info(self.stack)
         await self._cleanup()
         t3 = time.perf_counter()
         files = await p.memory.upload(base.dir)
@@ -353,6 +355,22 @@ class _Build:
         p.last_timings = self.timings
         return SnapshotRef(spec.snapshot_id, spec.machine, m["created_at"], spec.from_snapshot,
                            m)
+
+    async def _merge_steps(self, source_layers: int) -> None:
+        """Past `max_disk_chain` layers of its own (one per step that wrote the disk, and
+        the last seal), the template's are merged into one (compaction.py's bound, for
+        templates): every sandbox started from it opens a bounded chain. The steps'
+        layers stay while their build-cache entries name them."""
+        client, bound = self.p.block.client, self.p.config.max_disk_chain
+        info = await client.info(self.stack)
+        if bound <= 0 or len(info.layers) - source_layers <= bound:
+            return
+        t = time.perf_counter()
+        out = await client.compact(self.stack, source_layers)
+        self.timings["merge_layers_s"] = time.perf_counter() - t
+        if out.get("digest"):
+            self.log("info", f"Merged the {out['merged']} layers the steps wrote into one",
+                     "finalize")
 
     async def _cleanup(self) -> None:
         mx = self.p.machines

@@ -167,3 +167,34 @@ async def test_two_builds_at_once(runtime: NodeRuntime, template: SnapshotRef) -
         finally:
             await runtime.kill(f"bt-p{i}")
         await runtime.delete_snapshot(ref.snapshot_id)
+
+
+async def test_many_steps_leave_a_template_of_a_bounded_chain(
+        runtime: NodeRuntime, template: SnapshotRef) -> None:
+    """Ten steps that each write the disk seal ten layers: past `max_disk_chain` (8) the
+    template's own layers are merged into one, every file intact; the steps' layers stay
+    cached (a rebuild runs no step)."""
+    steps = tuple(BuildStep("RUN", (f"echo step {i} > /home/user/s{i} && rm -f /home/user/s{i - 2}",))
+                  for i in range(10))
+    spec = BuildSpec(snapshot_id="bt-many", machine=MachineSpec(memory_mb=256),
+                     from_snapshot=template.snapshot_id, steps=steps)
+    logs: list[tuple[str, str, str | None]] = []
+    ref = await runtime.build(spec, lambda lvl, msg, step: logs.append((lvl, msg, step)))
+    source = template.facts["disk"]["layers"]
+    layers = ref.facts["disk"]["layers"]
+    print(f"\n10 steps: the template reads {len(layers)} layers ({len(source)} its source's)")
+    assert layers[:len(source)] == source and len(layers) == len(source) + 1
+    merged = [msg for _, msg, _ in logs if msg.startswith("Merged the ")]
+    assert len(merged) == 1 and int(merged[0].split()[2]) >= 10, logs
+    p = await runtime.start("bt-mny", ref, NetworkConfig())
+    try:  # the last two files left, the earlier ones deleted by later steps stay deleted
+        out = await run(p, "cat /home/user/s8 /home/user/s9; ls /home/user | grep -c '^s'")
+        assert out.split("\n")[:3] == ["step 8", "step 9", "2"]
+    finally:
+        await runtime.kill("bt-mny")
+    again = await runtime.build(BuildSpec(**{**spec.__dict__, "snapshot_id": "bt-many2"}),
+                                lambda *a: None)
+    assert again.facts["build"]["cached_steps"] == 10
+    assert len(again.facts["disk"]["layers"]) == len(source) + 1
+    for s in ("bt-many", "bt-many2"):
+        await runtime.delete_snapshot(s)
