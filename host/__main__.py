@@ -3,7 +3,8 @@
 Builds the state store, the node runtime, the orchestrator (recovery, then the TTL loop),
 and serves the REST API and the sandbox proxy with two uvicorn servers in one event loop.
 SIGTERM / SIGINT: stop accepting, let in-flight operations finish, close everything;
-running VMs are left running and adopted at the next start.
+running VMs are left running and adopted at the next start, or, with --drain-on-stop
+(containers: the VMs die with the service), paused first and resumed by the next start.
 """
 
 from __future__ import annotations
@@ -186,6 +187,10 @@ async def serve(cfg: Config) -> None:
             waiter = tg.create_task(stop.wait())
             await asyncio.wait([*tasks, waiter], return_when=asyncio.FIRST_COMPLETED)
             log.info("shutting down")
+            if stop.is_set() and cfg.drain_on_stop:
+                # the VMs die with this process (a container): pause them first, while the
+                # API still answers (starts refused, /health draining; drain.py)
+                await orch.drain()
             for s in servers:
                 s.should_exit = True
             waiter.cancel()

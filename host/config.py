@@ -73,6 +73,11 @@
                                                       (stopped) after its pause committed: a
                                                       resume meanwhile continues it (given back
                                                       first under memory pressure; 0: never)
+    AENV_DRAIN_ON_STOP --drain-on-stop / --no-drain-on-stop off   at SIGTERM, pause every
+                                                      running sandbox with its memory before
+                                                      exiting; the next start resumes them (for
+                                                      deploys whose VMs die with the service:
+                                                      containers; systemd's outlive it)
     AENV_KSM         --ksm / --no-ksm off            start ksmd and let it merge the VMs'
                                                       identical pages (more sandboxes per GiB;
                                                       off: merged pages are a side channel
@@ -170,6 +175,7 @@ class Config:
     gc_min_age_s: float = 600.0
     min_free_disk_mib: int = 2048
     ksm: bool = False
+    drain_on_stop: bool = False
     vm_jail: bool = True
     vm_uid_range: str = DEFAULT_UID_RANGE
     vm_overhead_mib: int = 256
@@ -298,6 +304,9 @@ def _parser() -> argparse.ArgumentParser:
                         "disk in the state dir (0: never)")
     p.add_argument("--ksm", action=argparse.BooleanOptionalAction, default=None,
                    help="start ksmd and let it merge the VMs' identical pages")
+    p.add_argument("--drain-on-stop", action=argparse.BooleanOptionalAction, default=None,
+                   help="at SIGTERM pause every running sandbox (with memory) before "
+                        "exiting; the next start resumes them")
     p.add_argument("--vm-jail", action=argparse.BooleanOptionalAction, default=None,
                    help="confine every VMM process (own uid, no capabilities, seccomp, "
                         "private mount namespace, cgroup); default on")
@@ -351,7 +360,8 @@ _ENV: dict[str, tuple[str, type]] = {
     "min_free_disk_mib": ("AENV_MIN_FREE_DISK_MIB", int),
     "ksm": ("AENV_KSM", bool), "vm_jail": ("AENV_VM_JAIL", bool),
     "vm_uid_range": ("AENV_VM_UID_RANGE", str), "vm_overhead_mib": ("AENV_VM_OVERHEAD_MIB", int),
-    "cluster_redis": ("AENV_CLUSTER_REDIS", str), "p2p": ("AENV_P2P", bool), "node_id": ("AENV_NODE_ID", str),
+    "cluster_redis": ("AENV_CLUSTER_REDIS", str), "p2p": ("AENV_P2P", bool),
+    "drain_on_stop": ("AENV_DRAIN_ON_STOP", bool), "node_id": ("AENV_NODE_ID", str),
     "node_key_file": ("AENV_NODE_KEY_FILE", Path),
     "advertise_url": ("AENV_ADVERTISE_URL", str),
     "advertise_proxy_url": ("AENV_ADVERTISE_PROXY_URL", str),

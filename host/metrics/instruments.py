@@ -113,6 +113,11 @@ class Metrics(ServiceMetrics):
             "aenv_storage_held_bytes",
             "Bytes on disk by kind (layers, memory; repository_* where the node owns its "
             "repository), as of the collector's last run", ["kind"], registry=r)
+        self.drain_sandboxes = Gauge(
+            "aenv_drain_sandboxes", "The node's stop-time drain (--drain-on-stop): sandboxes "
+            "paused so far, failed to pause, and found running", ["state"], registry=r)
+        self.drain_seconds = Gauge(
+            "aenv_drain_seconds", "How long the node's drain has run (0: none)", registry=r)
         for op in OPERATIONS:
             self.operation_seconds.labels(op)
         for direction in ("in", "out"):

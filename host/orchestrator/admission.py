@@ -71,6 +71,7 @@ class Admission:
         # releases what holds memory for work not asked for (warm and kept VMs): tried
         # before a start is refused; how many VMs it released
         self.spare: Callable[[], Awaitable[int]] | None = None
+        self.draining = False  # the node is stopping: no start is taken (drain.py)
 
     def releases(self, task: asyncio.Task[Any]) -> None:
         """`task` frees a VM when it ends (a pause answered before its commit): a start
@@ -85,6 +86,10 @@ class Admission:
         """Hold a start slot for the VM start in the `async with` body; CapacityExceeded
         when the node cannot take it. `holding()`: how many sandboxes hold a VM now
         (this one included)."""
+        if self.draining:
+            raise CapacityExceeded(
+                f"this node is stopping and pauses its sandboxes (drain); retry in a moment "
+                f"(sandbox {sandbox_id} was not started)", retry_after_s=RETRY_AFTER_S)
         async with self._slots:
             if (problem := self.disk_problem()) is not None:  # no VM release frees disk
                 raise OutOfDisk(f"{problem}; sandbox {sandbox_id} was not started")

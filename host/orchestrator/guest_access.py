@@ -15,7 +15,7 @@ from . import pausing
 from .errors import OperationFailed, StateConflict
 from .model import LogLine, Metric, Route, RunEnded
 from .opcontext import Context
-from .records import LIVE, network_from_json, network_to_json, placement_of
+from .records import LIVE, drained, network_from_json, network_to_json, placement_of
 from .states import SandboxState as S
 
 
@@ -62,8 +62,9 @@ async def update_network(ctx: Context, sandbox_id: str, network: NetworkConfig) 
 
 async def route(ctx: Context, sandbox_id: str, port: int, *, resume: bool) -> Route:
     rec = await ctx.record(sandbox_id)
-    if rec.state not in LIVE and resume and rec.auto_resume and rec.state in (
-            S.PAUSED, S.PAUSING, S.RESUMING):
+    # a sandbox a drain paused resumes too: its user never paused it (drain.py)
+    if rec.state not in LIVE and resume and (rec.auto_resume or drained(rec.runtime)) \
+            and rec.state in (S.PAUSED, S.PAUSING, S.RESUMING):
         await pausing.connect(ctx, sandbox_id, None)
         rec = await ctx.record(sandbox_id)
     placement = placement_of(rec)

@@ -31,6 +31,7 @@ from host.contract import MachineSpec, NetworkConfig, SandboxRuntime
 from host.hostmem import node_available_mib
 from host.metrics import Metrics
 
+from . import drain as drain_
 from . import forks, guest_access, handoff, lifecycle, pausing, snapshots, timeouts
 from .admission import Admission, AdmissionPolicy
 from .collector import Collector
@@ -162,6 +163,9 @@ class NodeOrchestrator:
         self._ttl = TtlLoop(self, interval_s=ttl_interval_s)
         self._ttl.start()
         self.collector.start()
+        # what the last stop's drain paused runs again (drain.py)
+        self.spawn(drain_.resume_drained(self._ctx,
+                                         concurrency=self._ctx.admission.policy.max_starts))
         if self._pressure_policy is not None:
             self.pressure = PressureGuard(self, self._pressure_policy)
             self.pressure.start()
@@ -345,9 +349,19 @@ class NodeOrchestrator:
 
     def health(self) -> builtins.list[str]:
         """Why this node should take no new sandboxes now ([] when healthy): its state
-        dir's disk under the admission floor."""
+        dir's disk under the admission floor, a drain."""
+        problems = ["draining: the node is stopping and pauses its sandboxes"] \
+            if self._ctx.admission.draining else []
         problem = self._ctx.admission.disk_problem()
-        return [problem] if problem else []
+        return problems + ([problem] if problem else [])
+
+    async def drain(self) -> drain_.DrainReport:
+        """Before a stop that takes the VMs with it: refuse starts, pause every running
+        sandbox with its memory (drain.py); the next start resumes them."""
+        admission = self._ctx.admission
+        admission.draining = True
+        return await drain_.drain(self._ctx, release_spare=await self.release_spare(),
+                                  concurrency=admission.policy.max_starts)
 
     async def fork(self, sandbox_id: str, count: int, timeout_s: int | None) -> Sequence[ForkResult]:
         return await forks.fork(self._ctx, sandbox_id, count, timeout_s)

@@ -36,6 +36,7 @@ from .errors import (
 from .model import SandboxInfo
 from .opcontext import Context, observed
 from .records import (
+    DRAINED,
     guest_of,
     network_from_json,
     placement_of,
@@ -270,6 +271,6 @@ async def _resume_locked(ctx: Context, rec: SandboxRecord, timeout_s: int | None
                        event={"op": "resumed", **({"reboot": True} if reboot else {})},
                        end_at=ctx.clock() + timeout_s, ttl_left_s=None,
                        runtime=with_runtime(rec, placement=placement_to_json(placement),
-                                            pause_mode=None))
+                                            pause_mode=None, **{DRAINED: None}))
     await handoff.withdraw(ctx, sid)  # running now: that pause may not be taken over
     return rec

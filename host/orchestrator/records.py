@@ -93,6 +93,14 @@ def placement_of(rec: SandboxRecord) -> Placement | None:
                      facts=dict(d.get("facts") or {}))
 
 
+# a record's runtime key: paused by a drain (drain.py), resumed by the next start
+DRAINED = "drained"
+
+
+def drained(runtime: dict[str, Any]) -> bool:
+    return bool(runtime.get(DRAINED))
+
+
 def with_runtime(rec: SandboxRecord, **changes: Any) -> dict[str, Any]:
     """`rec.runtime` with keys changed (None removes a key)."""
     out = dict(rec.runtime)

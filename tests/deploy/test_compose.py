@@ -151,6 +151,8 @@ def test_nodes_run_privileged_with_kvm(config: dict[str, Any]) -> None:
                                        f"{d['source']}:{d['target']}" for d in svc["devices"]]
         assert svc["build"]["target"] == "node"
         assert svc["build"]["dockerfile"] == "deploy/docker/Dockerfile.node"
+        # the image drains at SIGTERM (AENV_DRAIN_ON_STOP): docker waits for it
+        assert svc["stop_grace_period"] in ("5m", "5m0s", 300, "300s")
 
 
 def _published(svc: dict[str, Any]) -> set[tuple[int, int]]:

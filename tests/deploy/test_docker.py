@@ -111,7 +111,8 @@ def test_node_image() -> None:
     assert node.last("EXPOSE") == "3000 3001"
     assert json.loads(node.last("ENTRYPOINT") or "") == ["python", "-m", "host"]
     assert "PATH=/opt/aenv/.venv/bin:$PATH" in (base.last("ENV") or "")
-    assert node.last("ENV") == "AENV_LISTEN=0.0.0.0"
+    # the VMs die with the container: a stop drains them first (host/orchestrator/drain.py)
+    assert (node.last("ENV") or "").split() == ["AENV_LISTEN=0.0.0.0", "AENV_DRAIN_ON_STOP=1"]
     assert json.loads(node.last("VOLUME") or "") == ["/var/lib/aenv", "/var/cache/aenv"]
     assert "/health" in (node.last("HEALTHCHECK") or "")
     assert json.loads(builder.last("CMD") or "") == [

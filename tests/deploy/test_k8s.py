@@ -166,6 +166,9 @@ def test_node_daemonset_is_a_privileged_host_network_kvm_pod() -> None:
         assert vols[keys["name"]]["secret"]["defaultMode"] == 0o400
     assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "api"}
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"api": 3000, "proxy": 3001}
+    # a pod's VMs die with it: SIGTERM drains them (paused, committed) within the grace
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["AENV_DRAIN_ON_STOP"] == "1" and pod["terminationGracePeriodSeconds"] >= 300
 
 
 def test_node_shares_one_read_write_many_repository() -> None:
