@@ -8,6 +8,8 @@ tests/e2e/test_drain.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -22,23 +24,25 @@ from host.orchestrator.states import SandboxState as S
 on_loop = pytest.mark.asyncio(loop_scope="function")
 
 
-def _node(store, rt, envd) -> NodeOrchestrator:  # type: ignore[no-untyped-def]
-    return NodeOrchestrator(store, rt, domain="sbx.test",
-                            envd=EnvdClient(transport=envd.transport()))
-
-
-async def _settled(o: NodeOrchestrator) -> None:
-    """Wait for the orchestrator's own tasks (the start's resume of drained sandboxes)."""
-    while o._tasks:
-        await asyncio.gather(*list(o._tasks), return_exceptions=True)
+@contextlib.asynccontextmanager
+async def _node(store, rt, envd) -> AsyncIterator[NodeOrchestrator]:  # type: ignore[no-untyped-def]
+    """One start of the node on `store`, until the block ends; what the start spawned
+    (the resume of drained sandboxes) is done before the block runs."""
+    o = NodeOrchestrator(store, rt, domain="sbx.test",
+                         envd=EnvdClient(transport=envd.transport()))
+    await o.start(ttl_interval_s=3600)
+    try:
+        while o._tasks:
+            await asyncio.gather(*list(o._tasks), return_exceptions=True)
+        yield o
+    finally:
+        await o.aclose()
 
 
 @on_loop
 async def test_a_drain_pauses_every_running_sandbox_and_the_next_start_resumes_them(
         store, rt, envd):
-    o = _node(store, rt, envd)
-    await o.start(ttl_interval_s=3600)
-    try:
+    async with _node(store, rt, envd) as o:
         running = [(await o.create(CreateRequest())).sandbox_id for _ in range(3)]
         by_user = (await o.create(CreateRequest())).sandbox_id
         await o.pause(by_user)
@@ -56,41 +60,25 @@ async def test_a_drain_pauses_every_running_sandbox_and_the_next_start_resumes_t
         samples = {(s.name, s.labels.get("state")): s.value
                    for m in o.service_metrics.registry.collect() for s in m.samples}
         assert samples[("aenv_drain_sandboxes", "paused")] == 3
-    finally:
-        await o.aclose()
 
-    again = _node(store, rt, envd)  # the next start, on the same store
-    await again.start(ttl_interval_s=3600)
-    try:
-        await _settled(again)
+    async with _node(store, rt, envd) as again:  # the next start, on the same store
         for sid in running:
             rec = store.get_sandbox(sid)
             assert rec.state is S.RUNNING and not drained(rec.runtime)
         assert store.get_sandbox(by_user).state is S.PAUSED  # its user paused it
         assert again.health() == []
-    finally:
-        await again.aclose()
 
 
 @on_loop
 async def test_a_drained_sandbox_whose_resume_failed_resumes_at_its_first_request(
         store, rt, envd):
-    o = _node(store, rt, envd)
-    await o.start(ttl_interval_s=3600)
-    try:
+    async with _node(store, rt, envd) as o:
         sid = (await o.create(CreateRequest(auto_resume=False))).sandbox_id
         assert (await o.drain()).paused == [sid]
-    finally:
-        await o.aclose()
     rt.fail["start"] = lambda s: s == sid  # the next start's resume of it fails
-    again = _node(store, rt, envd)
-    await again.start(ttl_interval_s=3600)
-    try:
-        await _settled(again)
+    async with _node(store, rt, envd) as again:
         rec = store.get_sandbox(sid)
         assert rec.state is S.PAUSED and drained(rec.runtime)
         del rt.fail["start"]
         route = await again.route(sid, 49983, resume=True)  # the proxy's first request
         assert route.host and store.get_sandbox(sid).state is S.RUNNING
-    finally:
-        await again.aclose()
