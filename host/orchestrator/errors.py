@@ -58,6 +58,12 @@ class StateConflict(OrchestratorError):
         self.expected = frozenset(expected)
 
 
+class Conflict(OrchestratorError):
+    """The sandbox's state does not allow this operation, for a reason its state name
+    alone does not say (the message does)."""
+    status = 409
+
+
 class InvalidRequest(OrchestratorError, ValueError):
     status = 400
 

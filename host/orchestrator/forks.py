@@ -1,6 +1,10 @@
-"""Forking a running sandbox: snapshot it live (`forking`, the VM keeps running), then
-create up to `MAX_FORK` children from that snapshot concurrently, each with its own id,
-tokens and writable layers. Each child succeeds or fails on its own (`ForkResult`).
+"""Forking a sandbox: create up to `MAX_FORK` children concurrently from one snapshot of
+it, each with its own id, tokens and writable layers; each succeeds or fails on its own
+(`ForkResult`). A running sandbox is snapshotted live (`forking`, the VM keeps running).
+A paused one forks from the snapshot it is paused on, with no VM of its own started: it
+stays paused (an RL trainer keeps a checkpoint paused and branches from it); its
+children keep that snapshot while they live (snapshots.collect_snapshots). A
+filesystem-only pause has no memory to fork from (409: resume it first).
 """
 
 from __future__ import annotations
@@ -9,12 +13,13 @@ import asyncio
 from collections.abc import Sequence
 
 from . import lifecycle
-from .errors import InvalidRequest, OrchestratorError
+from .errors import Conflict, InvalidRequest, OperationFailed, OrchestratorError
 from .model import ForkResult
 from .opcontext import Context, observed
-from .records import network_from_json, snapshot_record, with_runtime
+from .records import network_from_json, snapshot_record, snapshot_ref, with_runtime
 from .snapshots import live_snapshot
 from .states import SandboxState as S
+from .store import SandboxRecord, SnapshotRecord
 
 MAX_FORK = 16
 
@@ -33,12 +38,18 @@ async def _fork(ctx: Context, sandbox_id: str, count: int,
                 timeout_s: int | None) -> list[ForkResult]:
     async with ctx.lock(sandbox_id):
         rec = await ctx.record(sandbox_id)
-        ref = await live_snapshot(ctx, rec, S.FORKING, None, "fork")
-        snap = await ctx.db(ctx.store.insert_snapshot, snapshot_record(
-            ref.snapshot_id, "fork", ref, rec))
-        await ctx.db(ctx.store.transition, sandbox_id, {S.FORKING}, S.RUNNING,
-                     event={"op": "forked", "snapshot_id": snap.id, "count": count},
-                     runtime=with_runtime(rec, pending=None))
+        if rec.state is S.PAUSED:
+            snap = await _paused_on(ctx, rec)
+            await ctx.db(ctx.store.add_event, sandbox_id, "forked",
+                         {"op": "forked", "snapshot_id": snap.id, "count": count,
+                          "paused": True})
+        else:
+            ref = await live_snapshot(ctx, rec, S.FORKING, None, "fork")
+            snap = await ctx.db(ctx.store.insert_snapshot, snapshot_record(
+                ref.snapshot_id, "fork", ref, rec))
+            await ctx.db(ctx.store.transition, sandbox_id, {S.FORKING}, S.RUNNING,
+                         event={"op": "forked", "snapshot_id": snap.id, "count": count},
+                         runtime=with_runtime(rec, pending=None))
     results: list[ForkResult] = [ForkResult() for _ in range(count)]
 
     async def child(i: int) -> None:
@@ -61,3 +72,14 @@ async def _fork(ctx: Context, sandbox_id: str, count: int,
         for i in range(count):
             tg.create_task(child(i))
     return results
+
+
+async def _paused_on(ctx: Context, rec: SandboxRecord) -> SnapshotRecord:
+    """The snapshot a paused sandbox resumes from, if it has the memory to fork from."""
+    if rec.snapshot_id is None:
+        raise OperationFailed(f"paused sandbox {rec.id} has no snapshot to fork from")
+    snap = await ctx.db(ctx.store.get_snapshot, rec.snapshot_id)
+    if (snapshot_ref(snap).facts or {}).get("memory", True) is None:
+        raise Conflict(f"sandbox '{rec.id}' was paused without its memory "
+                       "(a filesystem-only pause): resume it, then fork")
+    return snap

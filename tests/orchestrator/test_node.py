@@ -16,6 +16,7 @@ import pytest
 from host.orchestrator import NodeOrchestrator
 from host.orchestrator.envd import EnvdClient
 from host.orchestrator.errors import (
+    Conflict,
     GuestUnresponsive,
     IdempotencyMismatch,
     InvalidRequest,
@@ -494,6 +495,37 @@ async def test_fork_children_and_partial_failure(orch, rt, envd, store):
         await orch.fork(parent.sandbox_id, 0, None)
     with pytest.raises(InvalidRequest):
         await orch.fork(parent.sandbox_id, 17, None)
+
+
+async def test_fork_of_a_paused_sandbox_leaves_it_paused(orch, rt, envd, store):
+    """Children come from the snapshot the parent is paused on; no VM of the parent's
+    starts, it stays paused and resumes later from that snapshot; its children keep that
+    snapshot while they live. A filesystem-only pause has no memory to fork: 409."""
+    parent = await orch.create(CreateRequest(env_vars={"E": "1"}))
+    sid = parent.sandbox_id
+    await orch.pause(sid)
+    paused_on = store.get_sandbox(sid).snapshot_id
+    starts = len(rt.ops("start"))
+    results = await orch.fork(sid, 3, 60)
+    kids = [r.sandbox for r in results if r.sandbox is not None]
+    assert len(kids) == 3 and (await orch.get(sid)).state is S.PAUSED
+    assert sid not in rt.vms and len(rt.ops("start")) == starts + 3
+    assert {store.get_sandbox(k.sandbox_id).runtime["origin"] for k in kids} == {paused_on}
+    assert all(h["x-access-token"] == parent.envd_access_token for _, _, h in envd.inits[-3:])
+    await orch.collect()  # the children use the parent's pause: it stays
+    assert store.get_snapshot(paused_on).kind == "pause"
+    _, resumed = await orch.connect(sid, None)
+    assert resumed and (await orch.get(sid)).state is S.RUNNING
+    await orch.pause(sid, memory=False)
+    with pytest.raises(Conflict, match="without its memory"):
+        await orch.fork(sid, 1, 60)
+    await orch.collect()  # no longer the parent's pause: still its children's origin
+    assert store.get_snapshot(paused_on).kind == "pause"
+    for k in kids:
+        await orch.kill(k.sandbox_id)
+    await orch.collect()
+    with pytest.raises(SnapshotNotFound):
+        store.get_snapshot(paused_on)
 
 
 async def test_idempotency(orch, rt):

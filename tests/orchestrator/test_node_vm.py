@@ -134,6 +134,34 @@ def test_fork_and_named_snapshot_via_sdk(sdk_env: HostService) -> None:
             sbx.kill()
 
 
+def test_fork_of_a_paused_sandbox_keeps_it_paused(sdk_env: HostService) -> None:
+    """A checkpoint kept paused is branched from without a VM of its own: the children
+    have its files and processes; it stays paused, then resumes from where it was."""
+    from e2b import Sandbox
+
+    parent = Sandbox.create(timeout=300)
+    made: list[Sandbox] = []
+    try:
+        parent.files.write("/home/user/state.txt", "checkpoint")
+        parent.commands.run("sleep 600", background=True, timeout=0)
+        parent.pause()
+        kids = parent.fork(count=2, timeout=120)
+        made += [k for k in kids if isinstance(k, Sandbox)]
+        assert len(made) == 2, kids
+        assert sdk_env.db_states()[parent.sandbox_id] == "paused"
+        assert not any(parent.sandbox_id in cmd for cmd in sdk_env.qemu_pids().values())
+        for i, kid in enumerate(made):
+            assert kid.files.read("/home/user/state.txt") == "checkpoint"
+            assert "sleep 600" in kid.commands.run("ps -eo args").stdout
+            kid.files.write("/home/user/state.txt", f"child-{i}")
+        again = Sandbox.connect(parent.sandbox_id, timeout=300)
+        assert again.files.read("/home/user/state.txt") == "checkpoint"  # isolated
+        assert "sleep 600" in again.commands.run("ps -eo args").stdout
+    finally:
+        for sbx in [parent, *made]:
+            sbx.kill()
+
+
 def test_restart_adopts_running_vms(svc: HostService) -> None:
     with svc.client() as c:
         ids = [c.post("/v2/sandboxes", json={"templateID": "base", "timeout": 600}).json()[
