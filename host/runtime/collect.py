@@ -116,6 +116,8 @@ async def collect(p: NodeParts, *, dry_run: bool = False,
         log.info("storage %s: %s", "collectable" if dry_run else "collected",
                  ", ".join(f"{k} {v['files']} ({v['bytes']} bytes)" for k, v in out.items()
                          if isinstance(v, dict)))
+    if not owns and not dry_run:  # what it made and deleted leaves its holdings now
+        await holds.publish(p)
     out["held"] = await asyncio.to_thread(held_bytes, p)
     out["dry_run"] = dry_run
     out["seconds"] = round(time.perf_counter() - t0, 3)
