@@ -21,6 +21,7 @@ from typing import Any
 
 import uvicorn
 
+from host import heap
 from host.api import ApiKeys, NodeKeys, build_api_app
 from host.api.auth import check_separate
 from host.config import Config, ConfigError, parse_config
@@ -207,6 +208,7 @@ async def serve(cfg: Config) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    heap.configure()  # before any thread (host/heap.py)
     try:
         cfg = parse_config(argv)
     except ConfigError as exc:

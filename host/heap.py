@@ -1,32 +1,54 @@
-"""Giving the C heap's free memory back to the system after work that freed much.
+"""Keeping a long-running process's C heap from ratcheting up its RSS.
 
-Under glibc's malloc a long-running process's RSS ratchets up with no Python object
-leaking (bench/bench_gc.py measured it: tracemalloc's traced heap flat over 60 sandbox
-lifecycles while RSS rose): a buffer past the mmap threshold (128 KiB) is mmapped and
-unmapped when freed, but each such free raises the threshold (up to 32 MiB), so later big
-buffers (request bodies, file reads, JSON of large documents) come from the heap, whose
-freed pages glibc keeps. `malloc_trim(0)` hands them back (every free page, by madvise,
-not only the heap's top). Called after collections: they run at most every few minutes,
-and the call takes milliseconds. No library does this; it is one libc call.
+Under glibc's malloc a service's RSS climbed with no Python object leaking (bench/bench_gc.py
+with an oss repository: tracemalloc's traced heap flat while RSS rose by steps of ~20 MiB at
+each template build; the growth was in the threads' malloc arenas). Two causes, two
+settings, made at start (`configure`, before any thread):
+
+- a buffer past the mmap threshold (128 KiB) is mmapped, and unmapped when freed, but each
+  such free raises the threshold (up to 32 MiB), so later big buffers (s3transfer's 8 MiB
+  parts, zstd's windows, file reads) come from the arenas, whose freed pages glibc keeps
+  and fragments: the threshold is fixed instead (`M_MMAP_THRESHOLD`, which also turns
+  the adjustment off), so big buffers go back to the system when freed;
+- every thread that allocates may get an arena of its own (up to 8 per core), each with
+  its own free pages: two are enough for a process whose work is in one event loop
+  (`M_ARENA_MAX`).
+
+And after work that freed much (a collection), `trim` hands the arenas' free pages back.
+No library does this; it is two libc calls.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-from collections.abc import Callable
+from typing import Any
 
-_trim: Callable[[int], int] | None
+M_MMAP_THRESHOLD = -3  # <malloc.h>
+M_ARENA_MAX = -8
+MMAP_THRESHOLD = 128 << 10  # glibc's own default, kept fixed
+ARENA_MAX = 2
+
+_libc: Any
 try:
-    _trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    _trim.argtypes = [ctypes.c_size_t]
-    _trim.restype = ctypes.c_int
-except (OSError, AttributeError):  # not glibc (musl has no malloc_trim): nothing to do
-    _trim = None
+    _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    _libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+except (OSError, AttributeError):  # not glibc (musl has neither): nothing to do
+    _libc = None
+
+
+def configure() -> bool:
+    """Fix the mmap threshold and cap the arenas (call before any thread starts); False
+    where the C library is not glibc."""
+    if _libc is None:
+        return False
+    return bool(_libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and \
+        bool(_libc.mallopt(M_ARENA_MAX, ARENA_MAX))
 
 
 def trim() -> bool:
-    """Return the heap's free pages to the system; True when some were."""
-    if _trim is None:
+    """Return the arenas' free pages to the system; True when some were."""
+    if _libc is None:
         return False
-    return bool(_trim(0))
+    return bool(_libc.malloc_trim(0))

@@ -572,6 +572,7 @@ async def _amain(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    heap.configure()  # before any thread (host/heap.py)
     p = argparse.ArgumentParser(prog="python -m host.storage.blockserver",
                                 description="Serve layered block stacks over NBD.")
     p.add_argument("--socket-dir", required=True, help="where nbd.sock and control.sock live")
