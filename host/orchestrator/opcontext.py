@@ -152,6 +152,9 @@ class Context:
         run = self.runs.pop(sandbox_id, None)
         if run is not None:
             run.end(reason)
+        # its coldness ends with it (a resume's first request sets it again); else one
+        # entry per sandbox ever proxied stayed for the service's life
+        self.activity.pop(sandbox_id, None)
 
 
 def observed(operation: str) -> Callable[

@@ -649,3 +649,16 @@ async def test_failed_expiry_backs_off(orch, rt, clock, store):
     await orch._ttl.tick()
     await asyncio.sleep(0.05)
     assert store.get_sandbox(sid).state is S.PAUSED
+
+
+async def test_a_sandbox_s_proxy_state_goes_when_it_ends(orch, rt):
+    """What the proxy's routing left (its run event, its coldness) goes at the pause or
+    kill that ends the run: nothing per sandbox stays for the service's life."""
+    ids = [(await orch.create(CreateRequest())).sandbox_id for _ in range(3)]
+    for sid in ids:
+        await orch.route(sid, 49983, resume=False)
+    ctx = orch._ctx
+    assert set(ids) <= set(ctx.activity) and set(ids) <= set(ctx.runs)
+    await orch.pause(ids[0])
+    await orch.kill(ids[1])
+    assert set(ctx.activity) & set(ids) == {ids[2]} and set(ctx.runs) & set(ids) == {ids[2]}
