@@ -7,6 +7,7 @@ down and checks that no QEMU process or work file is left.
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import time
 from collections.abc import AsyncIterator
@@ -72,6 +73,10 @@ async def test_envd_health(vm: QemuVm) -> None:
         r = await client.get(f"{vm.envd_url}/health", timeout=10)
     assert r.status_code == 204
     assert vm.serial_log.stat().st_size > 0
+    # its QMP client made no logger of its own: logging keeps every logger for the
+    # process's life, so one per VM ever started grew the service without bound
+    assert not [n for n in logging.Logger.manager.loggerDict if n.startswith("qemu.qmp.")
+                and n.count(".") > 2]
 
 
 def test_sdk_commands_run(sandbox, guest_image: GuestImage) -> None:  # type: ignore[no-untyped-def]

@@ -397,7 +397,10 @@ class QemuVm(VmBase):
                                     f"{self._proc.returncode} during startup", **self._tails())
             conn = await self._try_connect(sock) if sock.exists() else None
             if conn is not None:
-                client = QMPClient(self._spec.name)
+                # no name: qemu.qmp makes a named client a logger of its own
+                # (qemu.qmp.protocol.<name>), which logging keeps for the process's life:
+                # one per VM ever started
+                client = QMPClient()
                 try:
                     await asyncio.wait_for(client.connect(conn),
                                            max(0.1, deadline - loop.time()))
