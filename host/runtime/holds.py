@@ -37,9 +37,11 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from host.storage.collect import Swept, layer_hex
+from host.storage.errors import RepositoryError
 
 from .memory import MEMORY_KEY
 from .parts import Claims, NodeParts
@@ -125,15 +127,21 @@ async def delete_orphans(p: NodeParts, found: Claims, layers: set[str], used: se
     orphan memory (`found.memory`) no manifest or start `used`; forget them (adopted
     holdings are rewritten without them, and deleted once they list nothing). Returns
     what went (`dry_run`: would go, bytes uncounted): (layers, memory)."""
-    memory = found.memory - used
     repo = p.manifests.repo
     swept_layers, swept_memory = Swept(), Swept()
-    for h in sorted(layers):
-        swept_layers.add_bytes(h, 0 if dry_run else await asyncio.to_thread(
-            repo.delete_layer, f"sha256:{h}"))
-    for owner in sorted(memory):
-        swept_memory.add_bytes(owner, 0 if dry_run else await asyncio.to_thread(
-            repo.delete_files, MEMORY_KEY + owner))
+
+    async def gone(swept: Swept, name: str, delete: Callable[[str], int], key: str) -> bool:
+        try:
+            swept.add_bytes(name, 0 if dry_run else await asyncio.to_thread(delete, key))
+            return True
+        except (RepositoryError, OSError) as exc:  # kept, and tried again next time
+            log.warning("deleting %s from the repository: %s", key, exc)
+            return False
+
+    layers = {h for h in sorted(layers)
+              if await gone(swept_layers, h, repo.delete_layer, f"sha256:{h}")}
+    memory = {o for o in sorted(found.memory - used)
+              if await gone(swept_memory, o, repo.delete_files, MEMORY_KEY + o)}
     if dry_run:
         return swept_layers, swept_memory
     if p.lost is not None:
