@@ -16,7 +16,13 @@ from . import lifecycle
 from .errors import Conflict, InvalidRequest, OperationFailed, OrchestratorError
 from .model import ForkResult
 from .opcontext import Context, observed
-from .records import network_from_json, snapshot_record, snapshot_ref, with_runtime
+from .records import (
+    network_from_json,
+    snapshot_record,
+    snapshot_ref,
+    with_runtime,
+    without_memory,
+)
 from .snapshots import live_snapshot
 from .states import SandboxState as S
 from .store import SandboxRecord, SnapshotRecord
@@ -79,7 +85,7 @@ async def _paused_on(ctx: Context, rec: SandboxRecord) -> SnapshotRecord:
     if rec.snapshot_id is None:
         raise OperationFailed(f"paused sandbox {rec.id} has no snapshot to fork from")
     snap = await ctx.db(ctx.store.get_snapshot, rec.snapshot_id)
-    if (snapshot_ref(snap).facts or {}).get("memory", True) is None:
+    if without_memory(snapshot_ref(snap)):
         raise Conflict(f"sandbox '{rec.id}' was paused without its memory "
                        "(a filesystem-only pause): resume it, then fork")
     return snap

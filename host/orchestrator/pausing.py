@@ -45,6 +45,7 @@ from .records import (
     snapshot_record,
     snapshot_ref,
     with_runtime,
+    without_memory,
 )
 from .states import SandboxState as S
 from .store import SandboxRecord
@@ -241,7 +242,7 @@ async def _resume_locked(ctx: Context, rec: SandboxRecord, timeout_s: int | None
     rec = await ctx.db(ctx.store.transition, sid, {S.PAUSED}, S.RESUMING)
     ref = snapshot_ref(snap)
     # a cold boot (reboot, or a filesystem-only snapshot) starts an envd with no token
-    reboot = reboot or (ref.facts or {}).get("memory", True) is None
+    reboot = reboot or without_memory(ref)
     # A VM kept since the pause (kept.py): runtime.start continues it, unless rebooting
     if ctx.kept is not None and ctx.kept.take(sid) and reboot:
         await ctx.release(sid)

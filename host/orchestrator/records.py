@@ -54,6 +54,11 @@ def snapshot_ref(snap: SnapshotRecord) -> SnapshotRef:
     return ref_from_json(snap.spec["ref"])
 
 
+def without_memory(ref: SnapshotRef) -> bool:
+    """A filesystem-only snapshot: nothing to restore, a start cold-boots its disk."""
+    return (ref.facts or {}).get("memory", True) is None
+
+
 def guest_from_json(d: dict[str, Any] | None) -> GuestDefaults | None:
     """GuestDefaults from JSON (None: none recorded, envd's defaults apply)."""
     if not d:
