@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from . import pausing
@@ -52,7 +53,6 @@ async def drain(ctx: Context, *, release_spare: int, concurrency: int) -> DrainR
     what releasing the warm and kept VMs released (done by the caller first)."""
     t0 = time.perf_counter()
     report = DrainReport(released_spare=release_spare)
-    slots = asyncio.Semaphore(max(1, concurrency))
     gauge = ctx.metrics.drain_sandboxes
 
     def progress() -> None:
@@ -61,19 +61,18 @@ async def drain(ctx: Context, *, release_spare: int, concurrency: int) -> DrainR
         ctx.metrics.drain_seconds.set(time.perf_counter() - t0)
 
     async def one(sid: str) -> None:
-        async with slots:
-            try:
-                await pausing.pause(ctx, sid, memory=True, early=False, keep=False)
-                rec = await ctx.record(sid)
-                await ctx.db(ctx.store.update_fields, sid,
-                             runtime=with_runtime(rec, **{DRAINED: True}))
-                report.paused.append(sid)
-                log.info("drain: sandbox %s paused (%d so far, %.1f s)", sid,
-                         len(report.paused), time.perf_counter() - t0)
-            except Exception as exc:  # noqa: BLE001 - the others go on; recovery salvages it
-                report.failed[sid] = str(exc)
-                log.warning("drain: pausing sandbox %s failed: %s", sid, exc)
-            progress()
+        try:
+            await pausing.pause(ctx, sid, memory=True, early=False, keep=False)
+            rec = await ctx.record(sid)
+            await ctx.db(ctx.store.update_fields, sid,
+                         runtime=with_runtime(rec, **{DRAINED: True}))
+            report.paused.append(sid)
+            log.info("drain: sandbox %s paused (%d so far, %.1f s)", sid,
+                     len(report.paused), time.perf_counter() - t0)
+        except Exception as exc:  # noqa: BLE001 - the others go on; recovery salvages it
+            report.failed[sid] = str(exc)
+            log.warning("drain: pausing sandbox %s failed: %s", sid, exc)
+        progress()
 
     for _ in range(ROUNDS):
         running = [r.id for r in await ctx.db(ctx.store.list_sandboxes, {S.RUNNING})
@@ -82,7 +81,7 @@ async def drain(ctx: Context, *, release_spare: int, concurrency: int) -> DrainR
             break
         gauge.labels("running").set(len(running))
         log.info("drain: pausing %d running sandboxes", len(running))
-        await asyncio.gather(*(one(sid) for sid in running))
+        await _each(running, one, concurrency)
     report.seconds = time.perf_counter() - t0
     progress()
     log.info("drain: %d sandboxes paused, %d failed, %d spare VMs released, in %.1f s",
@@ -97,21 +96,30 @@ async def resume_drained(ctx: Context, *, concurrency: int) -> int:
             if drained(r.runtime)]
     if not recs:
         return 0
-    slots = asyncio.Semaphore(max(1, concurrency))
     t0 = time.perf_counter()
     resumed = 0
 
     async def one(sid: str) -> None:
         nonlocal resumed
-        async with slots:
-            try:
-                _, did = await pausing.connect(ctx, sid, None)
-                resumed += did
-            except Exception as exc:  # noqa: BLE001 - the others go on
-                log.warning("sandbox %s, paused by the last drain: resuming failed: %s "
-                            "(its first request tries again)", sid, exc)
+        try:
+            _, did = await pausing.connect(ctx, sid, None)
+            resumed += did
+        except Exception as exc:  # noqa: BLE001 - the others go on
+            log.warning("sandbox %s, paused by the last drain: resuming failed: %s "
+                        "(its first request tries again)", sid, exc)
 
-    await asyncio.gather(*(one(r.id) for r in recs))
+    await _each([r.id for r in recs], one, concurrency)
     log.info("resumed %d of the %d sandboxes the last drain paused in %.1f s", resumed,
              len(recs), time.perf_counter() - t0)
     return resumed
+
+
+async def _each(ids: list[str], fn: Callable[[str], Awaitable[None]], concurrency: int) -> None:
+    """`fn` on every id, `concurrency` at a time (each handles its own errors)."""
+    slots = asyncio.Semaphore(max(1, concurrency))
+
+    async def one(sid: str) -> None:
+        async with slots:
+            await fn(sid)
+
+    await asyncio.gather(*(one(sid) for sid in ids))
