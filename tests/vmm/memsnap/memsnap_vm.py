@@ -139,7 +139,7 @@ class Vm:
     def __init__(self, argv: list[str], workdir: Path, mem_path: Path) -> None:
         self.argv, self.workdir, self.mem_path = argv, workdir, mem_path
         self.proc: subprocess.Popen[bytes] | None = None
-        self.qmp = QMPClient("memsnap-test")
+        self.qmp = QMPClient()  # unnamed: a named client is a logger kept for the process life
         self._r: asyncio.StreamReader | None = None
         self._w: asyncio.StreamWriter | None = None
         self._n = 0
