@@ -134,6 +134,17 @@ BuildLog = Callable[[str, str, "str | None"], None]
 "finalize" | None). Called from the event loop; must not block."""
 
 
+@dataclass(frozen=True)
+class Balloon:
+    """A running sandbox's memory balloon: MiB it returned to the host (`size_mib`), MiB
+    asked (`target_mib`), and what its guest last said it could spare (MemAvailable;
+    None before its first report)."""
+
+    size_mib: int
+    target_mib: int
+    available_mib: int | None
+
+
 class BuildFailed(Exception):
     """A template build failed; `step` is where (E2B's `reason.step`), the message says
     why (a failing step's message includes its exit code; its output went to the log)."""
@@ -248,6 +259,17 @@ class SandboxRuntime(Protocol):
         """Remove (`dry_run`: count) the layers and memory files nothing needs; per kind
         {files, bytes, digests}, and `held`: bytes on disk by kind. (Optional: the
         collector skips a runtime without it.)"""
+        ...
+
+    async def balloon(self, sandbox_id: str) -> Balloon | None:
+        """The sandbox's balloon, None when its VM has none. (Optional, with
+        `set_balloon`: the pressure guard pauses without first reclaiming through
+        balloons on a runtime without them.)"""
+        ...
+
+    async def set_balloon(self, sandbox_id: str, amount_mib: int) -> None:
+        """Inflate (deflate) its balloon to `amount_mib`; the guest gets there at its pace,
+        and takes pages back rather than OOM-kill."""
         ...
 
     async def aclose(self) -> None:

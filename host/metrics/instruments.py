@@ -118,6 +118,13 @@ class Metrics(ServiceMetrics):
             "paused so far, failed to pause, and found running", ["state"], registry=r)
         self.drain_seconds = Gauge(
             "aenv_drain_seconds", "How long the node's drain has run (0: none)", registry=r)
+        self.balloon_bytes = Gauge(
+            "aenv_balloon_bytes", "Guest RAM the balloons of idle sandboxes hold (returned to "
+            "the host under memory pressure; what guests free by themselves comes back "
+            "through free-page reporting and shows in aenv_vm_memory_pss_bytes)", registry=r)
+        self.balloon_sandboxes = Gauge(
+            "aenv_balloon_sandboxes", "Running sandboxes whose balloon the node inflated",
+            registry=r)
         for op in OPERATIONS:
             self.operation_seconds.labels(op)
         for direction in ("in", "out"):

@@ -34,6 +34,7 @@ from host.metrics import Metrics
 from . import drain as drain_
 from . import forks, guest_access, handoff, lifecycle, pausing, snapshots, timeouts
 from .admission import Admission, AdmissionPolicy
+from .balloons import Balloons
 from .collector import Collector
 from .envd import EnvdClient
 from .errors import OperationFailed, OrchestratorError
@@ -142,6 +143,7 @@ class NodeOrchestrator:
         self.warm = WarmPool(self._ctx, warm_pool, room=self._room_for_warm)
         self._ctx.warm = self.warm
         self.kept = KeptVms(self._ctx, keep_paused_s, room=self._room_for_warm)
+        self.balloons = Balloons(runtime, self._ctx.activity, clock=clock)
         self.collector = Collector(self._ctx, interval_s=gc_interval_s,
                                    retain_killed_s=retain_killed_s,
                                    files_ttl_s=build_cache_ttl_s)
@@ -288,6 +290,24 @@ class NodeOrchestrator:
         for gone in set(activity) - {r.id for r in running}:
             activity.pop(gone, None)
         return [r.id for r in sorted(running, key=lambda r: activity.get(r.id, r.started_at))]
+
+    async def reclaim_idle(self, need_mib: int) -> int:
+        """Inflate the balloons of the coldest running sandboxes (balloons.py); the MiB
+        their guests gave back."""
+        got = await self.balloons.reclaim(await self.coldest_running(), need_mib)
+        self._balloon_gauges()
+        return got
+
+    async def deflate_active(self) -> builtins.list[str]:
+        running = await self._ctx.db(self.store.list_sandboxes, {SandboxState.RUNNING})
+        out = await self.balloons.release_active({r.id for r in running})
+        self._balloon_gauges()
+        return out
+
+    def _balloon_gauges(self) -> None:
+        m = self.service_metrics
+        m.balloon_bytes.set(self.balloons.returned_mib << 20)
+        m.balloon_sandboxes.set(len(self.balloons.inflated))
 
     async def pause_for_memory(self, sandbox_id: str) -> None:
         # to free memory: answered once committed, its VM not kept

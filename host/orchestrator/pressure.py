@@ -8,7 +8,8 @@ service) at random. Instead, every tick the guard reads what the node has left
 cgroup leaves, whichever is less); below `low_mib` it pauses running sandboxes, coldest first
 (longest since a request reached them through the proxy, or since they started), one at
 a time until `high_mib` is available again (warm VMs, which are no sandboxes yet, and
-the VMs paused sandboxes kept go first: warm.py, kept.py). A paused sandbox keeps everything (memory
+the VMs paused sandboxes kept go first: warm.py, kept.py; then the balloons of idle
+sandboxes are inflated: balloons.py). A paused sandbox keeps everything (memory
 and disk) and resumes on its next request, like a TTL pause. Admission (admission.py)
 refuses new starts from the same number before they could push the node there.
 
@@ -48,6 +49,15 @@ class PressureOwner(Protocol):
         """Running sandboxes, coldest first."""
         ...
 
+    async def reclaim_idle(self, need_mib: int) -> int:
+        """Ask the coldest sandboxes' guests for up to `need_mib` through their balloons;
+        the MiB they gave back."""
+        ...
+
+    async def deflate_active(self) -> list[str]:
+        """Give their memory back to inflated sandboxes that got a request since."""
+        ...
+
     async def pause_for_memory(self, sandbox_id: str) -> None:
         """Pause a running sandbox (memory + disk); OrchestratorError if it cannot."""
         ...
@@ -85,11 +95,18 @@ class PressureGuard:
         p = self.policy
         available = await asyncio.to_thread(self.available_mib)
         if available >= p.low_mib:
+            await self.owner.deflate_active()
             return []
         if await self.owner.release_spare():
             available = await asyncio.to_thread(self.available_mib)
             log.warning("memory pressure: released the warm and kept VMs; %d MiB available",
                         available)
+        if available < p.high_mib:
+            got = await self.owner.reclaim_idle(p.high_mib - available)
+            if got:
+                available = await asyncio.to_thread(self.available_mib)
+                log.warning("memory pressure: idle sandboxes' balloons returned %d MiB; %d "
+                            "MiB available", got, available)
         paused: list[str] = []
         for sid in await self.owner.coldest_running():
             if available >= p.high_mib:

@@ -210,7 +210,14 @@ class Machines:
             raise SnapshotCorruptError(f"restore of snapshot {what} failed: {exc}") from exc
         t1 = time.perf_counter()
         try:
+            if spec.balloon:
+                # a snapshot taken while the pressure guard had the guest's balloon
+                # inflated would keep it: a resumed sandbox is an active one
+                await vm.set_balloon(0)
             envd_s = await self._envd(vm, timeout_s)
+        except VmmError as exc:
+            await self.release_vm(vm)
+            raise SandboxStartError(str(exc)) from exc
         except BaseException:
             await self.release_vm(vm)
             raise

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 from host.contract import (
+    Balloon,
     BuildLog,
     BuildSpec,
     MachineSpec,
@@ -209,6 +210,23 @@ class NodeRuntime:
         if pid is None:
             raise NodeRuntimeError(f"sandbox {sandbox_id}: its VM is not running")
         return pid
+
+    async def balloon(self, sandbox_id: str) -> Balloon | None:
+        vm = self.parts.get(sandbox_id).vm
+        if not vm.spec.balloon:
+            return None
+        try:
+            st = await vm.balloon_stats()
+        except VmmError as exc:
+            raise NodeRuntimeError(f"sandbox {sandbox_id}: balloon: {exc}") from exc
+        return Balloon(size_mib=st.size_mib, target_mib=st.target_mib,
+                       available_mib=st.available_mib)
+
+    async def set_balloon(self, sandbox_id: str, amount_mib: int) -> None:
+        try:
+            await self.parts.get(sandbox_id).vm.set_balloon(amount_mib)
+        except VmmError as exc:
+            raise NodeRuntimeError(f"sandbox {sandbox_id}: balloon: {exc}") from exc
 
     def _check_open(self) -> None:
         if not self._open:

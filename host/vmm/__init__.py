@@ -6,6 +6,7 @@ from __future__ import annotations
 from .accel import AccelChoice, detect_accel, host_tsc_khz
 from .driver import (
     ENVD_PORT,
+    BalloonStats,
     BootTimeouts,
     Disk,
     FileDisk,
@@ -27,6 +28,7 @@ from .qemu import QemuDriver, QemuVm, booted
 __all__ = [
     "ENVD_PORT",
     "AccelChoice",
+    "BalloonStats",
     "BootTimeouts",
     "Disk",
     "FileDisk",

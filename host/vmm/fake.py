@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Self
 
-from .driver import BootTimeouts, VmSpec, VmState
+from .driver import BalloonStats, BootTimeouts, VmSpec, VmState
 from .errors import VmmError, VmmStateError
 from .identity import VmmIdentity
 from .memsnap import BaseImage, MemSnapshot
@@ -29,6 +29,9 @@ class FakeVm:
         self._spec = spec
         self._state = VmState.CREATED
         self._pid = next(_pids)
+        self.balloon_mib = 0
+        # what the fake guest could give back (its MemAvailable before any balloon)
+        self.guest_available_mib = spec.mem_mib // 2
         self.saved_to: list[Path] = []
 
     @property
@@ -96,6 +99,21 @@ class FakeVm:
 
     def alive(self) -> bool:
         return self._state in (VmState.RUNNING, VmState.PAUSED)
+
+    async def set_balloon(self, amount_mib: int) -> None:
+        self._require(VmState.RUNNING, VmState.PAUSED)
+        if not self._spec.balloon or not 0 <= amount_mib < self._spec.mem_mib:
+            raise VmmError(f"{self._spec.name}: no balloon of {amount_mib} MiB here")
+        await self._driver._op("set_balloon", self)
+        self.balloon_mib = amount_mib  # a fake guest gives it at once
+
+    async def balloon_stats(self) -> BalloonStats:
+        self._require(VmState.RUNNING, VmState.PAUSED)
+        await self._driver._op("balloon_stats", self)
+        kept = self._spec.mem_mib - self.balloon_mib
+        available = max(0, min(kept, self.guest_available_mib - self.balloon_mib))
+        return BalloonStats(size_mib=self.balloon_mib, target_mib=self.balloon_mib,
+                            available_mib=available, free_mib=available, caches_mib=0)
 
     async def freeze_memory(self, dest: Path) -> BaseImage:
         """Records the call; returns a BaseImage naming `dest` (no files are written)."""

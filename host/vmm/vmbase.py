@@ -251,7 +251,7 @@ class VmBase:
 
     async def _exec(self, *, stdout: int | IO[bytes], stderr: IO[bytes],
                     cwd: Path | None = None, preexec_fn: Callable[[], None] | None = None,
-                    pass_fds: tuple[int, ...] = ()) -> None:
+                    pass_fds: tuple[int, ...] = (), env: dict[str, str] | None = None) -> None:
         """Spawn `argv` in a new session (killed with us if the driver says so; a jail's
         `preexec_fn` sets that up itself, after its change of uid clears it)."""
         loop = asyncio.get_running_loop()
@@ -260,7 +260,8 @@ class VmBase:
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=stdout, stderr=stderr,
-                start_new_session=True, cwd=cwd, preexec_fn=preexec_fn, pass_fds=pass_fds)
+                start_new_session=True, cwd=cwd, preexec_fn=preexec_fn, pass_fds=pass_fds,
+                env=env)
         except (OSError, subprocess.SubprocessError) as exc:
             raise VmmStartError(f"{self._spec.name}: cannot run {self.argv[0]}: {exc}") \
                 from exc

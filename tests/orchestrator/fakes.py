@@ -17,7 +17,15 @@ from typing import Any
 
 import httpx
 
-from host.contract import BuildFailed, BuildLog, BuildSpec, MachineSpec, Placement, SnapshotRef
+from host.contract import (
+    Balloon,
+    BuildFailed,
+    BuildLog,
+    BuildSpec,
+    MachineSpec,
+    Placement,
+    SnapshotRef,
+)
 from host.orchestrator.model import NetworkConfig
 
 
@@ -51,6 +59,9 @@ class FakeRuntime:
         # give two runtimes the same dict, as they would share one repository)
         self.documents: dict[str, dict[str, Any]] = {}
         self.answer_on_stop = False  # call snapshot's `stopped` (as the real runtime)
+        self.balloons: dict[str, int] = {}  # MiB each VM's balloon holds (set at once)
+        self.spare: dict[str, int] = {}  # what each guest reports it could spare (unset:
+        #                                  no report yet)
         self._n = itertools.count(1)
 
     async def _step(self, op: str, sandbox_id: str) -> None:
@@ -167,6 +178,21 @@ class FakeRuntime:
 
     def exited(self) -> list[str]:
         return sorted(self.dead & set(self.vms))
+
+    async def balloon(self, sandbox_id: str) -> Balloon | None:
+        if sandbox_id not in self.vms:
+            raise RuntimeFailure(f"no sandbox {sandbox_id}")
+        size = self.balloons.get(sandbox_id, 0)
+        spare = self.spare.get(sandbox_id)
+        return Balloon(size_mib=size, target_mib=size,
+                       available_mib=None if spare is None else max(0, spare - size))
+
+    async def set_balloon(self, sandbox_id: str, amount_mib: int) -> None:
+        self.calls.append(("set_balloon", (sandbox_id, amount_mib)))
+        await self._step("set_balloon", sandbox_id)
+        if sandbox_id not in self.vms:
+            raise RuntimeFailure(f"no sandbox {sandbox_id}")
+        self.balloons[sandbox_id] = amount_mib
 
     async def kill(self, sandbox_id: str) -> None:
         self.calls.append(("kill", (sandbox_id,)))

@@ -101,3 +101,53 @@ async def test_pauses_the_coldest_until_the_high_mark(store, rt, envd) -> None:
         assert store.get_sandbox(ids[1]).state is S.RUNNING
     finally:
         await o.aclose()
+
+
+@on_loop
+async def test_idle_sandboxes_balloons_go_before_any_pause(store, rt, envd) -> None:
+    """Below the low mark the coldest sandboxes' balloons are inflated first, each by what
+    its guest reports it can spare less a headroom; none is paused when that is enough.
+    A sandbox that gets a request again is deflated at the next tick."""
+    o = make(store, rt, envd)
+    await o.start(ttl_interval_s=3600)
+    try:
+        ids = [(await o.create(CreateRequest())).sandbox_id for _ in range(4)]
+        await o.route(ids[3], 49983, resume=False)  # the hottest
+        rt.spare = {ids[0]: 400, ids[1]: 100, ids[2]: 500, ids[3]: 900}  # ids[3] not needed
+        available = {"mib": 900}
+        real_set = rt.set_balloon
+
+        async def set_and_free(sid: str, mib: int) -> None:  # the host gets it back
+            available["mib"] += mib - rt.balloons.get(sid, 0)
+            await real_set(sid, mib)
+
+        rt.set_balloon = set_and_free  # type: ignore[method-assign]
+        guard = PressureGuard(o, PressurePolicy(low_mib=1000, high_mib=1500),
+                              available_mib=lambda: available["mib"])
+        assert await guard.tick() == []  # 600 MiB asked: the balloons gave it, no pause
+        # coldest first: 400 - 64, then 100 - 64, then the rest of 600 from the third
+        assert rt.balloons == {ids[0]: 336, ids[1]: 36, ids[2]: 228}
+        assert available["mib"] == 1500
+        assert {r.state for r in store.list_sandboxes()} == {S.RUNNING}
+        assert o.service_metrics.balloon_bytes._value.get() == 600 * MIB
+        assert o.service_metrics.balloon_sandboxes._value.get() == 3
+
+        # a request reaches ids[0]: its balloon goes at the next tick, the others stay
+        await o.route(ids[0], 49983, resume=False)
+        assert await guard.tick() == []
+        assert rt.balloons == {ids[0]: 0, ids[1]: 36, ids[2]: 228}
+        assert set(o.balloons.inflated) == {ids[1], ids[2]}
+
+        # guests with nothing left to spare: pausing is the last resort, as before
+        rt.spare = {}
+        available["mib"] = 900
+        rt.fail["set_balloon"] = lambda sid: True
+        paused = await guard.tick()
+        assert paused and paused[0] == ids[1]  # the coldest
+        # a paused sandbox's balloon is forgotten (its restore starts deflated)
+        rt.fail.clear()
+        available["mib"] = 2000
+        await guard.tick()
+        assert not set(o.balloons.inflated) & set(paused)
+    finally:
+        await o.aclose()

@@ -10,10 +10,12 @@ the node's secrets, another sandbox's memory file and its disk socket."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,7 +26,7 @@ from host.runtime.node import SERIAL_MAX_BYTES
 from host.vmm.jail import Cgroup
 
 from .conftest import MEM_MB
-from .helpers import background, run
+from .helpers import background, pss_kib, run
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 
@@ -266,3 +268,83 @@ async def test_a_fork_bomb_and_a_memory_hog_stay_inside_their_sandbox(
     finally:
         await runtime.kill(bad)
         await runtime.kill(good)
+
+
+def _base_fd_flags(pid: int) -> tuple[Path, int]:
+    """The memory file a QEMU maps its RAM from, and the flags it holds it open with."""
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    base = next(Path(ln.split()[-1]) for ln in maps if ln.endswith("/base.mem"))
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        if os.readlink(f"/proc/{pid}/fd/{fd}") == str(base):
+            info = Path(f"/proc/{pid}/fdinfo/{fd}").read_text()
+            return base, int(info.split("flags:")[1].split()[0], 8)
+    raise AssertionError(f"QEMU {pid} holds no descriptor of {base}")
+
+
+async def _until(check: Any, what: str, limit_s: float = 180.0) -> float:
+    """Poll `check()` (async) until true; the seconds it took. The limit only ends a test
+    that would otherwise hang: it asserts no speed."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    while not await check():
+        assert loop.time() - t0 < limit_s, f"{what}: not after {limit_s:.0f} s"
+        await asyncio.sleep(1)
+    return loop.time() - t0
+
+
+async def test_memory_a_guest_frees_goes_back_to_the_host(
+        runtime: NodeRuntime, template: SnapshotRef) -> None:
+    """A jailed VM restored from the template's shared base: what its guest frees returns
+    to the host by itself (balloon free-page reporting; QEMU discards through the
+    private-RAM preload), the base stays read-only and unchanged, data the guest kept is
+    intact, also across a pause and resume; the balloon inflates and deflates on demand."""
+    sid = "jail-balloon"
+    try:
+        p = await runtime.start(sid, template, NET)
+        pid = runtime.vm_pid(sid)
+        base, flags = _base_fd_flags(pid)
+        assert flags & os.O_ACCMODE == os.O_RDONLY
+        h0 = await asyncio.to_thread(lambda: hashlib.sha256(base.read_bytes()).hexdigest())
+        assert (await runtime.balloon(sid)) is not None  # turns the guest's reports on
+        await run(p, "head -c 8M /dev/urandom > /dev/shm/keep && "
+                     "sha256sum /dev/shm/keep > /tmp/keep.sum")
+        await asyncio.sleep(5)
+        before = pss_kib(pid)[1] >> 10
+        await run(p, "dd if=/dev/zero of=/dev/shm/fill bs=1M count=90 status=none")
+        peak = pss_kib(pid)[1] >> 10
+        await run(p, "rm /dev/shm/fill")
+
+        async def returned() -> bool:
+            return (pss_kib(pid)[1] >> 10) - before < 0.25 * (peak - before)
+
+        took = await _until(returned, "the freed memory back to the host")
+        after = pss_kib(pid)[1] >> 10
+        print(f"\nQEMU PSS (MiB): before {before}, at peak {peak}, {took:.0f} s after the "
+              f"guest freed 90 MiB: {after}")
+        assert peak - before >= 60
+        assert "OK" in await run(p, "sha256sum -c /tmp/keep.sum")
+
+        # inflated on demand (the pressure guard's way), then deflated
+        b = await runtime.balloon(sid)
+        assert b is not None and b.size_mib == 0 and b.available_mib, b
+        await runtime.set_balloon(sid, 64)
+
+        async def size_is(n: int) -> Any:
+            async def check() -> bool:
+                got = await runtime.balloon(sid)
+                return got is not None and got.size_mib == n
+            return check
+
+        await _until(await size_is(64), "the balloon at 64 MiB")
+        # paused inflated, resumed: the restore deflates it; the data the guest kept and
+        # the pages it discarded come back right
+        snap = await runtime.snapshot(sid, "jail-balloon-pause", stop=True)
+        p = await runtime.start(sid, snap, NET)
+        assert "OK" in await run(p, "sha256sum -c /tmp/keep.sum")
+        await _until(await size_is(0), "the resumed sandbox's balloon deflated")
+        assert_jailed(runtime, runtime.vm_pid(sid), MEM_MB)
+        assert await asyncio.to_thread(
+            lambda: hashlib.sha256(base.read_bytes()).hexdigest()) == h0
+    finally:
+        if sid in runtime.sandboxes:
+            await runtime.kill(sid)

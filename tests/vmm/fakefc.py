@@ -110,12 +110,17 @@ def boot_calls(spec: VmSpec, *, dirty: bool = True, kernel: str = "boot/vmlinux"
         ("PUT", "/machine-config", {"vcpu_count": spec.vcpus, "mem_size_mib": spec.mem_mib,
                                     "track_dirty_pages": dirty}),
         ("PUT", "/boot-source", {"kernel_image_path": kernel,
-                                 "boot_args": "reboot=k panic=1 pci=off console=ttyS0 quiet"}),
+                                 "boot_args": "reboot=k panic=1 pci=off console=ttyS0 quiet"
+                                              + (" page_reporting.page_reporting_order=9"
+                                                 if spec.balloon else "")}),
         ("PUT", "/drives/rootfs", {"drive_id": "rootfs", "path_on_host": "drives/rootfs",
                                    "is_root_device": True, "is_read_only": True}),
         ("PUT", "/drives/data", {"drive_id": "data", "path_on_host": "drives/data",
                                  "is_root_device": False, "is_read_only": False}),
         ("PUT", "/network-interfaces/eth0", {"iface_id": "eth0", "host_dev_name": "tap7",
                                              "guest_mac": "06:00:0a:0b:00:02"}),
+        *([("PUT", "/balloon", {"amount_mib": 0, "deflate_on_oom": True,
+                                "stats_polling_interval_s": 1, "free_page_reporting": True})]
+          if spec.balloon else []),
         ("PUT", "/actions", {"action_type": "InstanceStart"}),
     ]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +89,8 @@ async def test_boot_cmdline_with_root_leaves_no_root_drive_and_passes_initrd(
     async with await fake_fc.driver().start(spec2):
         calls = fake_fc.calls()
     assert calls[1][2] == {"kernel_image_path": "boot/vmlinux",
-                           "boot_args": "console=ttyS0 reboot=k panic=1 pci=off root=/dev/vdb",
+                           "boot_args": "console=ttyS0 reboot=k panic=1 pci=off root=/dev/vdb "
+                                         "page_reporting.page_reporting_order=9",
                            "initrd_path": "boot/initrd"}
     assert [c[2]["is_root_device"] for c in calls if c[1].startswith("/drives/")] == [
         False, False]
@@ -108,9 +110,10 @@ async def test_balloon_configured_before_start_then_stats_and_update(
         ]
         fake_fc.clear()
         stats = await vm.balloon_stats()
-        assert stats["target_mib"] == 64 and stats["actual_mib"] == 64
+        assert stats.target_mib == 64 and stats.size_mib == 64 and stats.free_mib == 1
+        assert stats.available_mib is None  # not reported
         await vm.set_balloon(128)
-        assert (await vm.balloon_stats())["target_mib"] == 128
+        assert (await vm.balloon_stats()).target_mib == 128
         assert fake_fc.calls() == [("GET", "/balloon/statistics", None),
                                    ("PATCH", "/balloon", {"amount_mib": 128}),
                                    ("GET", "/balloon/statistics", None)]
@@ -120,7 +123,7 @@ async def test_balloon_configured_before_start_then_stats_and_update(
 
 async def test_balloon_calls_without_a_balloon_report_firecrackers_fault(
         fake_fc: FakeFc, spec: VmSpec) -> None:
-    async with await fake_fc.driver().start(spec) as vm:
+    async with await fake_fc.driver().start(replace(spec, balloon=False)) as vm:
         with pytest.raises(VmmError, match=r"PATCH /balloon failed \(400\): Balloon device "
                                            "not configured"):
             await vm.set_balloon(8)

@@ -36,14 +36,28 @@ def test_basic_tcg_argv() -> None:
     assert _opt(argv, "-display") == ["none"]
     assert _opt(argv, "-kernel") == ["/k/vmlinux"]
     assert _opt(argv, "-append") == [
-        "console=ttyS0 panic=-1 tsc_early_khz=2596118 tsc=reliable norandmaps root=/dev/vda"]
+        "console=ttyS0 panic=-1 tsc_early_khz=2596118 tsc=reliable norandmaps root=/dev/vda "
+        "page_reporting.page_reporting_order=9"]  # the balloon's (driver.REPORTING_ORDER)
     # append: the log may be truncated under QEMU when it is rotated
     assert _opt(argv, "-chardev") == ["file,id=ser0,path=/w/serial.log,append=on"]
     assert _opt(argv, "-serial") == ["chardev:ser0"]
     assert _opt(argv, "-qmp") == ["unix:/w/qmp.sock,server=on,wait=off"]
     assert _opt(argv, "-netdev") == ["user,id=net0,restrict=on,hostfwd=tcp:127.0.0.1:4321-:49983"]
-    assert _opt(argv, "-device") == ["virtio-net-device,netdev=net0,mac=52:54:00:12:34:56"]
+    assert _opt(argv, "-device") == [
+        "virtio-balloon-device,id=balloon0,free-page-reporting=on,deflate-on-oom=on",
+        "virtio-net-device,netdev=net0,mac=52:54:00:12:34:56"]
     assert "-incoming" not in argv and "-object" not in argv
+
+
+def test_balloon_is_part_of_the_machine() -> None:
+    """Every VM has one unless its spec says not; a snapshot with one does not restore
+    into a VM without (the digest differs)."""
+    spec = VmSpec(kernel=Path("/k"), network=None)
+    without = VmSpec(kernel=Path("/k"), network=None, balloon=False)
+    assert not any("balloon" in a for a in build_argv(without, files=FILES, accel="tcg",
+                                                       tsc_khz=None))
+    kw = {"accel": "tcg", "tsc_khz": None, "qemu": "qemu-system-x86_64"}
+    assert config_digest(spec, **kw) != config_digest(without, **kw)  # type: ignore[arg-type]
 
 
 def test_kvm_uses_host_cpu_and_no_tsc_hint() -> None:
@@ -73,6 +87,7 @@ def test_disks_in_order_with_escaping() -> None:
         "virtio-blk-device,drive=disk0,serial=base",
         "virtio-blk-device,drive=disk1",
         "virtio-blk-device,drive=disk2",
+        "virtio-balloon-device,id=balloon0,free-page-reporting=on,deflate-on-oom=on",
     ]
 
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from ..accel import _kvm_openable, _pvm_loaded
-from ..driver import NbdDisk, TapNet, UserNet, VmSpec
+from ..driver import NbdDisk, TapNet, UserNet, VmSpec, balloon_cmdline
 from ..errors import VmmError
 from ..identity import binary_version
 from ..vmbase import VmHost
@@ -56,6 +56,15 @@ class BalloonConfig:
     deflate_on_oom: bool = True
     stats_polling_interval_s: int = 1
     free_page_reporting: bool = False
+
+
+def balloon_of(spec: VmSpec, configured: BalloonConfig | None) -> BalloonConfig | None:
+    """The balloon of a VM of `spec`: the driver's own config, else free-page reporting
+    where the spec asks for a balloon (Firecracker discards a snapshot's file-backed
+    private memory with MADV_DONTNEED: the memory file is never written)."""
+    if not spec.balloon:
+        return None
+    return configured or BalloonConfig(free_page_reporting=True)
 
 
 def firecracker_usable(binary: str = DEFAULT_FIRECRACKER) -> tuple[bool, str]:
@@ -140,7 +149,7 @@ def boot_requests(spec: VmSpec, *, kernel: str, initrd: str | None,
     reqs: list[Request] = [
         ("PUT", "/machine-config", {"vcpu_count": spec.vcpus, "mem_size_mib": spec.mem_mib,
                                     "track_dirty_pages": track_dirty_pages})]
-    boot: dict[str, Any] = {"kernel_image_path": kernel, "boot_args": boot_args(spec.cmdline)}
+    boot: dict[str, Any] = {"kernel_image_path": kernel, "boot_args": boot_args(balloon_cmdline(spec))}
     if initrd is not None:
         boot["initrd_path"] = initrd
     reqs.append(("PUT", "/boot-source", boot))
@@ -153,6 +162,7 @@ def boot_requests(spec: VmSpec, *, kernel: str, initrd: str | None,
         reqs.append(("PUT", f"/network-interfaces/{IFACE_ID}", {
             "iface_id": IFACE_ID, "host_dev_name": spec.network.tap,
             "guest_mac": spec.network.mac}))
+    balloon = balloon_of(spec, balloon)
     if balloon is not None:
         reqs.append(("PUT", "/balloon", asdict(balloon)))
     reqs.append(("PUT", "/actions", {"action_type": "InstanceStart"}))
@@ -181,11 +191,12 @@ def config_digest(spec: VmSpec, *, version: str, balloon: BalloonConfig | None) 
     boot args, drive and interface layout; not the per-instance parts (disk paths and
     sockets, TAP name, namespace, work dir, jailed or not)."""
     root = _root_from_drive(spec)
+    balloon = balloon_of(spec, balloon)
     canon = {
         "vmm": "firecracker", "version": version,
         "machine": {"vcpu_count": spec.vcpus, "mem_size_mib": spec.mem_mib},
         "kernel": str(spec.kernel), "initrd": str(spec.initrd) if spec.initrd else None,
-        "boot_args": boot_args(spec.cmdline),
+        "boot_args": boot_args(balloon_cmdline(spec)),
         "drives": [{"drive_id": d, "is_root_device": i == 0 and root,
                     "is_read_only": disk.read_only}
                    for i, (d, disk) in enumerate(zip(drive_ids(spec), spec.disks,

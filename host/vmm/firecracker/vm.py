@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import proc as procs
 from .. import procscan
-from ..driver import ENVD_PORT, BootTimeouts, FileDisk, TapNet, VmSpec, VmState
+from ..driver import ENVD_PORT, BalloonStats, BootTimeouts, FileDisk, TapNet, VmSpec, VmState
 from ..errors import VmmError, VmmStartError, VmmStateError
 from ..vmbase import TAIL_LINES, VmBase
 from .api import API_CALL_S, FirecrackerApi
@@ -259,10 +259,18 @@ class FirecrackerVm(MemoryMixin, VmBase):
 
     # -- balloon --------------------------------------------------------------------------
 
-    async def balloon_stats(self) -> dict[str, Any]:
-        """GET /balloon/statistics (needs a BalloonConfig with a polling interval)."""
+    async def balloon_stats(self) -> BalloonStats:
+        """GET /balloon/statistics (the balloon's config sets a polling interval)."""
         self._require(VmState.RUNNING, VmState.PAUSED)
-        return dict(await self.api("GET", "/balloon/statistics"))
+        raw = dict(await self.api("GET", "/balloon/statistics"))
+
+        def mib(key: str) -> int | None:
+            return int(raw[key]) >> 20 if key in raw else None
+
+        return BalloonStats(size_mib=int(raw.get("actual_mib", 0)),
+                            target_mib=int(raw.get("target_mib", 0)),
+                            available_mib=mib("available_memory"), free_mib=mib("free_memory"),
+                            caches_mib=mib("disk_caches"))
 
     async def set_balloon(self, amount_mib: int) -> None:
         """Inflate/deflate the balloon to `amount_mib` (PATCH /balloon)."""

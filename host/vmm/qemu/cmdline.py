@@ -12,7 +12,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..driver import FileDisk, MemoryBacking, NbdDisk, TapNet, UserNet, VmSpec
+from ..driver import FileDisk, MemoryBacking, NbdDisk, TapNet, UserNet, VmSpec, balloon_cmdline
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +84,8 @@ def cpu_model(accel: str) -> str:
 # (files reach QEMU as descriptors), no scheduler, affinity or priority changes
 SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 NBD_RECONNECT_DELAY_S = 60
+# the balloon device's QOM id: QMP `balloon` and `qom-get` of its stats find it by path
+BALLOON_ID = "balloon0"
 # TCG's translated-code buffer. QEMU 7.2 reserves 1 GiB and madvises it for huge pages:
 # a guest that ran a few commands kept 536 MiB of it resident (2 MiB pages, each touched
 # by a little code), more than its whole RAM. A guest's hot code (kernel, bash, envd)
@@ -163,7 +165,7 @@ def build_argv(
         argv += ["-sandbox", SANDBOX]
     if spec.kernel is not None:
         argv += ["-kernel", str(spec.kernel),
-                 "-append", guest_cmdline(spec.cmdline, accel=accel, tsc_khz=tsc_khz)]
+                 "-append", guest_cmdline(balloon_cmdline(spec), accel=accel, tsc_khz=tsc_khz)]
     if spec.initrd is not None:
         argv += ["-initrd", str(spec.initrd)]
     if spec.memory is not None:
@@ -177,6 +179,12 @@ def build_argv(
                              f"merge={'on' if merge else 'off'}")]
     for i, disk in enumerate(spec.disks):
         argv += _disk_args(i, disk)
+    if spec.balloon:
+        # free-page-reporting: the guest reports the blocks it freed and QEMU discards
+        # them (over a shared base, only through the preload: preload.py); deflate-on-oom:
+        # the guest takes pages back from an inflated balloon rather than OOM-kill
+        argv += ["-device", (f"virtio-balloon-device,id={BALLOON_ID},"
+                             "free-page-reporting=on,deflate-on-oom=on")]
     net = spec.network
     if isinstance(net, UserNet):
         if host_port is None:
@@ -211,7 +219,7 @@ def config_digest(spec: VmSpec, *, accel: str, tsc_khz: int | None, qemu: str,
                         mac=spec.network.mac) if isinstance(spec.network, TapNet)
                  else spec.network),
         memory=MemoryBacking(path=Path("/MEM"), shared=False) if mem is not None else None,
-        name="vm")
+        balloon=spec.balloon, name="vm")
     # merge= left at off: whether ksmd may merge guest RAM is the host's business too
     argv = build_argv(canon, files=QemuRunFiles.in_dir(Path("/WORK")), accel=accel,
                       tsc_khz=tsc_khz, host_port=0, incoming=True, qemu=qemu,

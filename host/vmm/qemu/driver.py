@@ -23,15 +23,17 @@ from qemu.qmp import ExecuteError, QMPClient, QMPError
 from .. import proc as procs
 from .. import procscan
 from ..accel import DEFAULT_QEMU, detect_accel, host_tsc_khz
-from ..driver import BootTimeouts, NbdDisk, TapNet, UserNet, VmSpec, VmState
+from ..driver import BalloonStats, BootTimeouts, NbdDisk, TapNet, UserNet, VmSpec, VmState
 from ..errors import VmmError, VmmStartError, VmmStateError, VmmTimeout
 from ..identity import VmmIdentity, binary_version, host_cpu_model
 from ..jail import Bind, Jail, JailConfig, UidPool
 from ..jail import forget as forget_jail
 from ..memsnap import MemSnapError
 from ..memsnap.devstate import migration_uri
+from . import balloon as qemu_balloon
 from . import memory as qemu_memory
 from .cmdline import TCG_TB_MIB, QemuRunFiles, build_argv, config_digest, cpu_model
+from .preload import preload_env, private_ram_preload
 
 if TYPE_CHECKING:
     from ..memsnap import BaseImage, MemSnapshot
@@ -103,6 +105,11 @@ class QemuDriver(DriverBase["QemuVm"]):
         """QEMU 8.2+ opens a share=off memory file read-only (`readonly=on,rom=off`); older
         releases open it read-write even when they map it copy-on-write."""
         return self.version() >= (8, 2)
+
+    def private_ram_preload(self) -> Path | None:
+        """The preload that makes a balloon's discards safe over a shared base (built once
+        per run dir; see preload.py); None without a C compiler."""
+        return private_ram_preload(self.run_dir / "lib")
 
     def new_jail(self, name: str) -> Jail | None:
         if self.jail is None:
@@ -177,6 +184,8 @@ class QemuVm(VmBase):
         self.restore_stats: dict[str, float] = {}
         self._config_sha256: str | None = None  # adopted VMs: from their facts
         self._jail: Jail | None = None
+        self._balloon_target = 0  # MiB, as last set (a restored VM: its snapshot's own)
+        self._preload: Path | None = None  # private_ram.c, for RAM mapped from a shared base
 
     # -- properties -----------------------------------------------------------------
 
@@ -280,6 +289,20 @@ class QemuVm(VmBase):
         net = self._spec.network
         assert self.accel is not None
         self.serial_log.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        mem = self._spec.memory
+        private = mem is not None and not mem.shared
+        # asked of the binary only where it matters: a private mapping of a shared file
+        readonly_ram = private and self._driver.readonly_private_ram()
+        self._preload = None  # set again on each launch (a restart may be another kind)
+        if private and self._spec.balloon:
+            self._preload = await asyncio.to_thread(self._driver.private_ram_preload)
+            if self._preload is not None:
+                readonly_ram = False  # the preload opens it read-only: discards can work
+            elif not readonly_ram:
+                raise VmmStartError(
+                    f"{self._spec.name}: this QEMU would punch the balloon's discards into "
+                    "the shared base memory file: install a C compiler (gcc) for the "
+                    "private-RAM preload or QEMU 8.2+ (`make setup`)")
         self._jail = self._driver.new_jail(self._spec.name)
         if self._jail is not None:
             self._jail.prepare(
@@ -288,10 +311,6 @@ class QemuVm(VmBase):
                 netns=net.netns if isinstance(net, TapNet) else None,
                 tap=net.tap if isinstance(net, TapNet) else None, kvm=self.accel == "kvm",
                 die_with_parent=self._driver.die_with_parent)
-        mem = self._spec.memory
-        # asked of the binary only where it matters: a private mapping of a shared file
-        readonly_ram = mem is not None and not mem.shared and \
-            self._driver.readonly_private_ram()
         for attempt in range(1, _PORT_ATTEMPTS + 1):
             if isinstance(net, UserNet):
                 self._host_port = net.host_port or procs.free_port(net.host_addr)
@@ -323,10 +342,13 @@ class QemuVm(VmBase):
             stale.unlink(missing_ok=True)
         err = await asyncio.to_thread(open, self.stderr_log, "wb")
         with err:
+            mem = self._spec.memory
+            env = (preload_env(self._preload, mem.path)
+                   if self._preload is not None and mem is not None else None)
             if self._jail is None:
-                await self._exec(stdout=asyncio.subprocess.DEVNULL, stderr=err)
+                await self._exec(stdout=asyncio.subprocess.DEVNULL, stderr=err, env=env)
             else:
-                await self._exec(stdout=asyncio.subprocess.DEVNULL, stderr=err,
+                await self._exec(stdout=asyncio.subprocess.DEVNULL, stderr=err, env=env,
                                  preexec_fn=self._jail.preexec(),
                                  pass_fds=self._jail.pass_fds)
                 self._jail.spawned()
@@ -350,7 +372,7 @@ class QemuVm(VmBase):
         at its full size, RLIMIT_FSIZE forbids QEMU to grow it), the disks (a stack's own
         NBD socket directory; file disks and their backing file)."""
         spec = self._spec
-        binds = [Bind(p) for p in (spec.kernel, spec.initrd) if p is not None]
+        binds = [Bind(p) for p in (spec.kernel, spec.initrd, self._preload) if p is not None]
         if self._driver.log_dir is not None:
             binds.append(Bind(self.serial_log.parent, writable=True))
         if spec.memory is not None:
@@ -480,6 +502,17 @@ class QemuVm(VmBase):
     def alive(self) -> bool:
         return self._proc is not None and self._proc.returncode is None and \
             procscan.pid_alive(self._proc.pid)
+
+    # -- balloon (balloon.py) -------------------------------------------------------------
+
+    async def set_balloon(self, amount_mib: int) -> None:
+        self._require(VmState.RUNNING, VmState.PAUSED)
+        await qemu_balloon.set_size(self.qmp, self._spec.name, self._spec.mem_mib, amount_mib)
+        self._balloon_target = amount_mib
+
+    async def balloon_stats(self) -> BalloonStats:
+        self._require(VmState.RUNNING, VmState.PAUSED)
+        return await qemu_balloon.stats(self.qmp, self._spec.mem_mib, self._balloon_target)
 
     # -- memory snapshots (memsnap) -------------------------------------------------------
 
