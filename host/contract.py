@@ -137,12 +137,13 @@ BuildLog = Callable[[str, str, "str | None"], None]
 @dataclass(frozen=True)
 class Balloon:
     """A running sandbox's memory balloon: MiB it returned to the host (`size_mib`), MiB
-    asked (`target_mib`), and what its guest last said it could spare (MemAvailable;
-    None before its first report)."""
+    asked (`target_mib`), and its guest's last report (None before the first): what it
+    could spare (MemAvailable) and how much of that is page cache."""
 
     size_mib: int
     target_mib: int
     available_mib: int | None
+    caches_mib: int | None = None
 
 
 class BuildFailed(Exception):

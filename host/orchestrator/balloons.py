@@ -4,8 +4,10 @@ Every VM has a virtio-balloon with free-page reporting (host/vmm): what a guest 
 back to the host by itself within seconds. What a guest does not free is its page cache:
 an idle sandbox that built or read a lot keeps hundreds of MiB the host could use. Under
 memory pressure (pressure.py) the guard first inflates the balloons of the coldest running
-sandboxes, each by what its guest reports it can spare (MemAvailable) less a headroom, so
-the guest drops cache it would re-read from its disk instead of being paused. Pausing
+sandboxes, each by its guest's page cache (bounded by what it reports it can spare,
+MemAvailable, less a headroom), so the guest drops cache it would re-read from its disk
+instead of being paused. Its free memory is not asked for: reporting already returned it,
+and a balloon over it would only make the guest touch pages to give them back. Pausing
 stays the last resort, for when balloons did not return enough.
 
 A sandbox that gets a request again (`Context.activity`, the proxy's) has its balloon
@@ -71,9 +73,9 @@ class Balloons:
             if asked >= need_mib:
                 break
             b = await self._read(sid)
-            if b is None or b.available_mib is None:
+            if b is None or b.available_mib is None or b.caches_mib is None:
                 continue  # no balloon, or its guest has not reported yet
-            gain = min(b.available_mib - p.headroom_mib, need_mib - asked)
+            gain = min(b.caches_mib, b.available_mib - p.headroom_mib, need_mib - asked)
             if gain < p.min_gain_mib:
                 continue
             target = b.target_mib + gain

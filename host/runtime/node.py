@@ -220,7 +220,7 @@ class NodeRuntime:
         except VmmError as exc:
             raise NodeRuntimeError(f"sandbox {sandbox_id}: balloon: {exc}") from exc
         return Balloon(size_mib=st.size_mib, target_mib=st.target_mib,
-                       available_mib=st.available_mib)
+                       available_mib=st.available_mib, caches_mib=st.caches_mib)
 
     async def set_balloon(self, sandbox_id: str, amount_mib: int) -> None:
         try:

@@ -62,6 +62,7 @@ class FakeRuntime:
         self.balloons: dict[str, int] = {}  # MiB each VM's balloon holds (set at once)
         self.spare: dict[str, int] = {}  # what each guest reports it could spare (unset:
         #                                  no report yet)
+        self.caches: dict[str, int] = {}  # how much of that is page cache (unset: all)
         self._n = itertools.count(1)
 
     async def _step(self, op: str, sandbox_id: str) -> None:
@@ -184,8 +185,9 @@ class FakeRuntime:
             raise RuntimeFailure(f"no sandbox {sandbox_id}")
         size = self.balloons.get(sandbox_id, 0)
         spare = self.spare.get(sandbox_id)
-        return Balloon(size_mib=size, target_mib=size,
-                       available_mib=None if spare is None else max(0, spare - size))
+        left = None if spare is None else max(0, spare - size)
+        cache = self.caches.get(sandbox_id, left)  # unset: all it can spare is cache
+        return Balloon(size_mib=size, target_mib=size, available_mib=left, caches_mib=cache)
 
     async def set_balloon(self, sandbox_id: str, amount_mib: int) -> None:
         self.calls.append(("set_balloon", (sandbox_id, amount_mib)))

@@ -105,15 +105,17 @@ async def test_pauses_the_coldest_until_the_high_mark(store, rt, envd) -> None:
 
 @on_loop
 async def test_idle_sandboxes_balloons_go_before_any_pause(store, rt, envd) -> None:
-    """Below the low mark the coldest sandboxes' balloons are inflated first, each by what
-    its guest reports it can spare less a headroom; none is paused when that is enough.
+    """Below the low mark the coldest sandboxes' balloons are inflated first, each by its
+    guest's page cache, at most what it reports it can spare less a headroom; none is
+    paused when that is enough.
     A sandbox that gets a request again is deflated at the next tick."""
     o = make(store, rt, envd)
     await o.start(ttl_interval_s=3600)
     try:
         ids = [(await o.create(CreateRequest())).sandbox_id for _ in range(4)]
         await o.route(ids[3], 49983, resume=False)  # the hottest
-        rt.spare = {ids[0]: 400, ids[1]: 100, ids[2]: 500, ids[3]: 900}  # ids[3] not needed
+        rt.spare = {ids[0]: 400, ids[1]: 300, ids[2]: 500, ids[3]: 900}  # ids[3] not needed
+        rt.caches = {ids[1]: 36}  # the rest of ids[1]'s is free memory: not asked for
         available = {"mib": 900}
         real_set = rt.set_balloon
 
@@ -125,7 +127,7 @@ async def test_idle_sandboxes_balloons_go_before_any_pause(store, rt, envd) -> N
         guard = PressureGuard(o, PressurePolicy(low_mib=1000, high_mib=1500),
                               available_mib=lambda: available["mib"])
         assert await guard.tick() == []  # 600 MiB asked: the balloons gave it, no pause
-        # coldest first: 400 - 64, then 100 - 64, then the rest of 600 from the third
+        # coldest first: 400 - 64, then ids[1]'s cache, then the rest of 600 from the third
         assert rt.balloons == {ids[0]: 336, ids[1]: 36, ids[2]: 228}
         assert available["mib"] == 1500
         assert {r.state for r in store.list_sandboxes()} == {S.RUNNING}
