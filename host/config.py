@@ -82,6 +82,11 @@
                                                       identical pages (more sandboxes per GiB;
                                                       off: merged pages are a side channel
                                                       between the guests sharing them)
+    AENV_VM_BALLOON  --vm-balloon / --no-vm-balloon on  a virtio-balloon in every VM: guests
+                                                      return the memory they free (free-page
+                                                      reporting) and idle ones their page
+                                                      cache under memory pressure (templates
+                                                      made with the other setting are rebuilt)
     AENV_CLUSTER_REDIS --cluster-redis -              redis://... : join a cluster (host/cluster):
                                                       heartbeat capacity and sandboxes into it
     AENV_NODE_ID     --node-id      <host name>       this node's id in the cluster
@@ -175,6 +180,7 @@ class Config:
     gc_min_age_s: float = 600.0
     min_free_disk_mib: int = 2048
     ksm: bool = False
+    vm_balloon: bool = True
     drain_on_stop: bool = False
     vm_jail: bool = True
     vm_uid_range: str = DEFAULT_UID_RANGE
@@ -304,6 +310,9 @@ def _parser() -> argparse.ArgumentParser:
                         "disk in the state dir (0: never)")
     p.add_argument("--ksm", action=argparse.BooleanOptionalAction, default=None,
                    help="start ksmd and let it merge the VMs' identical pages")
+    p.add_argument("--vm-balloon", action=argparse.BooleanOptionalAction, default=None,
+                   help="a virtio-balloon in every VM (free-page reporting; inflated for "
+                        "idle sandboxes under memory pressure)")
     p.add_argument("--drain-on-stop", action=argparse.BooleanOptionalAction, default=None,
                    help="at SIGTERM pause every running sandbox (with memory) before "
                         "exiting; the next start resumes them")
@@ -359,6 +368,7 @@ _ENV: dict[str, tuple[str, type]] = {
     "gc_min_age_s": ("AENV_GC_MIN_AGE_S", float),
     "min_free_disk_mib": ("AENV_MIN_FREE_DISK_MIB", int),
     "ksm": ("AENV_KSM", bool), "vm_jail": ("AENV_VM_JAIL", bool),
+    "vm_balloon": ("AENV_VM_BALLOON", bool),
     "vm_uid_range": ("AENV_VM_UID_RANGE", str), "vm_overhead_mib": ("AENV_VM_OVERHEAD_MIB", int),
     "cluster_redis": ("AENV_CLUSTER_REDIS", str), "p2p": ("AENV_P2P", bool),
     "drain_on_stop": ("AENV_DRAIN_ON_STOP", bool), "node_id": ("AENV_NODE_ID", str),

@@ -50,6 +50,7 @@ class RuntimeConfig:
     jailer_gid: int = 0
     vms_survive_service: bool = True
     ksm: bool = False  # ksmd merges VMs' identical pages (host.hostmem.KsmSwitch)
+    balloon: bool = True  # a virtio-balloon in every VM (host/vmm VmSpec.balloon)
     # every VMM confined (host/vmm/jail); JailConfig(enabled=False) runs them as root
     jail: JailConfig = field(default_factory=JailConfig)
     p2p: bool = False  # the block server reads layers from neighbours first (peers_file)

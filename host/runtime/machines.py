@@ -126,7 +126,7 @@ class Machines:
         return VmSpec(kernel=Path(m["kernel"]), cmdline=m["cmdline"],
                       vcpus=int(machine["cpu_count"]), mem_mib=int(machine["memory_mb"]),
                       disks=disks, network=network, memory=memory, name=name,
-                      work_dir=self.config.vms_dir / name)
+                      work_dir=self.config.vms_dir / name, balloon=self.config.balloon)
 
     def digest(self, spec: VmSpec) -> str:
         return self.vmm.config_digest(spec)

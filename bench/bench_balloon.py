@@ -1,0 +1,127 @@
+"""Memory a guest frees goes back to the host (issue 30): N sandboxes (512 MiB each) each
+allocate 300 MiB in their guest, touch every page, hold it, then free it. Printed: the
+host PSS of their VMMs idle, at the peak, and every few seconds after the free, with guest
+RAM promised / host PSS; the anchor is the same N idle (after / idle should fall to
+<= 1.2 within 60 s), and none may have been paused. `--no-balloon` runs the service with
+`--no-vm-balloon` (the previous path: nothing comes back); `--ksm` with ksmd merging.
+
+    .venv/bin/python bench/bench_balloon.py [-n 30] [--no-balloon] [--ksm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.bench_density import pss_kib, vmm_pids
+from tests.e2e.conftest import E2EService, build_template
+
+MIB = 1024 * 1024
+# allocate, touch every page, say so, hold until the marker file goes, then exit (free)
+HOG = ("python3 -c \"import os, time; b = bytearray({mib} << 20); "
+       "b[::4096] = b'x' * len(b[::4096]); open('/tmp/held', 'w').close(); "
+       "[time.sleep(0.2) for _ in iter(lambda: os.path.exists('/tmp/hold'), False)]\"")
+
+
+def total_pss_mib(svc: E2EService, ids: set[str]) -> float:
+    return sum(pss_kib(pid) for pid in vmm_pids(svc, ids)) / 1024
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-n", type=int, default=30, help="sandboxes")
+    ap.add_argument("--mem-mib", type=int, default=512, help="guest RAM of each")
+    ap.add_argument("--alloc-mib", type=int, default=300, help="what each guest allocates")
+    ap.add_argument("--after-s", type=float, default=90.0, help="how long to watch the free")
+    ap.add_argument("--settle", type=float, default=15.0, help="idle time before measuring")
+    ap.add_argument("--no-balloon", action="store_true", help="the service's --no-vm-balloon")
+    ap.add_argument("--ksm", action="store_true", help="the service's --ksm")
+    ap.add_argument("--json", type=Path, default=REPO / "out/bench/balloon.json")
+    args = ap.parse_args()
+
+    root = Path(tempfile.mkdtemp(prefix="aenv-bench-balloon-", dir="/var/tmp"))
+    svc = E2EService(root, pool="10.216.176.0/20", tag="aball")
+    svc.memory_mb = args.mem_mib
+    svc.warm_pool = 0
+    svc.extra += ["--no-vm-balloon"] if args.no_balloon else []
+    svc.extra += ["--ksm"] if args.ksm else []
+    res: dict[str, Any] = {"bench": "balloon", "n": args.n, "mem_mib": args.mem_mib,
+                           "alloc_mib": args.alloc_mib, "balloon": not args.no_balloon,
+                           "ksm": args.ksm}
+    boxes: list[Any] = []
+    try:
+        svc.start()
+        print(f"  template build + first create: {build_template(svc):6.2f} s", flush=True)
+        os.environ.update(svc.sdk_env())
+        os.environ["E2B_DOMAIN"] = "sbx.localhost"
+        from e2b import Sandbox
+
+        for i in range(args.n):
+            boxes.append(Sandbox.create(timeout=3600))
+            boxes[-1].commands.run("touch /tmp/hold")
+            if (i + 1) % 10 == 0 or i + 1 == args.n:
+                print(f"  {i + 1}/{args.n} created", flush=True)
+        ids = {b.sandbox_id for b in boxes}
+        promised = args.n * args.mem_mib
+        time.sleep(args.settle)
+        idle = total_pss_mib(svc, ids)
+        print(f"  idle: PSS {idle:.0f} MiB for {promised} MiB promised "
+              f"({promised / idle:.1f}x)", flush=True)
+
+        def hog(b: Any) -> None:
+            b.commands.run(HOG.format(mib=args.alloc_mib), background=True)
+            while b.commands.run("test -e /tmp/held && echo y || true").stdout.strip() != "y":
+                time.sleep(0.5)
+
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(hog, boxes))
+        peak = total_pss_mib(svc, ids)
+        print(f"  peak: every guest holds {args.alloc_mib} MiB ({time.perf_counter() - t0:.0f}"
+              f" s): PSS {peak:.0f} MiB ({promised / peak:.1f}x)", flush=True)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda b: b.commands.run("rm -f /tmp/hold /tmp/held"), boxes))
+        freed_at = time.perf_counter()
+        series: list[tuple[float, float]] = []
+        while (t := time.perf_counter() - freed_at) < args.after_s:
+            series.append((round(t, 1), round(total_pss_mib(svc, ids))))
+            time.sleep(5)
+        after = series[-1][1]
+        within_60 = min((p for t, p in series if t <= 60), default=after)
+        states = svc.db_states()
+        paused = sorted(sid for sid in ids if states.get(sid) != "running")
+        res.update({"idle_pss_mib": idle, "peak_pss_mib": peak, "after_series": series,
+                    "after_pss_mib": after, "after_over_idle": after / idle,
+                    "best_within_60s_over_idle": within_60 / idle,
+                    "overcommit_idle": promised / idle, "overcommit_after": promised / after,
+                    "paused": paused})
+        print("  after the free (s, PSS MiB): "
+              + " ".join(f"{t:.0f}:{p:.0f}" for t, p in series), flush=True)
+        print(f"\n  {'':28} {'PSS MiB':>9} {'promised/PSS':>13} {'/ idle':>7}")
+        for name, v in (("idle (anchor)", idle), ("peak", peak),
+                        ("best within 60 s of free", within_60), (f"after {args.after_s:.0f} s", after)):
+            print(f"  {name:28} {v:9.0f} {promised / v:12.1f}x {v / idle:7.2f}")
+        print(f"  target: within 60 s <= 1.20 x idle: "
+              f"{'met' if within_60 / idle <= 1.2 else 'NOT met'}; paused: {len(paused)}")
+    finally:
+        svc.cleanup()  # its sandboxes with it
+        shutil.rmtree(root, ignore_errors=True)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"  samples: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
