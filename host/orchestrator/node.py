@@ -299,6 +299,8 @@ class NodeOrchestrator:
         return got
 
     async def deflate_active(self) -> builtins.list[str]:
+        if not self.balloons.inflated:  # every tick: no store read when nothing to do
+            return []
         running = await self._ctx.db(self.store.list_sandboxes, {SandboxState.RUNNING})
         out = await self.balloons.release_active({r.id for r in running})
         self._balloon_gauges()
