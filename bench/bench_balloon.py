@@ -87,9 +87,14 @@ def main() -> int:
               f"({promised / idle:.1f}x)", flush=True)
 
         def hog(b: Any) -> None:
-            b.commands.run(HOG.format(mib=args.alloc_mib), background=True)
+            # timeout=0: a background command's default timeout (60 s) would end it
+            # before a slow guest (30 under TCG) got there
+            b.commands.run(HOG.format(mib=args.alloc_mib), background=True, timeout=0)
+            deadline = time.monotonic() + 900
             while b.commands.run("test -e /tmp/held && echo y || true").stdout.strip() != "y":
-                time.sleep(0.5)
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{b.sandbox_id}: its guest never held the memory")
+                time.sleep(2)
 
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(8) as pool:

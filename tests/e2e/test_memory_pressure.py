@@ -57,12 +57,17 @@ class MemoryCgroup:
         return int(m.group(1)) if m else 0
 
     def remove(self) -> None:
-        for _ in range(50):
-            try:
-                self.dir.rmdir()
-                return
-            except OSError:
-                time.sleep(0.2)
+        # and the same path in the other v1 controllers: the VM jail made its cgroups
+        # under the service's (host/vmm/jail/cgroup.py), and removes only its VMs' own
+        dirs = [self.dir] if self.v2 else [c / self.dir.name for c in V1.parent.iterdir()
+                                            if (c / self.dir.name).is_dir()]
+        for d in dirs:
+            for _ in range(50):
+                try:
+                    d.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.2)
 
 
 @pytest.fixture
