@@ -15,7 +15,7 @@ import shutil
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from qemu.qmp import ExecuteError, QMPClient, QMPError
 
@@ -26,7 +26,7 @@ from ..errors import VmmError, VmmStartError, VmmStateError, VmmTimeout
 from ..jail import Bind, Jail, JailConfig, UidPool
 from ..memsnap import MemSnapError
 from ..memsnap.devstate import migration_uri
-from ..vmbase import TAIL_LINES, VmBase
+from ..vmbase import TAIL_LINES, VmBase, VmHost
 from . import balloon as qemu_balloon
 from . import memory as qemu_memory
 from .cmdline import QemuRunFiles, build_argv
@@ -34,7 +34,6 @@ from .preload import preload_env
 
 if TYPE_CHECKING:
     from ..memsnap import BaseImage, MemSnapshot
-    from .driver import QemuDriver
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +49,34 @@ class _PortTaken(Exception):
     """QEMU could not bind the forwarded host port (someone took it after we picked it)."""
 
 
+class QemuHost(VmHost, Protocol):
+    """What a QEMU VM uses of the driver that made it (`QemuDriver`; named instead of it,
+    so this module need not import the driver's)."""
+
+    qemu: str
+    ksm: bool
+    tcg_tb_mib: int
+    log_dir: Path | None
+
+    async def accel(self) -> tuple[str, int | None]: ...
+
+    def readonly_private_ram(self) -> bool: ...
+
+    def private_ram_preload(self) -> Path | None: ...
+
+    def new_jail(self, name: str) -> Jail | None: ...
+
+    def config_digest(self, spec: VmSpec) -> str: ...
+
+
 class QemuVm(VmBase):
     """One QEMU process running one guest. Create through `QemuDriver`."""
 
     _VMM = "QEMU"
     _log = log
-    _driver: QemuDriver
+    _driver: QemuHost
 
-    def __init__(self, driver: QemuDriver, spec: VmSpec, timeouts: BootTimeouts) -> None:
+    def __init__(self, driver: QemuHost, spec: VmSpec, timeouts: BootTimeouts) -> None:
         super().__init__(driver, spec, timeouts)
         self._qmp: QMPClient | None = None
         self._host_port: int | None = None
@@ -119,7 +138,7 @@ class QemuVm(VmBase):
         if state_file is not None and not state_file.is_file():
             raise VmmStartError(f"{self._spec.name}: saved state not found: {state_file}")
         self._state = VmState.STARTING
-        self._driver._vms.append(self)
+        self._driver._track(self)
         try:
             self.accel, tsc_khz = await self._driver.accel()
             self._make_work_dir()
