@@ -4,6 +4,9 @@ on a terminal); and `terminal --web`, a link to the sandbox's browser terminal."
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path, PurePosixPath
@@ -37,25 +40,28 @@ def exec_command(ctx: click.Context, sandbox_id: str, command: tuple[str, ...], 
     env = pairs(envs, "--env")
     envd = settings(ctx).envd(sandbox_id)
     pid: list[int] = []
-    interrupted = False
+
+    def interrupted(signum: int, frame: Any) -> None:
+        # Ctrl-C ends the CLI here rather than as a KeyboardInterrupt: raised wherever the
+        # main thread was, that could land inside httpx's streaming response and its
+        # connection pool, whose unwinding could then wait forever (seen under load: a
+        # CLI that never exited). The kill goes on a client of its own (kill_process).
+        if pid:
+            with contextlib.suppress(CliError):
+                envd.kill_process(pid[0])
+        with contextlib.suppress(Exception):  # a write the signal cut may be mid-flush
+            sys.stdout.flush()
+        click.echo("aenv: interrupted; remote process killed", err=True)
+        os._exit(130)
+
+    previous = signal.signal(signal.SIGINT, interrupted)
     try:
         result = envd.exec(shell_command(command), user=user, cwd=cwd, envs=env,
                            stdout=sys.stdout.buffer,
                            stderr=sys.stderr.buffer, on_start=pid.append)
-    except KeyboardInterrupt:
-        interrupted = True
-        if pid:
-            try:
-                envd.kill_process(pid[0])
-            except CliError:
-                pass
-        click.echo("aenv: interrupted; remote process killed", err=True)
-        ctx.exit(130)
     finally:
-        # an interrupted client is not closed: its pool may be left locked mid-request
-        # (closing could wait forever), and the process ends now anyway
-        if not interrupted:
-            envd.close()
+        signal.signal(signal.SIGINT, previous)
+        envd.close()
     code = result.exit_code
     if not result.exited:  # killed by a signal: say so (an exit status speaks for itself)
         click.echo(f"aenv: remote command {result.error or result.status}", err=True)
