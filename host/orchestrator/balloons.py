@@ -36,24 +36,18 @@ class BalloonPolicy:
     poll_s: float = 0.25
 
 
-@dataclass
-class Inflated:
-    target_mib: int
-    since: float  # loop time of the inflation: a request after it means active again
-
-
 class Balloons:
     """The balloons this node inflated, by sandbox id. Owned by the orchestrator; called
     by the pressure guard's tick (one at a time: no locking)."""
 
-    def __init__(self, runtime: SandboxRuntime, activity: Mapping[str, float],
-                 policy: BalloonPolicy | None = None,
-                 clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, runtime: SandboxRuntime, activity: Mapping[str, float], *,
+                 clock: Callable[[], float], policy: BalloonPolicy | None = None) -> None:
         self.runtime = runtime
         self.activity = activity
+        self.clock = clock  # the one `activity` is in
         self.policy = policy or BalloonPolicy()
-        self.clock = clock or asyncio.get_running_loop().time
-        self.inflated: dict[str, Inflated] = {}
+        # sandbox id -> when its balloon was inflated: a request after it means active
+        self.inflated: dict[str, float] = {}
         self.returned_mib = 0  # what the inflated balloons hold now (last reading)
 
     @property
@@ -85,7 +79,7 @@ class Balloons:
                 log.warning("memory pressure: inflating %s's balloon failed: %s", sid, exc)
                 continue
             before[sid] = b.size_mib
-            self.inflated[sid] = Inflated(target, self.clock())
+            self.inflated[sid] = self.clock()
             asked += gain
             log.info("memory pressure: inflating %s's balloon to %d MiB (+%d)", sid, target,
                      gain)
@@ -113,8 +107,8 @@ class Balloons:
         out: list[str] = []
         for sid in set(self.inflated) - running:
             self.inflated.pop(sid)
-        for sid, inf in list(self.inflated.items()):
-            if self.activity.get(sid, 0.0) <= inf.since:
+        for sid, since in list(self.inflated.items()):
+            if self.activity.get(sid, 0.0) <= since:
                 continue
             try:
                 await self.runtime.set_balloon(sid, 0)

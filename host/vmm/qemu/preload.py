@@ -53,10 +53,11 @@ def _name() -> str:
 
 
 def _build(cache_dir: Path) -> Path | None:
-    prebuilt = SOURCE.with_name(_name())
+    name = _name()
+    prebuilt = SOURCE.with_name(name)
     if prebuilt.exists():
         return prebuilt
-    out = cache_dir / _name()
+    out = cache_dir / name
     if out.exists():
         return out
     cc = shutil.which(os.environ.get("CC", "cc"))

@@ -190,20 +190,7 @@ class QemuVm(VmBase):
         net = self._spec.network
         assert self.accel is not None
         self.serial_log.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        mem = self._spec.memory
-        private = mem is not None and not mem.shared
-        # asked of the binary only where it matters: a private mapping of a shared file
-        readonly_ram = private and self._driver.readonly_private_ram()
-        self._preload = None  # set again on each launch (a restart may be another kind)
-        if private and self._spec.balloon:
-            self._preload = await asyncio.to_thread(self._driver.private_ram_preload)
-            if self._preload is not None:
-                readonly_ram = False  # the preload opens it read-only: discards can work
-            elif not readonly_ram:
-                raise VmmStartError(
-                    f"{self._spec.name}: this QEMU would punch the balloon's discards into "
-                    "the shared base memory file: install a C compiler (gcc) for the "
-                    "private-RAM preload or QEMU 8.2+ (`make setup`)")
+        readonly_ram = await self._private_ram()
         self._jail = self._driver.new_jail(self._spec.name)
         if self._jail is not None:
             self._jail.prepare(
@@ -237,6 +224,26 @@ class QemuVm(VmBase):
                 log.info("%s: port %s taken, retrying (%d)", self._spec.name, self._host_port,
                          attempt)
         raise VmmStartError(f"{self._spec.name}: no free host port after {_PORT_ATTEMPTS} tries")
+
+    async def _private_ram(self) -> bool:
+        """Sets `_preload` for RAM mapped privately from a shared base with a balloon;
+        whether QEMU is to open that file `readonly=on` itself (without the preload)."""
+        mem = self._spec.memory
+        private = mem is not None and not mem.shared
+        # asked of the binary only where it matters: a private mapping of a shared file
+        readonly_ram = private and self._driver.readonly_private_ram()
+        self._preload = None  # set again on each launch (a restart may be another kind)
+        if not (private and self._spec.balloon):
+            return readonly_ram
+        self._preload = await asyncio.to_thread(self._driver.private_ram_preload)
+        if self._preload is not None:
+            return False  # the preload opens it read-only: discards can work
+        if not readonly_ram:
+            raise VmmStartError(
+                f"{self._spec.name}: this QEMU would punch the balloon's discards into "
+                "the shared base memory file: install a C compiler (gcc) for the "
+                "private-RAM preload or QEMU 8.2+ (`make setup`)")
+        return True
 
     async def _spawn(self) -> None:
         for stale in (self.files.qmp_socket,):
