@@ -32,7 +32,7 @@ run: web          ## run the host service on this machine's defaults
 cluster: web      ## Redis, scheduler, gateway and 3 nodes on this machine (Ctrl+C stops them all)
 	$(PY) -m host.cluster.local --nodes $(or $(NODES),3)
 
-test: web         ## the full test suite (what .ci/run runs)
+test: web image   ## the full test suite (what .ci/run runs); builds kernel and image first (cached)
 	$(PY) -m pytest -q -ra
 
 test-fast: web    ## unit and envd tests only (no VMs)

@@ -1,9 +1,9 @@
-"""Kernel config, guest init and image manifest checks (skip what is not built yet),
-plus one real boot of the image (marked vm)."""
+"""Kernel config, guest init and image manifest checks, plus one real boot of the image.
+Those that need the built kernel and image are marked vm and fail without them
+(tests/vmassets.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.vmassets import require_vm_assets
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("AENV_CACHE", "/var/cache/aenv"))
@@ -22,11 +24,6 @@ def _kernel_dir() -> Path | None:
     r = subprocess.run([str(REPO / "kernel" / "build.sh"), "--print-path"],
                        capture_output=True, text=True, check=False)
     return Path(r.stdout.strip()) if r.returncode == 0 else None
-
-
-def _manifest() -> dict | None:
-    p = CACHE / "images" / "default" / "manifest.json"
-    return json.loads(p.read_text()) if p.exists() else None
 
 
 def test_fragment_is_well_formed():
@@ -46,10 +43,11 @@ def test_fragment_is_well_formed():
         assert must in seen, must
 
 
+@pytest.mark.vm  # needs what `make kernel` built (make test builds it; test-fast skips it)
 def test_built_kernel_has_every_fragment_option():
+    require_vm_assets()
     kdir = _kernel_dir()
-    if kdir is None:
-        pytest.skip("kernel not built (make kernel)")
+    assert kdir is not None, "kernel/build.sh --print-path: no kernel built for these inputs"
     config = (kdir / "config").read_text().splitlines()
     for line in FRAGMENT.read_text().splitlines():
         if line.startswith("CONFIG_"):
@@ -74,10 +72,9 @@ def test_init_compiles_static_without_warnings(tmp_path):
     assert "not a dynamic executable" in r.stdout + r.stderr
 
 
+@pytest.mark.vm  # needs what `make image` built
 def test_manifest_describes_layers():
-    m = _manifest()
-    if m is None:
-        pytest.skip("image not built (make image)")
+    m = require_vm_assets()
     assert m["format_version"] == 1
     assert [layer["name"] for layer in m["layers"]] == ["base", "envd"]
     for entry in [m["rootfs"], *m["layers"]]:
@@ -98,9 +95,7 @@ def test_manifest_describes_layers():
 @pytest.mark.vm
 @pytest.mark.slow
 def test_image_boots_and_envd_answers():
-    m = _manifest()
-    if m is None or not m.get("kernel"):
-        pytest.skip("kernel/image not built (make kernel image)")
+    require_vm_assets()
     r = subprocess.run([sys.executable, str(REPO / "rootfs" / "boot-check.py"), "--timeout",
                         "240"], capture_output=True, text=True, timeout=400, check=False)
     print(r.stdout[-4000:], r.stderr[-2000:])

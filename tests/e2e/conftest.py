@@ -7,7 +7,6 @@ by the first create, once. Tests drive it through the unmodified e2b SDKs in mod
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import tempfile
 import time
@@ -18,6 +17,7 @@ import pytest
 
 from tests.images.conftest import auth_registry, images, registry  # noqa: F401 - fixtures
 from tests.orchestrator.hostproc import HostService
+from tests.vmassets import require_vm_assets
 
 PREFIX = "ae2e-"
 POOL = "10.216.0.0/20"
@@ -38,15 +38,7 @@ class E2EService(HostService):
 
 
 def need_vm() -> None:
-    try:
-        import host.runtime  # noqa: F401
-    except ImportError as exc:
-        pytest.skip(f"host.runtime is not importable yet: {exc}")
-    cache = Path(os.environ.get("AENV_CACHE", "/var/cache/aenv"))
-    if not (cache / "images" / "default" / "manifest.json").exists():
-        pytest.skip("no guest image: run `make kernel image`")
-    if shutil.which("qemu-system-x86_64") is None:
-        pytest.skip("qemu-system-x86_64 not installed")
+    require_vm_assets()
 
 
 def use_sdk(s: E2EService, mp: pytest.MonkeyPatch) -> None:

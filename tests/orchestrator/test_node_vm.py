@@ -25,6 +25,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.vmassets import require_vm_assets
+
 from .hostproc import HostService
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow]
@@ -32,16 +34,7 @@ ENVD = 49983
 
 
 def _need_vm() -> None:
-    try:
-        import host.runtime  # noqa: F401
-    except ImportError as exc:
-        print(f"skipping: host.runtime is not importable ({exc})")
-        pytest.skip(f"host.runtime is not importable yet: {exc}")
-    cache = Path(os.environ.get("AENV_CACHE", "/var/cache/aenv"))
-    if not (cache / "images" / "default" / "manifest.json").exists():
-        pytest.skip("no guest image: run `make kernel image`")
-    if shutil.which("qemu-system-x86_64") is None:
-        pytest.skip("qemu-system-x86_64 not installed")
+    require_vm_assets()
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import pytest
 from host.contract import MachineSpec, SnapshotRef
 from host.runtime import NodeRuntime, RuntimeConfig
 from tests.images.conftest import auth_registry, images, registry  # noqa: F401 - fixtures
+from tests.vmassets import require_vm_assets
 
 # test_image_builds.py pushes images into real registries (tests/images/conftest.py)
 
@@ -21,11 +22,7 @@ MEM_MB = 256
 
 
 def _need_vm() -> None:
-    cache = Path(os.environ.get("AENV_CACHE", "/var/cache/aenv"))
-    if not (cache / "images" / "default" / "manifest.json").exists():
-        pytest.skip("no guest image: run `make kernel image`")
-    if shutil.which("qemu-system-x86_64") is None:
-        pytest.skip("qemu-system-x86_64 not installed")
+    require_vm_assets()
 
 
 @pytest.fixture(scope="session")

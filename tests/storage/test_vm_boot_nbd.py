@@ -8,10 +8,8 @@ disk is sealed (the guest's writes become a layer) and a clone boots from it too
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import shutil
 import subprocess
 import time
 import urllib.error
@@ -23,6 +21,7 @@ import pytest
 
 from host.storage.control import StackInfo
 from host.storage.convert import convert_image
+from tests.vmassets import require_vm_assets
 
 from .conftest import BlockServerProc, free_port
 
@@ -32,17 +31,11 @@ CACHE = Path(os.environ.get("AENV_CACHE", "/var/cache/aenv"))
 
 
 def _manifest() -> dict[str, Any]:
-    path = CACHE / "images" / "default" / "manifest.json"
-    if not path.exists():
-        pytest.skip(f"no image manifest at {path}: run `make kernel image`")
-    man: dict[str, Any] = json.loads(path.read_text())
-    if not man.get("kernel") or not Path(man["kernel"]["vmlinux"]).exists():
-        pytest.skip("image manifest has no kernel: run `make kernel image`")
-    if shutil.which("qemu-system-x86_64") is None:
-        pytest.skip("qemu-system-x86_64 not installed")
+    man = require_vm_assets()
     base = [layer for layer in man["layers"] if layer["name"] == "base"]
     if not base or not Path(base[0]["path"]).exists() or not Path(man["rootfs"]["path"]).exists():
-        pytest.skip("image manifest lacks base.ext4/rootfs.ext4")
+        pytest.fail("the image manifest lacks base.ext4/rootfs.ext4: run `make image`",
+                    pytrace=False)
     return man
 
 

@@ -35,11 +35,11 @@ from host.vmm.memsnap import (
 )
 from host.vmm.memsnap.devstate import qmp_execute
 from host.vmm.memsnap.procmem import buffer_address, transfer
+from tests.vmassets import require_vm_assets
 
 from .memsnap_vm import Vm, VmShape, build_rootfs, find_kernel, make_sparse, smaps_rollup
 
-pytestmark = [pytest.mark.vm, pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None,
-                                                 reason="qemu-system-x86_64 not installed")]
+pytestmark = [pytest.mark.vm]
 MIB = 1 << 20
 _vm_ids = itertools.count(1)  # short work dirs: unix socket paths are limited to 107 bytes
 
@@ -125,10 +125,12 @@ async def _make_family(work: Path) -> Family:
 @pytest.fixture(scope="module")
 def family(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Family]:
     """A frozen 256 MiB base (booted busybox guest, 4 MiB in /data/base); parent VM gone."""
+    require_vm_assets()
     if find_kernel() is None:
-        pytest.skip("no project kernel yet: run `make kernel` (kernel/build.sh)")
+        pytest.fail("no project kernel: run `make kernel` (kernel/build.sh)", pytrace=False)
     if shutil.which("busybox") is None or shutil.which("mkfs.ext4") is None:
-        pytest.skip("busybox-static and e2fsprogs are needed for the guest root (make setup)")
+        pytest.fail("busybox-static and e2fsprogs are needed for the guest root (make setup)",
+                    pytrace=False)
     work = tmp_path_factory.mktemp("memsnap-vm")
     yield asyncio.run(_make_family(work))
     shutil.rmtree(work, ignore_errors=True)
