@@ -133,7 +133,7 @@ class FilesystemService(Filesystem):
         watcher = self.watchers.get(request.watcher_id)
         if watcher is None:
             raise ConnectError(Code.NOT_FOUND, f"watcher with id '{request.watcher_id}' not found")
-        return GetWatcherEventsResponse(events=watcher.drain())
+        return GetWatcherEventsResponse(events=await watcher.drain())
 
     async def remove_watcher(self, request: RemoveWatcherRequest,
                              ctx: Ctx) -> RemoveWatcherResponse:

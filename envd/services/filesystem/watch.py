@@ -153,6 +153,7 @@ class DirWatch:
         self._watches: dict[int, _Watch] = {}
         self._wd_by_path: dict[str, int] = {}
         self._queue: asyncio.Queue[RawEvent] = asyncio.Queue()
+        self._queued = asyncio.Event()  # set by each _emit; for a consumer that batches
         self._moved_from: deque[tuple[int, str]] = deque(maxlen=_MOVE_COOKIES)
         self._uploads: OrderedDict[int, UploadTraits] = OrderedDict()
         self.dropped = 0
@@ -266,6 +267,21 @@ class DirWatch:
         self._wd_by_path.clear()
 
     # -- events -----------------------------------------------------------------------
+    def read_kernel_queue(self) -> None:
+        """Take in what the kernel has queued for this watch now, without waiting for the
+        loop to call the reader: a poll that follows a write that has returned must see
+        its event even when the loop is busy (the poll may run first)."""
+        self._on_readable()
+
+    def pending(self) -> bool:
+        """Raw events are waiting for next_event()."""
+        return not self._queue.empty()
+
+    async def wait_queued(self) -> None:
+        """Until an event is queued since the previous call."""
+        await self._queued.wait()
+        self._queued.clear()
+
     def _on_readable(self) -> None:
         if self._inotify is None:
             return
@@ -330,6 +346,7 @@ class DirWatch:
             self._queue.get_nowait()
             self.dropped += 1
         self._queue.put_nowait(RawEvent(os.path.relpath(path, self.root), type_, path))
+        self._queued.set()
 
     async def next_event(self) -> FilesystemEvent:
         """The next event (waits); with include_entry, the entry when it can be stat-ed."""
@@ -350,23 +367,38 @@ class DirWatch:
 
 
 class PollingWatcher:
-    """A DirWatch whose events are buffered until the client polls them (sync Py SDK)."""
+    """A DirWatch whose events are buffered until the client polls them (sync Py SDK).
+
+    A pump converts events as they come (their entries stat-ed near the time of the
+    change); a poll first takes in everything the kernel and the pump have queued, under
+    the same lock, so that it returns every event of a change made before it, in order.
+    """
 
     def __init__(self, watch: DirWatch) -> None:
         self.watch = watch
         self._events: list[FilesystemEvent] = []
+        self._lock = asyncio.Lock()
         self._task = asyncio.create_task(self._pump(), name=f"watcher {watch.root}")
 
     async def _pump(self) -> None:
         while True:
-            event = await self.watch.next_event()
+            await self.watch.wait_queued()
+            async with self._lock:
+                await self._convert_queued()
+
+    async def _convert_queued(self) -> None:
+        while self.watch.pending():
+            event = await self.watch.next_event()  # does not wait: one is queued
             if len(self._events) >= MAX_PENDING_EVENTS:
                 del self._events[0]
             self._events.append(event)
 
-    def drain(self) -> list[FilesystemEvent]:
-        """Events since the previous drain."""
-        events, self._events = self._events, []
+    async def drain(self) -> list[FilesystemEvent]:
+        """Events since the previous drain, including every one the kernel has queued."""
+        async with self._lock:
+            self.watch.read_kernel_queue()
+            await self._convert_queued()
+            events, self._events = self._events, []
         return events
 
     async def aclose(self) -> None:
