@@ -146,7 +146,7 @@ async def test_a_run_step_whose_stream_claims_1gib_fails_the_build_clearly() -> 
                               index=3, on_output=lambda _s, _line: None)
         finally:
             await shell.aclose()
-    assert str(err.value) == f"step 3: {CLAIMED}"
+    assert str(err.value) == f"failed to run command 'make': {CLAIMED}"  # E2B's wording
     assert err.value.step == "3"
     assert rss.grown_bytes < FLAT
 

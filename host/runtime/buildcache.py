@@ -30,7 +30,8 @@ from host.storage.errors import RepositoryError
 from .manifests import ManifestStore
 
 PREFIX = "buildstep-"
-CACHE_PREFIXES = (PREFIX, "ocilayer-")  # documents that are caches (collect.py expires them)
+# documents that are caches (collect.py expires them): steps, OCI layers, whole builds
+CACHE_PREFIXES = (PREFIX, "ocilayer-", "buildout-")
 TOUCH_S = 3600.0  # a hit rewrites an entry's `used_at` at most this often
 
 

@@ -30,6 +30,16 @@ class GuestCommandError(Exception):
     """envd could not run a command (not: the command failed; that is its exit code)."""
 
 
+# The user's commands (RUN steps, start and ready commands) run as E2B runs them, through
+# `/bin/bash -l -c` (so bash builtins such as `exec -a` work and the login profile is read),
+# and through `/bin/sh -c` in an image without bash. Chosen in the guest by this wrapper
+# rather than probed once: a RUN step may install bash for the steps after it.
+_BASH_OR_SH = 'if [ -x /bin/bash ]; then exec /bin/bash -l -c "$1"; fi; exec /bin/sh -c "$1"'
+# E2B appends these to a PATH the template sets, so that a broken PATH still finds the
+# usual tools.
+_STANDARD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
 class GuestShell:
     def __init__(self, host: str, port: int, *, timeout_s: float = 30.0) -> None:
         if ":" in host and not host.startswith("["):
@@ -49,9 +59,17 @@ class GuestShell:
         return h
 
     @staticmethod
-    def _request(cmd: str, env: dict[str, str], cwd: str | None, tag: str | None
-                 ) -> dict[str, Any]:
-        process: dict[str, Any] = {"cmd": "/bin/sh", "args": ["-c", cmd], "envs": env}
+    def _request(cmd: str, env: dict[str, str], cwd: str | None, tag: str | None,
+                 login: bool) -> dict[str, Any]:
+        """A Start request: `login` for the user's commands (bash -l, see _BASH_OR_SH),
+        plain `/bin/sh -c` for our own scripts."""
+        if login:
+            if "PATH" in env:
+                env = {**env, "PATH": f"{env['PATH']}:{_STANDARD_PATH}"}
+            argv = ["-c", _BASH_OR_SH, "sh", cmd]
+        else:
+            argv = ["-c", cmd]
+        process: dict[str, Any] = {"cmd": "/bin/sh", "args": argv, "envs": env}
         if cwd:
             process["cwd"] = cwd
         req: dict[str, Any] = {"process": process, "stdin": False}
@@ -61,10 +79,12 @@ class GuestShell:
 
     async def run(self, cmd: str, *, user: str = "root", env: dict[str, str] | None = None,
                   cwd: str | None = None, timeout_s: float = 3600.0,
-                  on_output: OnOutput | None = None) -> int:
-        """Run `/bin/sh -c cmd` and wait for it; returns its exit code. Output lines go
-        to `on_output` as they arrive."""
-        body = envelope(self._request(cmd, env or {}, cwd, None))
+                  on_output: OnOutput | None = None, login: bool = False) -> int:
+        """Run `cmd` (`/bin/sh -c`; with `login`, the user's command: see _BASH_OR_SH) and
+        wait for it; returns its exit code. Output lines go to `on_output` as they
+        arrive. envd refusing it (an unknown user, ...) is a GuestCommandError worded as
+        E2B's builder words it: `command failed: <connect code>: <message>`."""
+        body = envelope(self._request(cmd, env or {}, cwd, None, login))
         # one bounded line splitter per stream: a guest printing 1 GiB without a newline
         # holds MAX_LINE_BYTES here
         lines = {"stdout": guestio.Lines(), "stderr": guestio.Lines()}
@@ -81,7 +101,8 @@ class GuestShell:
                 async for flags, msg in messages:
                     if flags & END_STREAM:
                         if msg.get("error"):
-                            raise GuestCommandError(f"envd: {msg['error']}")
+                            raise GuestCommandError(f"command failed: "
+                                                    f"{_connect_error(msg['error'])}")
                         break
                     event = _event(msg)
                     if "data" in event:
@@ -107,9 +128,9 @@ class GuestShell:
 
     async def start(self, cmd: str, *, user: str, env: dict[str, str], cwd: str | None,
                     tag: str) -> int:
-        """Start `cmd` in the background (it keeps running after we disconnect: envd
-        processes outlive their clients); returns its pid."""
-        body = envelope(self._request(cmd, env, cwd, tag))
+        """Start the user's `cmd` in the background (it keeps running after we disconnect:
+        envd processes outlive their clients); returns its pid."""
+        body = envelope(self._request(cmd, env, cwd, tag, True))
         try:
             async with self._stream(body, user, None, httpx.USE_CLIENT_DEFAULT) as messages:
                 async for flags, msg in messages:
@@ -169,11 +190,11 @@ class GuestShell:
     async def wait_until(self, cmd: str, *, user: str, env: dict[str, str],
                          cwd: str | None, timeout_s: float, interval_s: float = 0.5,
                          on_fail: Callable[[int], None] | None = None) -> bool:
-        """Run `cmd` until it exits 0 (True) or `timeout_s` passes (False)."""
+        """Run the user's `cmd` until it exits 0 (True) or `timeout_s` passes (False)."""
         deadline = time.monotonic() + timeout_s
         while True:
             with contextlib.suppress(GuestCommandError):
-                code = await self.run(cmd, user=user, env=env, cwd=cwd,
+                code = await self.run(cmd, user=user, env=env, cwd=cwd, login=True,
                                       timeout_s=max(5.0, min(60.0, timeout_s)))
                 if code == 0:
                     return True
@@ -185,6 +206,14 @@ class GuestShell:
 
 
 _START = "/process.Process/Start"
+
+
+def _connect_error(error: Any) -> str:
+    """A Connect end-of-stream error as Go's connect prints one: `<code>: <message>`."""
+    if isinstance(error, dict):
+        code, message = error.get("code", "unknown"), error.get("message", "")
+        return f"{code}: {message}" if message else str(code)
+    return str(error)[:300]
 
 
 def _event(msg: dict[str, Any]) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from host.network import (
     NetworkUnavailableError,
     SandboxNetwork,
 )
+from host.network.sandbox import TAP_NAME
 from host.storage.errors import StackNotFoundError
 from host.vmm import pick_driver, procscan
 from host.vmm import proc as procs
@@ -130,6 +131,16 @@ class Machines:
 
     def digest(self, spec: VmSpec) -> str:
         return self.vmm.config_digest(spec)
+
+    def restore_digest(self, m: dict[str, Any]) -> str:
+        """The digest a restore of manifest `m` on this node computes (starts.py compares
+        it with `m["config_sha256"]`): a spec on the network every sandbox here shares as
+        far as a digest sees (the TAP's name and MAC; slirp's forward is normalised)."""
+        network: TapNet | UserNet = UserNet(host_port=0)
+        if self.mode == "netns" and self.nm is not None:
+            network = TapNet(tap=TAP_NAME, guest_ip="", mac=self.nm.config.guest.mac)
+        return self.digest(self.spec(m, name="digest", stack="digest", network=network,
+                                     memory=MemoryBacking(path=Path("/MEM"), shared=False)))
 
     async def identity(self) -> VmmIdentity:
         """What memory snapshots taken here record and restores here must match."""

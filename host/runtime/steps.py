@@ -115,11 +115,16 @@ async def execute(shell: GuestShell, step: BuildStep, guest: GuestDefaults,
             return True, dataclasses.replace(guest, user=name)
         if kind == "RUN":
             user = step.args[1] if len(step.args) > 1 and step.args[1] else guest.user
-            code = await shell.run(step.args[0], user=user, env=guest.env, cwd=guest.workdir,
-                                   on_output=on_output)
+            cmd = step.args[0]
+            # E2B's builder words a failed RUN so (both SDKs' suites match the text)
+            failed = f"failed to run command '{cmd[:500]}'"
+            try:
+                code = await shell.run(cmd, user=user, env=guest.env, cwd=guest.workdir,
+                                       on_output=on_output, login=True)
+            except GuestCommandError as exc:
+                raise BuildFailed(f"{failed}: {exc}", step=where) from exc
             if code != 0:
-                raise BuildFailed(f"step {index}: RUN {step.args[0][:120]!r} failed with "
-                                  f"exit code {code}", step=where)
+                raise BuildFailed(f"{failed}: exit status {code}", step=where)
             return True, guest
         # COPY
         if files_dir is None or not step.files_hash:

@@ -25,6 +25,7 @@ from .test_python_sdk import _wait_port
 pytestmark = [pytest.mark.vm, pytest.mark.slow]
 
 JS = REPO / "tests" / "js"
+PROCESSES = "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '"  # the guest has no ps
 
 
 def _context(tmp: Path, text: str) -> Path:
@@ -45,7 +46,9 @@ def test_python_sdk_builds_from_a_template_and_runs_it(sdk: E2EService, tmp_path
          .set_workdir("/app")
          .set_user("user")
          .run_cmd("echo $GREETING > greeting.txt && echo step-output-line")
-         .set_start_cmd("python3 -m http.server 8000", wait_for_port(8000)))
+         # `exec -a` is a bash builtin: E2B runs a start command through `bash -l -c`
+         .set_start_cmd("(exec -a py-start-marker sleep infinity) & python3 -m http.server 8000",
+                        wait_for_port(8000)))
     logs: list[str] = []
     t0 = time.monotonic()
     info = Template.build(t, "e2e-site", on_build_logs=lambda e: logs.append(e.message))
@@ -55,6 +58,8 @@ def test_python_sdk_builds_from_a_template_and_runs_it(sdk: E2EService, tmp_path
     try:
         out = box.commands.run("pwd; cat greeting.txt; echo $GREETING; whoami").stdout
         assert out.split("\n")[:4] == ["/app", "hi there", "hi there", "user"]
+        # the start command's renamed process lives on in the sandbox
+        assert "py-start-marker" in box.commands.run(PROCESSES).stdout
         assert box.files.read("/app/index.html") == "hello from a built template\n"
         r = _wait_port(sdk, box.get_host(8000), "/index.html", timeout_s=5)
         assert r.status_code == 200 and r.text == "hello from a built template\n"
@@ -65,7 +70,8 @@ def test_python_sdk_builds_from_a_template_and_runs_it(sdk: E2EService, tmp_path
     Template.build(t, "e2e-site", on_build_logs=lambda e: logs.append(e.message))
     cached_s = time.monotonic() - t0
     cached = [m for m in logs if m.startswith("CACHED")]
-    assert len(cached) == 6, logs  # every step (the start command runs again)
+    assert len(cached) == 6, logs  # every step
+    assert any(m.startswith("Reusing ready build") for m in logs), logs  # and no VM
     print(f"\ntemplate build {first_s:.1f}s, rebuild all cached {cached_s:.1f}s")
 
 
@@ -97,7 +103,11 @@ def test_bad_builds_raise_build_exception(sdk: E2EService, registry: Registry,
 
     cases = [
         (Template().from_template("base").run_cmd("echo failing-step-output; exit 7"),
-         "exit code 7"),
+         "failed to run command 'echo failing-step-output; exit 7': exit status 7"),
+        # E2B's text, which its SDK suites match
+        (Template().from_template("base").run_cmd("whoami", user="root123"),
+         ("failed to run command 'whoami': command failed: unauthenticated: "
+         "invalid username: 'root123'")),
         (Template().from_image(f"{registry.host}/nope:1"), "not found"),
         (Template().from_image(f"{auth_registry.host}/private/busybox:1",
                                username="alice", password="wrong"), "auth"),
@@ -130,6 +140,9 @@ def test_js_sdk_builds_templates(service: E2EService, registry: Registry,
     out = json.loads(r.stdout.strip().splitlines()[-1]) if r.stdout.strip() else {}
     assert r.returncode == 0, (out.get("error"), r.stderr[-2000:])
     assert out["run"].split("\n")[:4] == ["/app", "hi from js", "hi from js", "user"]
+    assert "js-start-marker" in out["processes"]  # the start command's, through bash
+    assert ("failed to run command 'whoami': command failed: unauthenticated: "
+            "invalid username: 'root123'") in out["noUser"], out["noUser"]
     assert any("Ready" in m for m in out["logs"]), out["logs"]
     page = _wait_port(service, out["host"], "/index.html", timeout_s=5)
     assert page.status_code == 200 and page.text == "hello from js\n"

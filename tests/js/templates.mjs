@@ -13,14 +13,25 @@ try {
     .setWorkdir("/app")
     .setUser("user")
     .runCmd("echo $GREETING > greeting.txt")
-    .setStartCmd("python3 -m http.server 8000", waitForPort(8000));
+    // `exec -a` is a bash builtin: E2B runs a start command through `bash -l -c`
+    .setStartCmd("(exec -a js-start-marker sleep infinity) & python3 -m http.server 8000",
+      waitForPort(8000));
   const logs = [];
   await Template.build(site, "e2e-js-site", { onBuildLogs: (e) => logs.push(e.message) });
   out.logs = logs;
   let sbx = await Sandbox.create("e2e-js-site");
   out.run = (await sbx.commands.run("pwd; cat greeting.txt; echo $GREETING; whoami")).stdout;
+  out.processes = (await sbx.commands.run("cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '")).stdout;
   out.host = sbx.getHost(8000);
   out.sandboxId = sbx.sandboxId;
+
+  try {
+    await Template.build(Template().fromTemplate("base").runCmd("whoami", { user: "root123" }),
+      "e2e-js-nouser");
+    out.noUser = "built";
+  } catch (e) {
+    out.noUser = e.message;
+  }
 
   const bb = Template().fromImage(image).runCmd("echo from-js > /srv/js.txt")
     .setStartCmd("httpd -f -p 8080 -h /srv", "pidof httpd"); // no pgrep in busybox

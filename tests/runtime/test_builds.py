@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="
 
 PORT = 8000
 READY = f'[ -n "$(ss -Htuln sport = :{PORT})" ]'  # what the SDK's wait_for_port sends
+MARKER = "aenv-start-marker"
 
 
 def _archive(files_dir: Path, name: str, files: dict[str, str]) -> str:
@@ -46,6 +47,9 @@ def _steps(files_hash: str, last: str = "echo built > /app/built.txt") -> tuple[
         BuildStep("COPY", ("site/index.html", "/app/", "", "0644"), files_hash=files_hash),
         BuildStep("WORKDIR", ("/app",)),
         BuildStep("RUN", ('echo "$GREETING from $(whoami) in $(pwd)" > env.txt',)),
+        # E2B runs a RUN step with `/bin/bash -l -c`: bash syntax and a login shell
+        BuildStep("RUN", (('[[ $0 == */bash ]] && shopt -q login_shell && echo bash -l '
+                          '> shell.txt'),)),
         BuildStep("RUN", (last,)),
     )
 
@@ -57,7 +61,9 @@ async def test_build_run_copy_env_workdir_start_ready_and_cache(
     logs: list[tuple[str, str, str | None]] = []
     spec = BuildSpec(snapshot_id="bt-1", machine=MachineSpec(memory_mb=256),
                      from_snapshot=template.snapshot_id, steps=_steps(h),
-                     start_cmd=f"python3 -m http.server {PORT}", ready_cmd=READY,
+                     # `exec -a` is a bash builtin: E2B runs start commands through bash too
+                     start_cmd=f"(exec -a {MARKER} sleep infinity) & "
+                               f"python3 -m http.server {PORT}", ready_cmd=READY,
                      files_dir=files)
     t0 = time.perf_counter()
     ref = await runtime.build(spec, lambda lvl, msg, step: logs.append((lvl, msg, step)))
@@ -71,10 +77,12 @@ async def test_build_run_copy_env_workdir_start_ready_and_cache(
     sid = "bt-sbx"
     p = await runtime.start(sid, ref, NetworkConfig())
     try:
-        out = await run(p, "cat /app/env.txt /app/index.html /app/built.txt; "
+        out = await run(p, "cat /app/env.txt /app/index.html /app/built.txt /app/shell.txt; "
                            "stat -c '%U %a' /app/index.html")
-        assert out.split("\n")[:4] == ["hello world from user in /app",
-                                       "<h1>built by aenv</h1>", "built", "user 644"]
+        assert out.split("\n")[:5] == ["hello world from user in /app",
+                                       "<h1>built by aenv</h1>", "built", "bash -l", "user 644"]
+        # the start command's renamed process lives on in the sandbox
+        assert MARKER in await run(p, "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '")
         host, port = p.address(PORT)  # the start command's server is already up
         async with httpx.AsyncClient(trust_env=False) as http:
             r = await http.get(f"http://{host}:{port}/index.html", timeout=30)
@@ -83,12 +91,38 @@ async def test_build_run_copy_env_workdir_start_ready_and_cache(
         await runtime.kill(sid)
     await assert_gone(runtime, sid)
 
-    # unchanged steps: every one a cache hit
+    # every input unchanged: the ready build is reused, no VM boots
     t0 = time.perf_counter()
     again = await runtime.build(BuildSpec(**{**spec.__dict__, "snapshot_id": "bt-2"}),
                                 lambda *a: None)
     second_s = time.perf_counter() - t0
     assert again.facts["build"]["cached_steps"] == len(spec.steps)
+    assert again.facts["build"]["reused"] == "bt-1"
+    assert not any(k.startswith("boot") or k.endswith("boot_s") for k in runtime.last_timings)
+    # the old build deleted (a rebuild moves the tag): the reuse keeps what it needs
+    await runtime.delete_snapshot("bt-1")
+    p = await runtime.start(sid, again, NetworkConfig())
+    try:
+        assert (await run(p, "cat /app/built.txt /app/shell.txt")).split("\n")[:2] == [
+            "built", "bash -l"]
+        assert MARKER in await run(p, "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '")
+    finally:
+        await runtime.kill(sid)
+    # skip_cache builds anew: every step runs, no reuse
+    forced = await runtime.build(BuildSpec(**{**spec.__dict__, "snapshot_id": "bt-4",
+                                              "force": True}), lambda *a: None)
+    assert forced.facts["build"]["cached_steps"] == 0 and "reused" not in forced.facts["build"]
+    # a ready build whose memory would not restore here (another VM configuration) is
+    # not reused: the build boots a VM
+    manifests = runtime.parts.manifests
+    m4 = await manifests.get("bt-4")
+    await manifests.put("bt-4", {**m4, "config_sha256": "0" * 64})
+    fresh = await runtime.build(BuildSpec(**{**spec.__dict__, "snapshot_id": "bt-5"}),
+                                lambda *a: None)
+    assert "reused" not in fresh.facts["build"] and "cold_boot_s" in runtime.last_timings
+    again = await runtime.build(BuildSpec(**{**spec.__dict__, "snapshot_id": "bt-6"}),
+                                lambda *a: None)
+    assert again.facts["build"]["reused"] == "bt-5"
     # one changed step (the last): only it runs again
     changed = BuildSpec(**{**spec.__dict__, "snapshot_id": "bt-3",
                            "steps": _steps(h, last="echo changed > /app/built.txt")})
@@ -102,7 +136,7 @@ async def test_build_run_copy_env_workdir_start_ready_and_cache(
             "changed", "hello world from user in /app"]
     finally:
         await runtime.kill(sid)
-    for s in ("bt-1", "bt-2", "bt-3"):
+    for s in ("bt-2", "bt-3", "bt-4", "bt-5", "bt-6"):
         await runtime.delete_snapshot(s)
 
 
@@ -114,7 +148,9 @@ async def test_failing_step_fails_the_build_and_leaves_nothing(
                      steps=(BuildStep("RUN", ("echo about to fail; exit 3",)),))
     with pytest.raises(BuildFailed) as err:
         await runtime.build(spec, lambda lvl, msg, step: logs.append((lvl, msg, step)))
-    assert err.value.step == "1" and "exit code 3" in str(err.value)
+    # E2B's builder's words
+    assert err.value.step == "1" and str(err.value) == (
+        "failed to run command 'echo about to fail; exit 3': exit status 3")
     assert ("info", "about to fail", "1") in logs
     name = build_stack("bt-bad")
     assert name not in [i.name for i in await runtime.block.client.list()]
@@ -122,6 +158,19 @@ async def test_failing_step_fails_the_build_and_leaves_nothing(
     assert not (runtime.config.memory_dir / "bt-bad").exists()
     assert await runtime.find_snapshot("bt-bad") is None
     assert not any(name in d for d in netns_names())
+
+
+async def test_run_as_a_user_that_does_not_exist(runtime: NodeRuntime,
+                                                template: SnapshotRef) -> None:
+    spec = BuildSpec(snapshot_id="bt-nouser", machine=MachineSpec(memory_mb=256),
+                     from_snapshot=template.snapshot_id,
+                     steps=(BuildStep("RUN", ("whoami", "root123")),))
+    with pytest.raises(BuildFailed) as err:
+        await runtime.build(spec, lambda *a: None)
+    # what both E2B SDK suites match
+    assert str(err.value) == ("failed to run command 'whoami': command failed: "
+                              "unauthenticated: invalid username: 'root123'"), str(err.value)
+    assert err.value.step == "1" and await runtime.find_snapshot("bt-nouser") is None
 
 
 async def test_unknown_step_and_missing_copy_files(runtime: NodeRuntime,
