@@ -1,16 +1,21 @@
-"""Templates from OCI images: pull + import + build, against the floor, and sandbox creates
-from the new template against creates from the built-in one, in the same run.
+"""Templates from OCI images: pull + import + build, against the floor, rebuilds, and
+sandbox creates from the new template against creates from the built-in one, in one run.
 
-    .venv/bin/python bench/bench_templates.py [--creates 5] [--out FILE.json]
+    .venv/bin/python bench/bench_templates.py [--image debian|small] [--creates 5]
+                                               [--out FILE.json]
 
-The image (pushed into a Debian `docker-registry` on 127.0.0.1 started here): a busybox
-layer and a layer of this host's Python standard library (~40 MB of small files), i.e. a
-realistic two-layer image. Rows:
+The image, pushed into a Debian `docker-registry` on 127.0.0.1 started here:
+- `debian` (default, what RL task images look like): Debian 12 debootstrap'd with python3,
+  pytest and git (tests/deploy/chroot.py builds it once from the Debian mirror and caches
+  it), one gzip layer of ~100 MB;
+- `small`: a busybox layer and a layer of this host's Python standard library.
+Rows:
 
 - floor: `skopeo copy docker://... dir:` of the same image (download + digest checks only)
 - first build: pull + import (importer VM, one block layer per OCI layer + init/envd) +
-  build VM boot + memory snapshot, with the stage breakdown
-- rebuild (all cached): the same image and steps again
+  build VM boot + two steps + memory snapshot, with the stage breakdown
+- rebuild, nothing changed: reuses the ready build (no VM)
+- rebuild, the last step changed: only that step runs (the rest cached)
 - create from the new template vs from the built-in template (restore -> envd answers)
 """
 
@@ -49,6 +54,16 @@ def stdlib_layer() -> bytes:
     return buf.getvalue()
 
 
+def debian_layer() -> bytes:
+    """Debian 12 with python3, pytest and git, as one uncompressed tar."""
+    import zstandard
+
+    from tests.deploy.chroot import build_tarball
+    tarball = build_tarball(("python3", "python3-pytest", "git"))
+    with tarball.open("rb") as f:
+        return zstandard.ZstdDecompressor().stream_reader(f).read()
+
+
 def ms(s: float) -> str:
     return f"{s * 1e3:8.0f} ms"
 
@@ -63,8 +78,15 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         vms_survive_service=False)).open()
     try:
         layout = OciLayout(work / "layout")
-        img = layout.image([busybox_layer(), stdlib_layer()],
-                           config={"Env": ["PATH=/bin"], "WorkingDir": "/srv"})
+        if args.image == "debian":
+            img = layout.image([debian_layer()], config={
+                "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
+                "WorkingDir": "/srv"})
+        else:
+            img = layout.image([busybox_layer(), stdlib_layer()],
+                               config={"Env": ["PATH=/bin"], "WorkingDir": "/srv"})
+        res["image"] = args.image
+        res["layers"] = len(img.layer_digests)
         push(layout.tag("app", img.manifest), f"{reg.host}/bench/app:1")
         ref = f"{reg.host}/bench/app:1"
         res["image_bytes"] = sum(p.stat().st_size for p in
@@ -77,7 +99,8 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             check=True)
         res["floor_skopeo_s"] = time.perf_counter() - t0
 
-        steps = (BuildStep("RUN", ("echo built > /srv/built.txt",)),)
+        steps = (BuildStep("RUN", ("echo built > /srv/built.txt", "root")),
+                 BuildStep("RUN", ("echo one > /srv/last.txt", "root")))
         machine = MachineSpec(memory_mb=256)
         stages: list[tuple[float, str]] = []
         t0 = time.perf_counter()
@@ -89,9 +112,17 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         res["first_build_stages"] = [(round(t, 2), m) for t, m in stages
                                      if not m.startswith(("Copying", "Writing"))][:40]
         t0 = time.perf_counter()
-        await rt.build(BuildSpec(snapshot_id="bench-img2", machine=machine, from_image=ref,
-                                 steps=steps), lambda *a: None)
+        again = await rt.build(BuildSpec(snapshot_id="bench-img2", machine=machine,
+                                         from_image=ref, steps=steps), lambda *a: None)
         res["cached_build_s"] = time.perf_counter() - t0
+        res["cached_build_reused"] = again.facts["build"].get("reused")
+        changed = (*steps[:-1], BuildStep("RUN", ("echo two > /srv/last.txt", "root")))
+        t0 = time.perf_counter()
+        third = await rt.build(BuildSpec(snapshot_id="bench-img3", machine=machine,
+                                         from_image=ref, steps=changed), lambda *a: None)
+        res["one_step_build_s"] = time.perf_counter() - t0
+        res["one_step_cached_steps"] = third.facts["build"]["cached_steps"]
+        res["one_step_timings"] = dict(rt.last_timings)
 
         base = await rt.build_template("bench-base", machine)
         new = await rt.find_snapshot("bench-img")
@@ -112,7 +143,8 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(r: dict[str, Any]) -> None:
-    print(f"image: 2 layers, {r['image_bytes'] / 2**20:.1f} MiB compressed")
+    print(f"image: {r['image']}, {r['layers']} layers, {r['image_bytes'] / 2**20:.1f} MiB "
+          "compressed")
     print(f"floor: skopeo copy to dir            {ms(r['floor_skopeo_s'])}")
     print(f"first build (pull+import+build)      {ms(r['first_build_s'])}   "
           f"{r['first_build_s'] / r['floor_skopeo_s']:.1f}x the floor")
@@ -120,8 +152,13 @@ def report(r: dict[str, Any]) -> None:
     print("  build VM stages: " + ", ".join(f"{k} {v:.2f}s" for k, v in t.items()))
     for at, msg in r["first_build_stages"]:
         print(f"  {at:7.2f}s  {msg[:90]}")
-    print(f"rebuild, every layer and step cached {ms(r['cached_build_s'])}   "
-          f"{r['cached_build_s'] / r['first_build_s']:.2f}x the first build")
+    print(f"rebuild, nothing changed             {ms(r['cached_build_s'])}   "
+          f"{r['cached_build_s'] / r['first_build_s']:.3f}x the first build "
+          f"(reused {r['cached_build_reused']}; target <= 0.1x)")
+    print(f"rebuild, last step changed           {ms(r['one_step_build_s'])}   "
+          f"{r['one_step_build_s'] / r['first_build_s']:.2f}x the first build "
+          f"({r['one_step_cached_steps']} of 2 steps cached)")
+    print("  stages: " + ", ".join(f"{k} {v:.2f}s" for k, v in r["one_step_timings"].items()))
     b, i = statistics.median(r["create_builtin_s"]), statistics.median(r["create_image_s"])
     print(f"create from built-in template p50    {ms(b)}  (n={len(r['create_builtin_s'])})")
     print(f"create from image template p50       {ms(i)}   {i / b:.2f}x the built-in")
@@ -130,6 +167,7 @@ def report(r: dict[str, Any]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--creates", type=int, default=5)
+    ap.add_argument("--image", choices=("debian", "small"), default="debian")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     r = asyncio.run(amain(args))

@@ -10,9 +10,10 @@ A rebuild with unchanged steps hits every key; a changed step changes its key an
 later one. Entries are small JSON documents; the layers they name are the ones the
 build sealed (and pushed) into the repository.
 
-Entries (these and imports.py's `ocilayer-`) are pure caches: each records when it was
-last used (`used_at`, wall-clock, rewritten by a hit at most hourly), and a collection
-drops those unused for `build_cache_ttl_s` (collect.py), so their layers stop being roots.
+Entries (these, imports.py's `ocilayer-` and rebuilds.py's `buildout-`) are pure caches:
+each records when it was last used (`used_at`, wall-clock, rewritten by a hit at most
+hourly), and a collection drops those unused for `build_cache_ttl_s` (collect.py), so
+their layers stop being roots.
 """
 
 from __future__ import annotations
