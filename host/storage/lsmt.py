@@ -328,7 +328,17 @@ def seal_data_file(out: _Appender, index: SegmentIndex, info: HeaderTrailer) -> 
 
 
 class Upper:
-    """The writable top layer of a stack: a data file plus an index journal, in one directory."""
+    """The writable top layer of a stack: a data file plus an index journal, in one directory.
+
+    Each write appends its data, then its journal entries, to the files at once (no fsync):
+    a block server process that dies keeps every write it acknowledged, in the kernel's
+    page cache. That matters because a VM's NBD client reconnects and resends what it
+    had in flight, a flush included, to the restarted server: had the entries waited in
+    memory for the flush, the resent flush would confirm writes that were gone. `flush`
+    makes them durable on disk (data first, then the journal); after a host crash an
+    unflushed entry may point past the data that reached the disk: `open` drops the
+    journal from there, as a disk loses unflushed writes.
+    """
 
     def __init__(self, directory: Path, info: HeaderTrailer, data_fd: int, journal_fd: int,
                  out: _Appender, index: SegmentIndex) -> None:
@@ -338,7 +348,7 @@ class Upper:
         self.journal_fd = journal_fd
         self.out = out
         self.index = index
-        self._pending: list[bytes] = []
+        self._unsynced = False  # journal entries written since the last flush
         self._journal_pos = os.fstat(journal_fd).st_size
         self.size = out.pos  # Blob protocol: bytes readable
 
@@ -348,7 +358,7 @@ class Upper:
 
     @property
     def dirty(self) -> bool:
-        return bool(self._pending)
+        return self._unsynced
 
     @classmethod
     def create(cls, directory: str | os.PathLike[str], virtual_size: int, *,
@@ -394,9 +404,15 @@ class Upper:
             index = SegmentIndex()
             vsec = info.virtual_size // SECTOR
             raw = os.pread(journal_fd, jsize_whole - SPACE, SPACE)
-            for off, length, moff, zeroed in unpack_entries(raw):
-                if off + length > vsec or (not zeroed and (moff + length) * SECTOR > size):
-                    raise LayerFormatError(f"{d}: journal entry at sector {off} points past data")
+            for i, (off, length, moff, zeroed) in enumerate(unpack_entries(raw)):
+                if off + length > vsec:
+                    raise LayerFormatError(f"{d}: journal entry at sector {off} is past the "
+                                           f"end of the disk")
+                if not zeroed and (moff + length) * SECTOR > size:
+                    # unflushed: its data never reached the disk (a host crash); it and
+                    # every later entry are dropped, as a disk loses unflushed writes
+                    os.ftruncate(journal_fd, SPACE + i * ENTRY.size)
+                    break
                 index.insert(off, off + length, ZERO if zeroed else 0, 0 if zeroed else moff)
         except BaseException:
             os.close(data_fd)
@@ -421,6 +437,7 @@ class Upper:
         """Append sector-aligned data for `sector`; returns [(start, end, moff)] extents."""
         view = memoryview(data)
         out = []
+        entries = []
         step = MAX_LENGTH * SECTOR // 4096 * 4096
         for i in range(0, len(view), step):
             piece = view[i:i + step]
@@ -428,9 +445,10 @@ class Upper:
             n = len(piece) // SECTOR
             s = sector + i // SECTOR
             self.index.insert(s, s + n, 0, at)
-            self._pending.append(pack_entry(s, n, at, False))
+            entries.append(pack_entry(s, n, at, False))
             out.append((s, s + n, at))
         self.size = self.out.pos
+        self._journal(entries)
         return out
 
     def overwrite(self, moff: int, data: bytes | bytearray | memoryview) -> None:
@@ -451,23 +469,29 @@ class Upper:
 
     def zero(self, sector: int, nsectors: int) -> None:
         s, end = sector, sector + nsectors
+        entries = []
         while s < end:
             n = min(MAX_LENGTH, end - s)
-            self._pending.append(pack_entry(s, n, 0, True))
+            entries.append(pack_entry(s, n, 0, True))
             s += n
         self.index.insert(sector, end, ZERO, 0)
+        self._journal(entries)
+
+    def _journal(self, entries: list[bytes]) -> None:
+        """Append `entries` to the journal file now (durable at the next flush)."""
+        raw = b"".join(entries)
+        done = 0
+        while done < len(raw):
+            done += os.pwrite(self.journal_fd, raw[done:], self._journal_pos + done)
+        self._journal_pos += len(raw)
+        self._unsynced = True
 
     def flush(self) -> None:
         """Make every write so far durable: data first, then the journal entries."""
         os.fsync(self.data_fd)
-        if self._pending:
-            raw = b"".join(self._pending)
-            done = 0
-            while done < len(raw):
-                done += os.pwrite(self.journal_fd, raw[done:], self._journal_pos + done)
-            self._journal_pos += len(raw)
-            self._pending.clear()
+        if self._unsynced:
             os.fsync(self.journal_fd)
+            self._unsynced = False
 
     def seal(self, *, user_tag: bytes = b"") -> str:
         """Turn the data file into a sealed layer in place (index + trailer); returns digest.

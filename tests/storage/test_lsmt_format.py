@@ -225,6 +225,64 @@ def test_flushed_upper_survives_sigkill(tmp_path: Path) -> None:
     st.close()
 
 
+KILLED_CHILD = textwrap.dedent("""
+    import sys
+    from host.storage.lsmt import Upper
+    from host.storage.stack import Stack
+    st = Stack("c", [], Upper.create(sys.argv[1], 8 << 20))
+    for i in range(200):  # acknowledged writes, never flushed
+        st.write(i * 8192, bytes([i % 250 + 1]) * 8192)
+    st.write_zeroes(0, 4096)
+    print("written", flush=True)
+    sys.stdin.read()  # wait to be killed
+""")
+
+
+def test_acknowledged_writes_survive_a_killed_process_without_a_flush(tmp_path: Path) -> None:
+    """A block server that dies keeps what it acknowledged (the page cache has it): a VM's
+    NBD client resends only what was in flight, its flush included, to the next server."""
+    d = tmp_path / "upper"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_CHILD, str(d)], cwd=REPO,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == b"written"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    st = Stack("c", [], Upper.open(d))
+    try:
+        got = st.read(0, 200 * 8192)
+        for i in range(200):
+            want = bytes([i % 250 + 1]) * 8192
+            if i == 0:
+                want = bytes(4096) + want[4096:]
+            assert got[i * 8192:(i + 1) * 8192] == want, i
+    finally:
+        st.close()
+
+
+def test_journal_entries_past_the_data_are_dropped(tmp_path: Path) -> None:
+    """After a host crash the journal may have reached the disk before the data it names:
+    those unflushed writes are lost, the flushed ones kept, the upper opens."""
+    st = Stack("c", [], Upper.create(tmp_path / "u", 1 << 20))
+    st.write(0, b"a" * 4096)
+    st.flush()
+    st.write(8192, b"b" * 4096)
+    st.write(16384, b"c" * 4096)
+    st.close()
+    data = tmp_path / "u" / "data.lsmt"
+    os.truncate(data, data.stat().st_size - 8192)  # the last two writes' data never landed
+    st = Stack("c", [], Upper.open(tmp_path / "u"))
+    assert st.read(0, 4096) == b"a" * 4096 and st.read(8192, 12288) == bytes(12288)
+    st.write(8192, b"d" * 4096)  # and it goes on as an upper
+    st.flush()
+    st.close()
+    st = Stack("c", [], Upper.open(tmp_path / "u"))
+    assert st.read(8192, 4096) == b"d" * 4096 and st.read(0, 4096) == b"a" * 4096
+    st.close()
+
+
 def test_torn_journal_tail_is_dropped(tmp_path: Path) -> None:
     up = Upper.create(tmp_path / "u", 1 << 20)
     up.write(0, b"a" * 4096)
