@@ -12,8 +12,8 @@ The image, pushed into a Debian `docker-registry` on 127.0.0.1 started here:
 Rows:
 
 - floor: `skopeo copy docker://... dir:` of the same image (download + digest checks only)
-- first build: pull + import (importer VM, one block layer per OCI layer + init/envd) +
-  build VM boot + two steps + memory snapshot, with the stage breakdown
+- first build: pull + import (on the host, no VM: one block layer per OCI layer +
+  init/envd) + build VM boot + two steps + memory snapshot, with the stage breakdown
 - rebuild, nothing changed: reuses the ready build (no VM)
 - rebuild, the last step changed: only that step runs (the rest cached)
 - create from the new template vs from the built-in template (restore -> envd answers)

@@ -1,6 +1,6 @@
 """OCI images as template sources: pull into a content-addressed cache, read layers and
-chain ids (`pull`), and apply a layer tar onto a root directory inside the importer VM
-(`apply.py`, a standalone stdlib-only script: `APPLY_SCRIPT` is its path).
+chain ids (`pull`), and apply a layer tar onto a root directory (`apply.py`, a standalone
+stdlib-only script: `APPLY_SCRIPT` is its path; `confined.py` runs it on the host, confined).
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from .reference import Reference, parse_reference
 from .registry import Credentials, RegistryConfig, Source, is_insecure, resolve_source
 
 APPLY_SCRIPT = Path(__file__).with_name("apply.py")
-"""The guest-side layer applier: copy it into the importer VM and run
-`python3 apply.py [--diff-id sha256:...] LAYER.tar[.gz]|- TARGET_DIR`."""
+"""The layer applier: `python3 apply.py [--diff-id sha256:...] LAYER.tar[.gz]|- TARGET_DIR`."""
 
 __all__ = [
     "APPLY_SCRIPT",

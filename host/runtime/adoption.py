@@ -112,7 +112,7 @@ async def reap_orphans(p: NodeParts, known: set[str]) -> list[str]:
     vms_dir: Path = p.config.vms_dir
     stale = {d.name for d in vms_dir.iterdir()} if vms_dir.is_dir() else set()
     stale |= set((await asyncio.to_thread(mx.vmm.leftovers, vms_dir)).values())
-    def building_part(name: str) -> bool:  # a build's VM, or its importer's (-i, -t)
+    def building_part(name: str) -> bool:  # a build's VM, or its import's stack (-t)
         return name in building or name[:-2] in building
 
     for sid in sorted(s for s in stale - live if not building_part(s)):

@@ -44,7 +44,7 @@ from host.vmm.accel import host_tsc_khz
 from host.vmm.errors import VmmError
 from host.vmm.proc import rotate_log, tail
 
-from . import adoption, builds, collect, holds, snapshots, starts, templates, usage
+from . import adoption, builds, collect, holds, hostimport, snapshots, starts, templates, usage
 from .blockd import BlockServerHandle
 from .compaction import Compactor
 from .config import RuntimeConfig
@@ -101,6 +101,8 @@ class NodeRuntime:
         if self._open:
             return self
         await asyncio.to_thread(make_dirs, self.config)
+        # what imports a crash interrupted (raw copies of image filesystems): no build runs yet
+        await asyncio.to_thread(hostimport.sweep, self.config.state_dir)
         await self.block.ensure()
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self.block.watch(), name="block-server-watchdog"))

@@ -146,6 +146,12 @@ class BlockServerClient:
         """Adopt a sealed layer file (e.g. from convert) into the server; returns its digest."""
         return str(await self._call("import_layer", path=str(path), upload=upload))
 
+    async def export_raw(self, name: str, path: str | Path, *, wait_s: float = 1800.0) -> int:
+        """Write stack `name` as a sparse raw image at the new file `path`; returns the
+        data bytes written (`BlockServer.export_raw`)."""
+        result = await self._call("export_raw", wait_s=wait_s, name=name, path=str(path))
+        return int(result["bytes"])
+
     async def push(self, digest: str) -> None:
         """Upload a local layer to the repository (durable once this returns)."""
         await self._call("push", digest=digest)

@@ -6,6 +6,7 @@ import errno
 import os
 import shutil
 import socket
+import stat
 import struct
 import subprocess
 from pathlib import Path
@@ -108,6 +109,31 @@ def test_qemu_img_convert_and_compare_through_nbd(blockserver: BlockServerProc,
     subprocess.run([qemu_img, "convert", "-f", "raw", "-O", "raw", info.nbd_uri, str(copy)],
                    check=True, timeout=120)
     assert copy.read_bytes() == img.read_bytes()
+
+
+def test_export_raw_writes_what_the_stack_reads_as_a_sparse_file(
+        blockserver: BlockServerProc, tmp_path: Path) -> None:
+    img = _ext4_image(tmp_path)
+    size = img.stat().st_size
+    out = tmp_path / "layers"
+    out.mkdir()
+    path, digest, _ = convert_image(img, out)
+    c = blockserver.client
+    c.import_layer(str(path))
+    info = c.create("exp", [digest])
+    # over the layer: data written, and a block of it zeroed
+    qemu_io(info.nbd_uri, "write -P 0x5a 1M 64k", "write -z 0 4k")
+    exported = tmp_path / "export.raw"
+    written = c._call("export_raw", name="exp", path=str(exported))["bytes"]
+    expect = bytearray(img.read_bytes())
+    expect[1 * MiB:1 * MiB + 65536] = b"\x5a" * 65536
+    expect[0:4096] = bytes(4096)
+    assert exported.read_bytes() == bytes(expect)
+    st = exported.stat()
+    assert st.st_size == size and st.st_blocks * 512 < size // 4  # holes, not zeros
+    assert written < size // 4 and stat.S_IMODE(st.st_mode) == 0o600
+    with pytest.raises(ControlError, match="exists"):  # never over an existing file
+        c._call("export_raw", name="exp", path=str(exported))
 
 
 def test_stacks_survive_block_server_sigkill(blockserver: BlockServerProc) -> None:

@@ -1,0 +1,126 @@
+"""The host-side importer's confined helper (host/images/confined.py through
+host/runtime/hostimport.py's ConfinedHelper): a layer applied onto a real ext4 image file
+with fuse2fs, by an unprivileged uid in user, mount, network and PID namespaces of its own.
+The image is read back with debugfs (never mounted on the host). Hostile layers: names
+that climb, symlinks out, device nodes, a hard link to a host path, a file bigger than the
+disk: each fails with a clear error or is contained, and nothing outside the image is
+written."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+import pytest
+
+from host.contract import BuildFailed
+from host.runtime.hostimport import UID_BASE, UID_COUNT, ConfinedHelper
+
+from .ocibuild import LayerTar, compress
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="namespaces and uid maps need root")
+
+
+@pytest.fixture
+def helper() -> Iterator[ConfinedHelper]:
+    h = ConfinedHelper()
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+def _image(tmp_path: Path, mib: int = 256) -> Path:
+    img = tmp_path / "disk.raw"
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", "-b", "4096", str(img), f"{mib}M"],
+                   check=True)
+    os.chown(img, UID_BASE, UID_BASE)
+    return img
+
+
+def _feed(data: bytes):
+    def feed(stdin: IO[bytes]) -> None:
+        stdin.write(data)
+    return feed
+
+
+def _debugfs(img: Path, request: str) -> str:
+    return subprocess.run(["debugfs", "-R", request, str(img)], capture_output=True,
+                          text=True, check=False).stdout
+
+
+def _stat(img: Path, path: str) -> str:
+    return _debugfs(img, f"stat {path}")
+
+
+def test_a_layer_lands_in_the_image_with_owners_modes_and_links(helper: ConfinedHelper,
+                                                                tmp_path: Path) -> None:
+    img = _image(tmp_path)
+    layer = (LayerTar().dir("srv", uid=1000, gid=1000, mode=0o750)
+             .file("srv/app.py", b"print('hi')\n", uid=1000, gid=1000, mode=0o4755)
+             .symlink("srv/latest", "app.py").hardlink("srv/again.py", "srv/app.py")
+             .file("etc/os-release", b"ID=test\n").bytes())
+    summary = helper.run(img, ["apply", "--diff-id", "sha256:" + hashlib.sha256(layer).hexdigest()],
+                         _feed(compress(layer, "gzip")))
+    assert summary["files"] == 2 and summary["hardlinks"] == 1
+    # applied by the namespace's root, which is UID_BASE on this host
+    assert summary["uid_map"] == f"0 {UID_BASE} {UID_COUNT}"
+    assert _debugfs(img, "cat /srv/app.py") == "print('hi')\n"
+    st = _stat(img, "/srv/app.py")
+    assert "User:  1000   Group:  1000" in st and "Mode:  04755" in st, st
+    assert "Links: 2" in st
+    assert "Fast link dest: \"app.py\"" in _stat(img, "/srv/latest")
+    assert "Mode:  0750" in _stat(img, "/srv")
+    assert subprocess.run(["e2fsck", "-fn", str(img)], capture_output=True,
+                          check=False).returncode == 0  # a clean filesystem
+
+
+def test_a_diff_id_mismatch_fails(helper: ConfinedHelper, tmp_path: Path) -> None:
+    img = _image(tmp_path)
+    layer = LayerTar().file("a", b"x").bytes()
+    with pytest.raises(BuildFailed, match="diff id"):
+        helper.run(img, ["apply", "--diff-id", "sha256:" + "0" * 64], _feed(layer))
+
+
+def test_a_hostile_layer_is_contained(helper: ConfinedHelper, tmp_path: Path) -> None:
+    img = _image(tmp_path)
+    canary = Path("/tmp/aenv-confined-canary")
+    canary.unlink(missing_ok=True)
+    layer = (LayerTar()
+             .file("../../../../tmp/aenv-confined-canary", b"climbed")      # names that climb
+             .symlink("out", "/tmp").file("out/aenv-confined-canary", b"via link")
+             .dir("etc").symlink("hostetc", "/etc")
+             .file("hostetc/aenv-confined-canary", b"via /etc")
+             .node("dev/sda", tarfile.BLKTYPE, 8, 0)                         # a device
+             .bytes())
+    summary = helper.run(img, ["apply"], _feed(layer))
+    assert not canary.exists() and not Path("/etc/aenv-confined-canary").exists()
+    assert summary["skipped"] == 1 and "device node skipped" in str(summary["warnings"])
+    # what climbed or followed a link landed inside the image
+    assert _debugfs(img, "cat /tmp/aenv-confined-canary") == "via link"
+    assert _debugfs(img, "cat /etc/aenv-confined-canary") == "via /etc"
+    # a hard link to a host path names a path of the image, where there is none
+    with pytest.raises(BuildFailed, match="hard link target /etc/shadow does not exist"):
+        helper.run(img, ["apply"], _feed(LayerTar().hardlink("x", "/etc/shadow").bytes()))
+
+
+def test_a_file_bigger_than_the_disk_fails_clearly(helper: ConfinedHelper,
+                                                   tmp_path: Path) -> None:
+    img = _image(tmp_path, mib=32)
+    info = tarfile.TarInfo("huge")
+    info.size = 10 << 30  # 10 GiB of zeros, streamed (never in memory)
+
+    def feed(stdin: IO[bytes]) -> None:
+        stdin.write(info.tobuf(format=tarfile.PAX_FORMAT))
+        zeros = bytes(1 << 20)
+        for _ in range(info.size >> 20):
+            stdin.write(zeros)
+
+    with pytest.raises(BuildFailed, match="No space left on device"):
+        helper.run(img, ["apply"], feed)
+    assert img.stat().st_size == 32 << 20  # the image file did not grow
