@@ -190,16 +190,21 @@ CRASH_CHILD = textwrap.dedent("""
 """)
 
 
-def test_flushed_upper_survives_sigkill(tmp_path: Path) -> None:
-    d = tmp_path / "upper"
-    proc = subprocess.Popen([sys.executable, "-c", CRASH_CHILD, str(d)], cwd=REPO,
+def _killed_after(child: str, d: Path, marker: bytes) -> None:
+    """Run `child` on upper dir `d` until it prints `marker`, then SIGKILL it."""
+    proc = subprocess.Popen([sys.executable, "-c", child, str(d)], cwd=REPO,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == b"flushed"
+        assert proc.stdout.readline().strip() == marker
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
+
+
+def test_flushed_upper_survives_sigkill(tmp_path: Path) -> None:
+    d = tmp_path / "upper"
+    _killed_after(CRASH_CHILD, d, b"flushed")
     ref = bytearray(8 << 20)
     for i in range(64):
         off = i * 65536 + (i % 7) * 512
@@ -242,14 +247,7 @@ def test_acknowledged_writes_survive_a_killed_process_without_a_flush(tmp_path: 
     """A block server that dies keeps what it acknowledged (the page cache has it): a VM's
     NBD client resends only what was in flight, its flush included, to the next server."""
     d = tmp_path / "upper"
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_CHILD, str(d)], cwd=REPO,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == b"written"
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=10)
+    _killed_after(KILLED_CHILD, d, b"written")
     st = Stack("c", [], Upper.open(d))
     try:
         got = st.read(0, 200 * 8192)
