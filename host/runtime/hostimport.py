@@ -46,6 +46,7 @@ UID_BASE = 3_900_000_000
 UID_COUNT = 65536
 HELPER_DIR = Path(__file__).resolve().parents[1] / "images"
 _OUR_FILES = ("usr/sbin/aenv-init", "usr/bin/envd", "etc/aenv/release")
+_HELPER_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 _ANSWER_LIMIT = 1 << 20  # the helper's stdout and stderr kept (it prints one JSON line)
 
 
@@ -56,10 +57,10 @@ class HostImporter:
                  log: BuildLog, *, name: str) -> None:
         self.p, self.base, self.layers, self.log = p, base, layers, log
         self.name = f"{name}-t"
+        self.helper = ConfinedHelper()  # first: it refuses a host that lacks its tools
         self.tmp = Path(tempfile.mkdtemp(dir=p.config.state_dir, prefix=".import-"))
         self.prev = self.tmp / "prev.raw"
         self.cur = self.tmp / "cur.raw"
-        self.helper = ConfinedHelper()
 
     async def __aenter__(self) -> Self:
         client = self.p.block.client
@@ -152,6 +153,11 @@ class ConfinedHelper:
     directory only root can enter) and run with the system's python3 (ours may too)."""
 
     def __init__(self) -> None:
+        for tool, package in (("fuse2fs", "fuse2fs"), ("unshare", "util-linux")):
+            if shutil.which(tool, path=_HELPER_PATH) is None:
+                raise BuildFailed(f"image import needs {tool} on this host: apt-get install "
+                                  f"{package} (deploy/install.sh and make setup do)",
+                                  step="base")
         self.scripts = Path(tempfile.mkdtemp(prefix="aenv-confined-"))
         for script in ("confined.py", "apply.py"):
             shutil.copyfile(HELPER_DIR / script, self.scripts / script)
@@ -169,8 +175,12 @@ class ConfinedHelper:
         if code == 3:
             raise BuildFailed(f"image import: {err.strip()[-300:]}", step="base")
         if code != 0:
-            raise BuildFailed(f"image import failed: {err.strip()[-500:] or f'exit {code}'}",
-                              step="base")
+            why = err.strip()[-500:] or f"exit {code}"
+            if why.startswith("unshare:"):
+                why += (" (the helper needs user namespaces: user.max_user_namespaces > 0; "
+                        "where AppArmor restricts them, kernel."
+                        "apparmor_restrict_unprivileged_userns=0)")
+            raise BuildFailed(f"image import failed: {why}", step="base")
         try:
             summary: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
         except (ValueError, IndexError):
@@ -195,7 +205,7 @@ class ConfinedHelper:
 
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, pass_fds=(fd, go_r), cwd="/",
-                                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
+                                env={"PATH": _HELPER_PATH, "LANG": "C.UTF-8"},
                                 preexec_fn=as_helper)  # noqa: PLW1509 - before exec only
         os.close(go_r)
         os.close(fd)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import tarfile
 from collections.abc import Iterator
@@ -124,3 +125,13 @@ def test_a_file_bigger_than_the_disk_fails_clearly(helper: ConfinedHelper,
     with pytest.raises(BuildFailed, match="No space left on device"):
         helper.run(img, ["apply"], feed)
     assert img.stat().st_size == 32 << 20  # the image file did not grow
+
+
+def test_a_host_without_fuse2fs_is_told_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a host without the package, as `which` sees it (installing and removing it here
+    # would change the machine the other tests run on)
+    real = shutil.which
+    monkeypatch.setattr(shutil, "which",
+                        lambda cmd, **kw: None if cmd == "fuse2fs" else real(cmd, **kw))
+    with pytest.raises(BuildFailed, match="apt-get install fuse2fs"):
+        ConfinedHelper()
