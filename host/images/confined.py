@@ -44,12 +44,17 @@ from pathlib import Path
 from typing import Any
 
 try:  # run as a script beside apply.py (the helper); imported as host.images.confined
-    from apply import ApplyError, DiffIdMismatch, apply_layer, clean_name  # type: ignore[import-not-found,unused-ignore]
+    from apply import (  # type: ignore[import-not-found,unused-ignore]
+        ApplyError,
+        DiffIdMismatch,
+        _Root,
+        apply_layer,
+        clean_name,
+    )
 except ImportError:
-    from host.images.apply import ApplyError, DiffIdMismatch, apply_layer, clean_name
+    from host.images.apply import ApplyError, DiffIdMismatch, _Root, apply_layer, clean_name
 
 TARGET = "/tmp/aenv-root"
-STAGING = "/tmp/aenv-staged"
 _MS_REC, _MS_PRIVATE = 0x4000, 0x40000
 _MNT_DETACH = 2
 _PR_SET_NO_NEW_PRIVS = 38
@@ -81,7 +86,7 @@ def _private_scratch() -> None:
     _mount("none", "/", None, _MS_REC | _MS_PRIVATE, None)
     for d in ("/tmp", "/var/tmp", "/dev/shm"):
         if os.path.isdir(d):
-            _mount("tmpfs", d, "tmpfs", 0, "mode=1777,size=256m")
+            _mount("tmpfs", d, "tmpfs", 0, "mode=1777,size=64m")
 
 
 @contextlib.contextmanager
@@ -126,87 +131,63 @@ def apply(image_fd: int, diff_id: str | None) -> dict[str, Any]:
 def finish(image_fd: int, workdir: str) -> dict[str, Any]:
     """Our init and envd (a tar of them on stdin, from the host's built-in image), the
     mount points they need, user `user` (uid 1000) and the image's working directory
-    (Docker makes it when missing)."""
+    (Docker makes it when missing). Paths resolve as apply.py resolves a layer's: symlinks
+    of the image followed inside it, never out."""
     import tarfile
-    with mounted_image(image_fd) as root, \
+    with mounted_image(image_fd) as target, \
             tarfile.open(fileobj=sys.stdin.buffer, mode="r|") as tar:
-        # staged on this namespace's tmpfs, not in the image: blocks written there and
-        # freed would still differ from the layer below and grow the block layer
-        staged = Path(STAGING)
-        staged.mkdir(mode=0o700)
-        for member in tar:  # our own regular files, from the host
-            f = tar.extractfile(member)
-            if f is None or "/" not in member.name.strip("/") and not member.isfile():
-                continue
-            dest = staged / member.name
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            with dest.open("wb") as out:
-                shutil.copyfileobj(f, out)
-            dest.chmod(member.mode & 0o7777)
-        _finish(Path(root), staged, workdir)
+        root = _Root(target)
+        try:
+            _finish(root, target, tar, workdir)
+        finally:
+            root.close()
     return {"finished": True}
 
 
-def _finish(root: Path, staged: Path, workdir: str) -> None:
-    for d in ("usr/sbin", "usr/bin", "etc", "etc/aenv", "proc", "sys", "dev", "run", "tmp", "home",
-              "root"):
-        _mkdirs(root, d)
-    (root / "tmp").chmod(0o1777)
-    for rel in ("usr/sbin/aenv-init", "usr/bin/envd", "etc/aenv/release"):
-        src = staged / rel
-        if src.exists():
-            dest = _inside(root, rel)
-            if dest.is_symlink() or dest.exists():
-                dest.unlink()
-            shutil.copy2(src, dest)
-    helper = _inside(root, "usr/sbin/aenv-exec")
-    if helper.is_symlink() or helper.exists():
-        helper.unlink()
-    helper.symlink_to("aenv-init")
-    shutil.rmtree(staged)
-    passwd, group = _inside(root, "etc/passwd"), _inside(root, "etc/group")
-    _append_missing(passwd, "root:", "root:x:0:0:root:/root:/bin/sh\n")
-    _append_missing(group, "root:", "root:x:0:\n")
-    _append_missing(passwd, "user:", "user:x:1000:1000:user:/home/user:/bin/sh\n")
-    _append_missing(group, "user:", "user:x:1000:\n")
-    home = _mkdirs(root, "home/user")
-    os.chown(home, 1000, 1000)
-    work = _inside(root, workdir.lstrip("/"))
-    if not work.is_dir():
-        made = _mkdirs(root, workdir.lstrip("/"))
-        os.chown(made, 1000, 1000)
+def _finish(root: _Root, target: str, tar: Any, workdir: str) -> None:
+    def directory(rel: str) -> str:
+        real = root.resolve_dir(clean_name(rel)[0], create=True)
+        return os.path.join(target, *(real or ()))
+
+    def entry(rel: str) -> str:
+        """The path of `rel` (its directories made), nothing left at it."""
+        parts, _ = clean_name(rel)
+        path = os.path.join(directory("/".join(parts[:-1])), parts[-1])
+        if os.path.lexists(path):
+            os.unlink(path)
+        return path
+
+    for d in ("usr/sbin", "usr/bin", "etc", "etc/aenv", "proc", "sys", "dev", "run", "tmp",
+              "home", "root"):
+        directory(d)
+    os.chmod(directory("tmp"), 0o1777)
+    for member in tar:  # our own regular files, from the host, straight into the image
+        src = tar.extractfile(member) if member.isfile() else None
+        if src is None:
+            continue
+        path = entry(member.name)
+        with open(path, "wb") as out:
+            shutil.copyfileobj(src, out)
+        os.chmod(path, member.mode & 0o7777)
+        os.utime(path, (member.mtime, member.mtime))
+    os.symlink("aenv-init", entry("usr/sbin/aenv-exec"))
+    etc = directory("etc")
+    _append_missing(os.path.join(etc, "passwd"), "root:", "root:x:0:0:root:/root:/bin/sh\n")
+    _append_missing(os.path.join(etc, "group"), "root:", "root:x:0:\n")
+    _append_missing(os.path.join(etc, "passwd"), "user:",
+                    "user:x:1000:1000:user:/home/user:/bin/sh\n")
+    _append_missing(os.path.join(etc, "group"), "user:", "user:x:1000:\n")
+    os.chown(directory("home/user"), 1000, 1000)
+    if root.resolve_dir(clean_name(workdir)[0], create=False) is None:
+        os.chown(directory(workdir), 1000, 1000)
 
 
-def _inside(root: Path, rel: str) -> Path:
-    """`rel` below `root` with every directory on the way resolved inside it (a symlink in
-    the image pointing at /etc resolves to root/etc, never the helper's own /etc)."""
-    parts, _ = clean_name(rel)
-    here = root
-    for part in parts[:-1]:
-        here = here / part
-        for _ in range(40):
-            if not here.is_symlink():
-                break
-            link = os.readlink(here)
-            here = (root / link.lstrip("/")) if link.startswith("/") else here.parent / link
-        here = Path(os.path.normpath(here))
-        if here != root and root not in here.parents:
-            raise ConfinedError(f"{rel}: a symlink in the image leads outside it")
-    return here / parts[-1] if parts else root
-
-
-def _mkdirs(root: Path, rel: str) -> Path:
-    path = _inside(root, rel)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def _append_missing(path: Path, prefix: str, line: str) -> None:
-    if path.is_symlink():  # never follow one out of the image: a file of our own instead
-        path.unlink()
-    text = path.read_text(errors="replace") if path.exists() else ""
+def _append_missing(path: str, prefix: str, line: str) -> None:
+    if os.path.islink(path):  # never follow one out of the image: a file of our own instead
+        os.unlink(path)
+    text = Path(path).read_text(errors="replace") if os.path.exists(path) else ""
     if not any(row.startswith(prefix) for row in text.splitlines()):
-        with path.open("a") as f:
+        with open(path, "a") as f:
             f.write(("" if text.endswith("\n") or not text else "\n") + line)
 
 

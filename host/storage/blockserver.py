@@ -42,6 +42,7 @@ from .cache import ChunkCache
 from .collect import Swept, counted, sweep_layers
 from .compact import write_merged
 from .control import CONTROL_SOCKET, NBD_SOCKET, StackInfo, error_reply, own_socket
+from .convert import write_raw
 from .errors import LayerNotFoundError, StackExistsError, StackNotFoundError, StorageError
 from .export import StackExport
 from .index import SegmentIndex
@@ -54,7 +55,6 @@ from .stack import Stack, merge_layers
 log = logging.getLogger(__name__)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 SEALED_MARKER = "sealed-as"
-_EXPORT_CHUNK = 4 << 20  # export_raw's read/write size
 
 
 class BlockServer:
@@ -365,35 +365,11 @@ class BlockServer:
         return digest
 
     async def export_raw(self, name: str, path: str) -> dict[str, Any]:
-        """Write stack `name` as a sparse raw image at `path` (a new file, 0600): its data
-        extents only, holes elsewhere. The host-side image importer applies OCI layers
-        onto such a copy and turns what changed into a layer (host/runtime/hostimport.py).
-        Reads layers the way the NBD export does: remote ones through the chunk cache."""
+        """Write stack `name` as a sparse raw image at the new file `path` (convert.py's
+        `write_raw`): the host-side image importer applies OCI layers onto such a copy and
+        turns what changed into a layer (host/runtime/hostimport.py)."""
         stack = self._get(name).stack
-
-        def work() -> int:
-            size, written = stack.virtual_size, 0
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:
-                os.ftruncate(fd, size)
-                pos = 0
-                for blob, boff, n in stack.pieces(0, size):
-                    done = 0
-                    while blob is not None and done < n:
-                        k = min(_EXPORT_CHUNK, n - done)
-                        os.pwrite(fd, blob.pread(boff + done, k), pos + done)
-                        done += k
-                    written += done
-                    pos += n
-            except BaseException:
-                os.close(fd)
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-                raise
-            os.close(fd)
-            return written
-
-        return {"bytes": await asyncio.to_thread(work)}
+        return {"bytes": await asyncio.to_thread(write_raw, stack, path)}
 
     async def compact(self, name: str, start: int, *, upload: bool = True) -> dict[str, Any]:
         """Merge stack `name`'s sealed layers from index `start` up into one (compact.py)

@@ -1,4 +1,5 @@
-"""Convert a raw disk image (e.g. an ext4 rootfs) into one sealed LSMT layer.
+"""Convert a raw disk image (e.g. an ext4 rootfs) into one sealed LSMT layer, and a stack
+back into a raw image (`write_raw`).
 
     python -m host.storage.convert IMAGE OUT [--base BASE_IMAGE] [--repo SPEC] [--user-tag TEXT]
 
@@ -13,12 +14,14 @@ Prints {"digest": ..., "path": ..., "virtual_size": ...}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from pathlib import Path
 
 from .lsmt import SECTOR, LayerWriter, digest_of_file
 from .repository import open_repository
+from .stack import Stack
 
 BLOCK = 4096
 CHUNK = 1 << 20
@@ -98,6 +101,31 @@ def convert_image(src: str | os.PathLike[str], dest: str | os.PathLike[str], *,
         os.replace(out, final)
         out = final
     return out, digest, vsize
+
+
+def write_raw(stack: Stack, path: str | os.PathLike[str]) -> int:
+    """Write `stack` as a sparse raw image at the new file `path` (0600): its data extents
+    only, holes elsewhere (remote layers read through the chunk cache, as the NBD export
+    reads them). Returns the data bytes written; a failure leaves no file."""
+    size, written, pos = stack.virtual_size, 0, 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        for blob, boff, n in stack.pieces(0, size):
+            done = 0
+            while blob is not None and done < n:
+                k = min(CHUNK, n - done)
+                os.pwrite(fd, blob.pread(boff + done, k), pos + done)
+                done += k
+            written += done
+            pos += n
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    os.close(fd)
+    return written
 
 
 def _write_changed_runs(writer: LayerWriter, base: int, chunk: bytes, below: bytes) -> None:
