@@ -3,8 +3,10 @@ every request in constant time.
 
 A key file holds one key per line (blank lines and `#` comments ignored). Clients send a
 key as `X-API-Key` (any case; the SDKs spell it `X-API-KEY`). Only `GET /health` is open,
-`GET /metrics` (Prometheus scrapes without a key; host/metrics), and the PUT of a COPY
-archive to its signed URL (uploads.py), which the signature authorises.
+`GET /metrics` (Prometheus scrapes without a key; host/metrics), the PUT of a COPY
+archive to its signed URL (uploads.py), which the signature authorises, and the volume
+content routes, which the volume's own token authorises (volumes.py; as E2B's, the SDKs
+send no API key there).
 
 In a cluster the services talk to each other with the *node key*, a secret of its own
 (`NodeKeys`, `<state>/node_key` on a node), never a client's API key:
@@ -36,12 +38,14 @@ KEY_PREFIX = "e2b_"
 NODE_KEY_PREFIX = "aenv_node_"
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 SIGNED_PREFIX = "/template-files/"  # PUT only: the URL's signature is checked instead
+VOLUME_CONTENT_PREFIX = "/volumecontent/"  # the volume's Bearer token instead (api/volumes.py)
 CLUSTER_PREFIX = "/cluster/"         # routes only the cluster's own services call
 
 
 def is_open(method: str, path: str) -> bool:
     """Requests that need no API key."""
-    return path in OPEN_PATHS or (method == "PUT" and path.startswith(SIGNED_PREFIX))
+    return (path in OPEN_PATHS or (method == "PUT" and path.startswith(SIGNED_PREFIX))
+            or path.startswith(VOLUME_CONTENT_PREFIX))
 
 
 def is_cluster_route(path: str) -> bool:

@@ -2,6 +2,7 @@
 
     ApiError            raised by the API itself (bad JSON, bad query, unknown route...)
     OrchestratorError   raised below us; mapped by `_STATUS` (see host/orchestrator/errors.py)
+    VolumeError         raised by host/volumes; each class carries its E2B `status`
 
 Every error leaves as JSON `{"code": <status>, "message": ..., ["error_code": ...]}`; the
 Python SDK's generated client pops `code` and `message` and crashes without them.
@@ -32,6 +33,7 @@ from host.orchestrator.errors import (
     TemplateNotFound,
     UploadTooLarge,
 )
+from host.volumes.errors import VolumeError
 
 from .models import Error
 
@@ -101,7 +103,7 @@ def response_for(exc: Exception) -> JSONResponse:
     """Map any exception escaping a handler to an E2B error response."""
     if isinstance(exc, ApiError):
         return error_response(exc.status, exc.message, exc.error_code)
-    if isinstance(exc, OrchestratorError):
+    if isinstance(exc, (OrchestratorError, VolumeError)):
         status = status_of(exc)
         if status >= 500:
             log.error("orchestrator failed: %s", exc, exc_info=exc)

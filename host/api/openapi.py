@@ -26,11 +26,12 @@ REF = "#/components/schemas/{model}"
 _ERROR_TEXT = {400: "Bad request", 401: "Authentication error", 403: "Forbidden",
                404: "Not found", 409: "Conflict", 413: "Too large", 500: "Server error",
                502: "Bad gateway (the sandbox's envd answered past a limit)",
-               503: "Service busy"}
+               503: "Service busy", 507: "Insufficient storage"}
 _PATH_PARAMS = {"sandboxID": "",
                 "templateID": "template id or name; percent-encoded, may contain '/' and ':'",
                 "alias": "[namespace/]alias[:tag]; percent-encoded",
-                "buildID": "a UUID", "hash": "filesHash: 64 lower-case hex digits"}
+                "buildID": "a UUID", "hash": "filesHash: 64 lower-case hex digits",
+                "volumeID": "a UUID"}
 
 
 class _Schema(GenerateJsonSchema):

@@ -24,6 +24,8 @@ from . import snapshots as snap
 from . import template_models as tm
 from . import templates as tpl
 from . import terminal_links as term
+from . import volume_models as vm
+from . import volumes as vol
 from .errors import response_for
 from .validation import read_body, read_headers, read_query
 
@@ -113,6 +115,8 @@ async def openapi(request: Request) -> Response:
 
 
 SID = "/sandboxes/{sandboxID}"
+VID = "/volumes/{volumeID}"
+VC = "/volumecontent/{volumeID}"
 TID = "/templates/{templateID:path}"
 NO_CONTENT = (Reply(204, "No content"),)
 NEXT_TOKEN = {"X-Next-Token": "cursor of the next page (absent on the last)"}
@@ -192,6 +196,31 @@ OPERATIONS: tuple[Operation, ...] = (
     _op("GET", "/snapshots", "listSnapshots", snap.list_all,
         Reply(200, "OK", list[m.SnapshotInfo], NEXT_TOKEN),
         query=m.ListSnapshotsQuery, errors=(400, 401, 500)),
+    # --- volumes (E2B's spec/openapi.yml) and their files (spec/openapi-volumecontent.yml:
+    # the volume's Bearer token, not the API key; 401 without a valid one)
+    _op("POST", "/volumes", "createVolume", vol.create,
+        Reply(201, "The volume, and a token for its content", vm.VolumeAndToken),
+        body=vm.NewVolume, errors=(400, 401, 500)),
+    _op("GET", "/volumes", "listVolumes", vol.list_all, Reply(200, "OK", list[vm.Volume]),
+        errors=(401, 500)),
+    _op("GET", VID, "getVolume", vol.get_one, Reply(200, "OK", vm.VolumeAndToken)),
+    _op("DELETE", VID, "deleteVolume", vol.destroy, *NO_CONTENT),
+    _op("GET", f"{VC}/path", "getVolumeEntry", vol.stat,
+        Reply(200, "OK", vm.VolumeEntryStat), query=vm.PathQuery),
+    _op("PATCH", f"{VC}/path", "setVolumeEntryMetadata", vol.set_metadata,
+        Reply(200, "OK", vm.VolumeEntryStat), query=vm.PathQuery, body=vm.VolumeMetadata),
+    _op("DELETE", f"{VC}/path", "deleteVolumeEntry", vol.remove, *NO_CONTENT,
+        query=vm.PathQuery),
+    _op("GET", f"{VC}/dir", "listVolumeDir", vol.list_dir,
+        Reply(200, "Entries, depth-first in name order", list[vm.VolumeEntryStat]),
+        query=vm.DirQuery),
+    _op("POST", f"{VC}/dir", "makeVolumeDir", vol.make_dir,
+        Reply(201, "Made", vm.VolumeEntryStat), query=vm.CreateQuery, errors=_409),
+    _op("GET", f"{VC}/file", "readVolumeFile", vol.read_file,
+        Reply(200, "The file's bytes (application/octet-stream)"), query=vm.PathQuery),
+    _op("PUT", f"{VC}/file", "writeVolumeFile", vol.write_file,
+        Reply(201, "Written", vm.VolumeEntryStat), query=vm.CreateQuery,
+        raw_body="application/octet-stream", errors=(*_409, 507)),
     # --- templates (docs/e2b-template-api.md). `path` convertor: ids like aenv/app:v1
     # arrive as aenv%2Fapp%3Av1, decoded before routing; the catch-all
     # /templates/{templateID} routes come last so that the longer paths match first.

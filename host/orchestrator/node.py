@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 from host.contract import MachineSpec, NetworkConfig, SandboxRuntime
 from host.hostmem import node_available_mib
 from host.metrics import Metrics
+from host.volumes import Volumes, VolumeTokens
 
 from . import drain as drain_
 from . import forks, guest_access, handoff, lifecycle, pausing, snapshots, timeouts
@@ -109,7 +110,8 @@ class NodeOrchestrator:
                  metrics: Metrics | None = None, handoff: bool = False,
                  warm_pool: int = 0, keep_paused_s: float = 0.0,
                  gc_interval_s: float = 0.0, retain_killed_s: float = 86400.0,
-                 build_cache_ttl_s: float = 7 * 86400.0) -> None:
+                 build_cache_ttl_s: float = 7 * 86400.0,
+                 volumes_dir: Path | None = None) -> None:
         self.domain = domain
         # the host-side inputs of built-in templates (pip trees, archives): like the
         # kernel and image, reusable across state dirs
@@ -136,6 +138,9 @@ class NodeOrchestrator:
             files_dir=files_dir or self.state_dir / "template-files",
             admission=Admission(admission), metrics=self.service_metrics, handoff=handoff)
         self._runs = self._ctx.runs  # the proxy's run events (Context.end_run)
+        # E2B volumes (host/volumes): records beside the sandboxes', bytes in volumes_dir
+        self.volumes = Volumes(store, volumes_dir or self.state_dir / "volumes",
+                               VolumeTokens.load_or_create(self.state_dir), clock=clock)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ttl: TtlLoop | None = None
         self._pressure_policy = pressure
@@ -160,6 +165,7 @@ class NodeOrchestrator:
     async def start(self, *, ttl_interval_s: float = 1.0, recover: bool = True) -> None:
         """Recover the store against reality (recovery.py), then start the TTL loop."""
         if recover:
+            await self.store.run(self.volumes.sweep)
             await run_recovery(self.store, self.runtime, self.envd, clock=self.clock)
             await builds.recover(self._ctx)
         self._ttl = TtlLoop(self, interval_s=ttl_interval_s)

@@ -49,6 +49,7 @@ from host.orchestrator.model import (
     TemplateTag,
 )
 from host.orchestrator.states import SandboxState
+from host.volumes import Volumes
 from tests.orchestrator.fakes import FakeEnvd, FakeRuntime
 
 _ALNUM = string.ascii_lowercase + string.digits
@@ -257,6 +258,10 @@ class FakeOrchestrator:
                 Store(self._node_dir / "state.db"), self.runtime, domain=self.domain,
                 envd=EnvdClient(transport=self.runtime.envd.transport()))
         return self._node
+
+    @property
+    def volumes(self) -> Volumes:
+        return self.node.volumes
 
     def close(self) -> None:
         """Close the node's store and remove its directory (its tasks, fake builds that
