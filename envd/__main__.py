@@ -11,6 +11,10 @@ from .server import serve
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["volume-mount"]:   # one volume's FUSE process (envd/volumes/mount.py)
+        from .volumes.mount import main as mount_main
+        return mount_main(args[1:])
     config = EnvdConfig.from_args(argv)
     # envd's own loggers (envd.rpc, envd.process): errors the RPC layer mapped to INTERNAL.
     logging.basicConfig(level=logging.WARNING,

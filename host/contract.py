@@ -16,6 +16,7 @@ The implementation is `host.runtime.NodeRuntime`.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -236,6 +237,12 @@ class SandboxRuntime(Protocol):
         ...
 
     async def update_network(self, sandbox_id: str, network: NetworkConfig) -> None: ...
+
+    async def listen(self, sandbox_id: str) -> socket.socket:
+        """A socket listening where the running sandbox's guest, and only it, connects to
+        the host's services (its gateway address, the guest service port): volume mounts.
+        Raises RuntimeError where this node cannot (user-mode networking)."""
+        ...
 
     async def delete_snapshot(self, snapshot_id: str) -> None: ...
 

@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO="$PWD"
 
-FREEZE_SCRIPT_VERSION=2
+FREEZE_SCRIPT_VERSION=3
 PYTHON=/usr/bin/python3.11
 CACHE="${AENV_CACHE:-/var/cache/aenv}"
 VENV="$CACHE/venv-freeze"
@@ -23,7 +23,7 @@ BUILD="$REPO/build/freeze-envd"
 REQS=(
   "connectrpc>=0.12.1,<0.13" "protobuf-py>=0.6.0,<0.7" "starlette>=0.40" "uvicorn>=0.30"
   "websockets>=12" "psutil>=5.9" "python-multipart>=0.0.34" "inotify_simple>=2.0"
-  "pyinstaller>=6.5" "staticx>=0.14"
+  "mfusepy>=3.1,<4" "pyinstaller>=6.5" "staticx>=0.14"
 )
 
 log() { printf 'freeze-envd: %s\n' "$*" >&2; }
@@ -34,6 +34,9 @@ force=0
 
 [ -x "$PYTHON" ] || die "$PYTHON missing (apt-get install python3.11-venv python3.11-dev)"
 command -v patchelf >/dev/null || die "patchelf missing (apt-get install patchelf)"
+# volume mounts (envd/volumes): mfusepy loads libfuse 3 with ctypes, so it is bundled by hand
+LIBFUSE3="$(/sbin/ldconfig -p | awk '/libfuse3\.so\.3 / {print $NF; exit}')"
+[ -n "$LIBFUSE3" ] || die "libfuse3 missing (apt-get install libfuse3-3)"
 
 mkdir -p "$OUT" "$CACHE"
 exec 9>"$CACHE/.freeze-envd.lock"
@@ -93,6 +96,7 @@ log "[2/4] PyInstaller --onefile (log $BUILD/pyinstaller.log)"
    --collect-submodules starlette \
    --collect-submodules h11 \
    --collect-submodules anyio \
+   --hidden-import mfusepy --add-binary "$LIBFUSE3:." \
    --hidden-import uvicorn.loops.auto --hidden-import uvicorn.loops.asyncio \
    --hidden-import uvicorn.protocols.http.auto --hidden-import uvicorn.protocols.http.h11_impl \
    --hidden-import uvicorn.protocols.websockets.auto \

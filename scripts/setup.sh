@@ -9,6 +9,7 @@ APT_PACKAGES=(
   qemu-utils                            # qemu-io / qemu-img / qemu-storage-daemon
   debootstrap e2fsprogs erofs-utils     # rootfs layers
   fuse2fs                               # OCI layers applied on the host (host/runtime/hostimport.py)
+  libfuse3-3                            # volume mounts: bundled into the frozen envd (envd/volumes)
   linux-source-6.12 build-essential flex bison bc libelf-dev libssl-dev dwarves  # guest kernel
   python3.11-venv python3.11-dev patchelf scons  # frozen envd (PyInstaller + staticx, Debian python)
   attr iproute2 nftables cpio xz-utils zstd

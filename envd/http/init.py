@@ -4,7 +4,9 @@ Called by the host after boot and again after resume/fork (with a new token): on
 a token is set, a re-init must carry the current one as X-Access-Token. Setting the
 clock is opt-in (`ENVD_SET_CLOCK=1`, set by the guest init) and needs root: envd
 must never move the clock of a developer's machine or CI host. aenv's host also sends
-fresh entropy (`aenvEntropy`): it reseeds the kernel RNG before anything else (entropy.py).
+fresh entropy (`aenvEntropy`): it reseeds the kernel RNG before anything else (entropy.py),
+and the volumes to mount (`aenvVolumeMounts`: name, path, the host's volume server;
+envd/volumes), mounted last, again only where missing.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from ..auth import require_token
 from ..entropy import entropy_from, reseed_kernel_rng
 from ..state import Defaults
 from ..users import UnknownUserError, User
+from ..volumes.mounts import MountError, Mounts
+from ..volumes.mounts import parse as parse_mounts
 from .errors import Endpoint, HTTPError, json_errors
 
 log = logging.getLogger(__name__)
@@ -77,6 +81,8 @@ def _str_field(data: dict[str, Any], key: str) -> str | None:
 
 
 def init_endpoint(defaults: Defaults) -> Endpoint:
+    mounts = Mounts()   # volumes (aenvVolumeMounts): one FUSE child per mount
+
     @json_errors
     async def init(request: Request) -> Response:
         require_token(defaults, request.headers.get("x-access-token"))
@@ -109,6 +115,10 @@ def init_endpoint(defaults: Defaults) -> Endpoint:
                 User.lookup(user)
             except UnknownUserError as exc:
                 raise HTTPError(400, str(exc)) from None
+        try:
+            wanted = parse_mounts(data.get("aenvVolumeMounts") or [])
+        except MountError as exc:
+            raise HTTPError(400, str(exc)) from None
 
         # Validate everything first, then apply: a rejected /init changes nothing.
         if env_vars:
@@ -121,6 +131,11 @@ def init_endpoint(defaults: Defaults) -> Endpoint:
             defaults.workdir = workdir
         if when is not None and when.tzinfo is not None:
             await asyncio.to_thread(maybe_set_clock, when)
+        if wanted:
+            try:
+                await mounts.ensure(wanted)
+            except (MountError, OSError) as exc:
+                raise HTTPError(500, f"volume mounts: {exc}") from None
         return Response(status_code=204)
 
     return init

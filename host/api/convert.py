@@ -99,6 +99,7 @@ def create_request(body: m.NewSandboxV2, *, idempotency_key: str | None = None) 
         # v2 sandboxes are always secured; legacy v1 only when asked (1.x default: insecure)
         secure=body.secure if isinstance(body, m.NewSandbox) else True,
         idempotency_key=idempotency_key,
+        volume_mounts=tuple((v.name, v.path) for v in body.volume_mounts),
         **kwargs,
     )
 
@@ -160,7 +161,8 @@ def _listed_fields(info: SandboxInfo) -> dict[str, Any]:
         "startedAt": utc(info.started_at), "endAt": utc(info.end_at),
         "cpuCount": info.cpu_count, "memoryMB": info.memory_mb, "diskSizeMB": info.disk_mb,
         "state": info.state.public, "envdVersion": info.envd_version,
-        "metadata": dict(info.metadata), "volumeMounts": [],
+        "metadata": dict(info.metadata),
+        "volumeMounts": [{"name": name, "path": path} for name, path in info.volume_mounts],
     }
 
 

@@ -181,8 +181,8 @@ class NewSandboxV2(RequestModel):
     mcp: dict[str, Any] | None = Field(default=None, description="accepted, not used")
     iam: dict[str, Any] | None = Field(default=None, description="accepted, not used")
     volume_mounts: Nullable[list[SandboxVolumeMount]] = Field(
-        default_factory=list, alias="volumeMounts", max_length=0,
-        description="not supported: must be empty")
+        default_factory=list, alias="volumeMounts",
+        description="volumes (by name) mounted at absolute guest paths, at most 16")
 
 
 class NewSandbox(NewSandboxV2):

@@ -1,7 +1,7 @@
 """The `aenv` click group, its global options, and the sandbox commands that are one REST
 call each: thin wrappers over rest.ApiClient. The other commands live in their own
-modules (in_sandbox.py: inside a sandbox; snapshots.py, templates.py, auth.py, completion.py)
-and are added to the group at the end."""
+modules (in_sandbox.py: inside a sandbox; snapshots.py, templates.py, volumes.py, auth.py,
+completion.py) and are added to the group at the end."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import click
 
-from . import auth, completion, gc, in_sandbox, nodes, snapshots, templates
+from . import auth, completion, gc, in_sandbox, nodes, snapshots, templates, volumes
 from .errors import EXIT_GENERIC
 from .invocation import (
     API_KEY_ENV,
@@ -200,8 +200,9 @@ def metrics(ctx: click.Context, sandbox_id: str, output: str) -> None:
     echo_table(rows)
 
 
-for _command in (*in_sandbox.COMMANDS, *snapshots.COMMANDS, *templates.COMMANDS, *auth.COMMANDS,
-                 *completion.COMMANDS, *gc.COMMANDS, nodes.nodes):
+for _command in (*in_sandbox.COMMANDS, *snapshots.COMMANDS, *templates.COMMANDS,
+                 *volumes.COMMANDS, *auth.COMMANDS, *completion.COMMANDS, *gc.COMMANDS,
+                 nodes.nodes):
     cli.add_command(_command)
 
 

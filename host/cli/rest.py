@@ -1,7 +1,7 @@
 """The REST API client of the CLI: plain httpx, one method per endpoint the CLI uses.
 
-Answers are parsed with the API's own response models (host.api.models and
-template_models), so the CLI reads fields by name and a malformed answer is one error
+Answers are parsed with the API's own response models (host.api.models,
+template_models and volume_models), so the CLI reads fields by name and a malformed answer is one error
 line, not a KeyError. Template builds are not here: the e2b SDK runs them (builder.py).
 """
 
@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from host.api import models as m
 from host.api import template_models as tm
+from host.api import volume_models as vm
 from host.api.admin import GcReport
 
 from .errors import ApiError, CliError, ConnectionFailed
@@ -89,7 +90,8 @@ UNREACHABLE_HINTS = {
 SLOW_HINT = ": the service did not answer in time; try again (the operation may have gone on)"
 # what to do about a 404, by what was not found
 NOT_FOUND_HINTS = {"sandbox": " (see `aenv ls`)", "snapshot": " (see `aenv snapshot ls`)",
-                   "template": " (see `aenv template ls`)"}
+                   "template": " (see `aenv template ls`)",
+                   "volume": " (see `aenv volume ls`)"}
 _ERRNO = re.compile(r"^\[Errno -?\d+\] ")
 
 
@@ -223,6 +225,23 @@ class ApiClient:
 
     def delete_snapshot(self, snapshot_id: str) -> None:
         self.request("DELETE", f"/templates/{_seg(snapshot_id)}", missing="snapshot")
+
+    # --- volumes (their files: volumes.py's VolumeContent, with the volume's token) ------
+
+    def create_volume(self, name: str) -> vm.VolumeAndToken:
+        return parse(self.request("POST", "/volumes", json_body={"name": name}),
+                     vm.VolumeAndToken)
+
+    def volumes(self) -> list[vm.Volume]:
+        return parse(self.request("GET", "/volumes"), list[vm.Volume])
+
+    def volume(self, volume_id: str) -> vm.VolumeAndToken:
+        """The volume and a fresh token for its content (`Authorization: Bearer`)."""
+        return parse(self.request("GET", f"/volumes/{_seg(volume_id)}", missing="volume"),
+                     vm.VolumeAndToken)
+
+    def delete_volume(self, volume_id: str) -> None:
+        self.request("DELETE", f"/volumes/{_seg(volume_id)}", missing="volume")
 
     # --- the node (aenv extensions) --------------------------------------------------------
 

@@ -12,11 +12,13 @@ import functools
 import json
 import os
 import shutil
+import socket
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import NetworkCommandError, NetworkUnavailableError
+from .errors import NetworkCommandError, NetworkError, NetworkUnavailableError
 
 COMMAND_TIMEOUT_S = 15.0
 
@@ -136,6 +138,40 @@ def netns_preexec(netns: str) -> Callable[[], None]:
             os.close(fd)
 
     return enter
+
+
+async def listen_in(netns: str, host: str, port: int, backlog: int = 64) -> socket.socket:
+    """A TCP socket listening on host:port inside `netns`.
+
+    A socket belongs to the namespace it was made in, whichever thread uses it later, so
+    a short-lived thread of its own enters the namespace (setns moves only the calling
+    thread), makes the socket and ends: no thread of the service stays inside."""
+    enter = netns_preexec(netns)
+    made: list[socket.socket] = []
+    failed: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            enter()
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((host, port))
+                sock.listen(backlog)
+                sock.setblocking(False)
+            except BaseException:
+                sock.close()
+                raise
+            made.append(sock)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
+            failed.append(exc)
+
+    thread = threading.Thread(target=work, name=f"listen-{netns}", daemon=True)
+    thread.start()
+    await asyncio.to_thread(thread.join)
+    if failed:
+        raise NetworkError(f"listening on {host}:{port} in {netns} failed: {failed[0]}")
+    return made[0]
 
 
 def have_binaries(*names: str) -> list[str]:

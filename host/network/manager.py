@@ -24,6 +24,7 @@ import ipaddress
 import logging
 import os
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import TracebackType
@@ -31,7 +32,15 @@ from typing import Self
 
 from host.ids import is_vm_name
 
-from .commands import Namespace, netns_inode, netns_path, pids_in_netns, remove_netns, run
+from .commands import (
+    Namespace,
+    listen_in,
+    netns_inode,
+    netns_path,
+    pids_in_netns,
+    remove_netns,
+    run,
+)
 from .errors import (
     NetworkCleanupError,
     NetworkCommandError,
@@ -47,6 +56,7 @@ from .ruleset import delete_table, host_allow_update, host_table, host_table_nam
 from .sandbox import (
     BRIDGE_NAME,
     GATEWAY_MAC,
+    GUEST_SERVICE_PORT,
     TAP_NAME,
     UPLINK_NAME,
     GuestNetConfig,
@@ -177,6 +187,12 @@ class NetworkManager:
             return self._nets[sandbox_id]
         except KeyError:
             raise SandboxNetworkNotFoundError(f"no network for sandbox {sandbox_id}") from None
+
+    async def listen(self, sandbox_id: str, port: int = GUEST_SERVICE_PORT) -> socket.socket:
+        """A socket listening on the guest's gateway address inside the sandbox's
+        namespace: what the guest (and only it) connects to for the host's services."""
+        net = self.get(sandbox_id)
+        return await listen_in(net.netns, net.guest.gateway, port)
 
     def netns_name(self, sandbox_id: str) -> str:
         # not only sandbox ids: template builds and image imports have networks too

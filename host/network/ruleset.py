@@ -8,7 +8,8 @@ Inside a sandbox namespace (`table inet aenv`):
 - forward (policy drop): replies (ct established,related) always pass; host -> guest only
   when DNAT'ed; guest -> uplink goes through `egress`; IPv6 is dropped;
 - egress: allow_special accept, special reject, allow accept, deny reject, accept;
-- input: the guest may ping its gateway, nothing else addressed to the namespace itself.
+- input: the guest may ping its gateway and connect to the host's service port on it
+  (volume mounts), nothing else addressed to the namespace itself.
 
 Host side (`table ip <prefix>host`): sandboxes may not reach each other nor (new
 connections) the host itself, nothing from outside may open connections into a sandbox,
@@ -21,7 +22,7 @@ import ipaddress
 from collections.abc import Iterable
 
 from .policy import EgressRules
-from .sandbox import BRIDGE_NAME, UPLINK_NAME
+from .sandbox import BRIDGE_NAME, GATEWAY_IP, GUEST_SERVICE_PORT, UPLINK_NAME
 
 SANDBOX_TABLE = "aenv"
 REJECT = "reject with icmpx type admin-prohibited"  # inet tables
@@ -62,6 +63,7 @@ def sandbox_table(
         "\t\ttype filter hook input priority filter; policy accept;\n"
         f'\t\tiifname "{br}" ct state established,related accept\n'
         f'\t\tiifname "{br}" icmp type echo-request accept\n'
+        f'\t\tiifname "{br}" ip daddr {GATEWAY_IP} tcp dport {GUEST_SERVICE_PORT} accept\n'
         f'\t\tiifname "{br}" drop\n'
         "\t}\n"
         "\tchain forward {\n"

@@ -33,6 +33,9 @@ GUEST_MAC = "52:54:00:12:34:56"
 GATEWAY_MAC = "52:54:00:ae:0e:01"  # fixed, so a restored guest's ARP cache stays valid
 DEFAULT_DNS = ("8.8.8.8", "1.1.1.1")
 TAP_NAME = "tap0"
+# the one port of the gateway address a guest may open connections to: the host's
+# services for it (volume mounts, host/volumes/guestserver.py; = envd.volumes.wire.PORT)
+GUEST_SERVICE_PORT = 49982
 BRIDGE_NAME = "br0"
 UPLINK_NAME = "eth0"  # the namespace end of the veth pair
 

@@ -64,14 +64,16 @@ class EnvdClient:
         return f"http://{host}:{port}{path}"
 
     async def init(self, placement: Placement, *, token: str | None, current_token: str | None,
-                   env_vars: dict[str, str], guest: GuestDefaults | None = None) -> None:
+                   env_vars: dict[str, str], guest: GuestDefaults | None = None,
+                   volume_mounts: list[dict[str, str]] | None = None) -> None:
         """Reseed the guest's kernel RNG; install the access token, env vars, default
         user/workdir and the clock.
 
         `current_token` is the token envd already holds (restored from a snapshot taken
         after an earlier /init): envd requires it on a re-init. `guest`: a built
         template's defaults (its USER, WORKDIR and ENV); the sandbox's own `env_vars`
-        win over the template's.
+        win over the template's. `volume_mounts`: the volumes envd mounts (name, path,
+        address of the host's volume server: mounts.py), where not mounted yet.
         """
         body: dict[str, Any] = {
             "envVars": {**guest.env, **env_vars} if guest else env_vars,
@@ -83,6 +85,8 @@ class EnvdClient:
         }
         if token:
             body["accessToken"] = token
+        if volume_mounts:
+            body["aenvVolumeMounts"] = volume_mounts
         headers = {"X-Access-Token": current_token} if current_token else {}
         last: Exception | None = None
         for attempt in range(self._init_attempts):

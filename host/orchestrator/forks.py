@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from . import lifecycle
+from . import lifecycle, mounts
 from .errors import Conflict, InvalidRequest, OperationFailed, OrchestratorError
 from .model import ForkResult
 from .opcontext import Context, observed
@@ -67,7 +67,8 @@ async def _fork(ctx: Context, sandbox_id: str, count: int,
                 metadata=rec.metadata, env_vars=rec.env_vars,
                 network=network_from_json(rec.network), secure=True,
                 parent_id=sandbox_id, op="created_by_fork",
-                auto_pause_memory=rec.runtime.get("auto_pause_memory", True))
+                auto_pause_memory=rec.runtime.get("auto_pause_memory", True),
+                volume_mounts=mounts.of(rec))
             results[i] = ForkResult(sandbox=info)
         except Exception as exc:  # noqa: BLE001 - each child succeeds or fails on its own
             ctx.metrics.operation_failed("fork", exc)  # the fork itself succeeded

@@ -20,7 +20,7 @@ import time
 from host.contract import NetworkConfig
 from host.metrics import bind_sandbox
 
-from . import handoff, ids, snapshots
+from . import handoff, ids, mounts, snapshots
 from .errors import (
     IdempotencyMismatch,
     IncompatibleSnapshot,
@@ -92,6 +92,7 @@ async def _create_bound(ctx: Context, req: CreateRequest, key: str) -> SandboxIn
 
 @observed("create")
 async def _create(ctx: Context, req: CreateRequest) -> SandboxInfo:
+    volume_mounts = await mounts.check(ctx, req.volume_mounts)
     built = await templates.sandbox_source(ctx, req.template_id)
     if built is not None:  # a template built through the build API, by id or name[:tag]
         snap, tmpl = built
@@ -100,7 +101,7 @@ async def _create(ctx: Context, req: CreateRequest) -> SandboxInfo:
             timeout_s=req.timeout_s, auto_pause=req.auto_pause, auto_resume=req.auto_resume,
             metadata=req.metadata, env_vars=req.env_vars, network=req.network,
             secure=req.secure, parent_id=None, op="created",
-            auto_pause_memory=req.auto_pause_memory, warm=True)
+            auto_pause_memory=req.auto_pause_memory, warm=True, volume_mounts=volume_mounts)
         await templates.count_spawn(ctx, tmpl.id)
         return info
     source = await resolve_template(ctx, req.template_id)
@@ -112,7 +113,7 @@ async def _create(ctx: Context, req: CreateRequest) -> SandboxInfo:
             timeout_s=req.timeout_s, auto_pause=req.auto_pause, auto_resume=req.auto_resume,
             metadata=req.metadata, env_vars=req.env_vars, network=req.network,
             secure=req.secure, parent_id=None, op="created",
-            auto_pause_memory=req.auto_pause_memory, warm=True)
+            auto_pause_memory=req.auto_pause_memory, warm=True, volume_mounts=volume_mounts)
 
     try:
         return await create_from(source)
@@ -180,7 +181,8 @@ async def new_sandbox(ctx: Context, source: SnapshotRecord, *, template_id: str,
                       metadata: dict[str, str], env_vars: dict[str, str],
                       network: NetworkConfig, secure: bool, parent_id: str | None,
                       op: str, auto_pause_memory: bool = True,
-                      warm: bool = False) -> SandboxInfo:
+                      warm: bool = False,
+                      volume_mounts: list[dict[str, str]] | None = None) -> SandboxInfo:
     """Persist `creating`, start from `source`, /init envd (with the guest defaults of
     the template or sandbox `source` was made from), then `running` (or killed). `warm`:
     a create from a template, which may continue a warm VM (warm.py) under its id."""
@@ -204,7 +206,8 @@ async def new_sandbox(ctx: Context, source: SnapshotRecord, *, template_id: str,
         network=network_to_json(network),
         runtime={"origin": source.id, **({} if auto_pause_memory else
                                          {"auto_pause_memory": False}),
-                 **({"guest": guest} if guest else {})},
+                 **({"guest": guest} if guest else {}),
+                 **({mounts.KEY: volume_mounts} if volume_mounts else {})},
         parent_id=parent_id)
 
     async def drop_taken() -> None:
@@ -232,7 +235,9 @@ async def new_sandbox(ctx: Context, source: SnapshotRecord, *, template_id: str,
             raise start_failed(f"starting sandbox {sandbox_id} failed: {exc}", exc) from exc
         try:
             await ctx.envd.init(placement, token=token, current_token=held_token,
-                                env_vars=rec.env_vars, guest=guest_of(rec))
+                                env_vars=rec.env_vars, guest=guest_of(rec),
+                                volume_mounts=await mounts.attach(ctx, sandbox_id,
+                                                                  volume_mounts or []))
             now = ctx.clock()
             rec = await ctx.db(
                 ctx.store.transition, sandbox_id, {S.CREATING}, S.RUNNING,
@@ -240,6 +245,7 @@ async def new_sandbox(ctx: Context, source: SnapshotRecord, *, template_id: str,
                 runtime=with_runtime(rec, placement=placement_to_json(placement)))
         except Exception as exc:
             await ctx.release(sandbox_id)
+            await mounts.detach(ctx, sandbox_id)
             await ctx.db(ctx.store.transition, sandbox_id, {S.CREATING}, S.KILLED,
                          event={"op": "create_failed", "error": str(exc)})
             if isinstance(exc, OrchestratorError):

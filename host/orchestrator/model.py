@@ -30,6 +30,7 @@ class CreateRequest:
     network: NetworkConfig = field(default_factory=NetworkConfig)
     secure: bool = True                # issue an envd access token
     idempotency_key: str | None = None
+    volume_mounts: tuple[tuple[str, str], ...] = ()   # (volume name, guest path): mounts.py
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class SandboxInfo:
     network: NetworkConfig
     client_id: str = "aenv"
     pause_mode: str | None = None      # paused: "full" (memory + disk) or "filesystem"
+    volume_mounts: tuple[tuple[str, str], ...] = ()   # (volume name, guest path)
 
 
 @dataclass(frozen=True)

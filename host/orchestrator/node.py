@@ -33,7 +33,7 @@ from host.metrics import Metrics
 from host.volumes import Volumes, VolumeTokens
 
 from . import drain as drain_
-from . import forks, guest_access, handoff, lifecycle, pausing, snapshots, timeouts
+from . import forks, guest_access, handoff, lifecycle, mounts, pausing, snapshots, timeouts
 from .admission import Admission, AdmissionPolicy
 from .balloons import Balloons
 from .collector import Collector
@@ -141,6 +141,7 @@ class NodeOrchestrator:
         # E2B volumes (host/volumes): records beside the sandboxes', bytes in volumes_dir
         self.volumes = Volumes(store, volumes_dir or self.state_dir / "volumes",
                                VolumeTokens.load_or_create(self.state_dir), clock=clock)
+        self._ctx.volumes = self.volumes
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ttl: TtlLoop | None = None
         self._pressure_policy = pressure
@@ -168,6 +169,7 @@ class NodeOrchestrator:
             await self.store.run(self.volumes.sweep)
             await run_recovery(self.store, self.runtime, self.envd, clock=self.clock)
             await builds.recover(self._ctx)
+            await mounts.serve_running(self._ctx)
         self._ttl = TtlLoop(self, interval_s=ttl_interval_s)
         self._ttl.start()
         self.collector.start()
@@ -196,6 +198,7 @@ class NodeOrchestrator:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+        await self.volumes.aclose()   # the guests' volume servers (a restart serves them again)
         await self.envd.aclose()
 
     def spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:

@@ -21,6 +21,7 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from host.contract import MachineSpec, NetworkConfig, SandboxRuntime, SnapshotRef
 from host.metrics import Metrics
+from host.volumes import Volumes
 
 from .admission import HOLDS_VM, Admission
 from .envd import EnvdClient
@@ -86,6 +87,7 @@ class Context:
     warm: WarmVms | None = None       # node.py's warm pool (warm.py), if it keeps one
     kept: KeptVms | None = None       # node.py's kept VMs of paused sandboxes (kept.py)
     handoff: bool = False             # in a cluster: pauses leave a handoff (handoff.py)
+    volumes: Volumes | None = None    # node.py's volumes (host/volumes; mounts.py)
     metrics: Metrics = dataclasses.field(default_factory=Metrics)  # the service's (node.py)
     locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
     # One event per running incarnation that the proxy was routed to (made by
@@ -152,6 +154,8 @@ class Context:
         run = self.runs.pop(sandbox_id, None)
         if run is not None:
             run.end(reason)
+        if self.volumes is not None and sandbox_id in self.volumes.serving():
+            self.spawn(self.volumes.detach(sandbox_id))   # its guest's volume server
         # its coldness ends with it (a resume's first request sets it again); else one
         # entry per sandbox ever proxied stayed for the service's life
         self.activity.pop(sandbox_id, None)

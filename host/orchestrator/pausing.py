@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from host.contract import SnapshotRef
 
-from . import handoff, ids
+from . import handoff, ids, mounts
 from .errors import (
     GuestUnresponsive,
     OperationFailed,
@@ -258,9 +258,11 @@ async def _resume_locked(ctx: Context, rec: SandboxRecord, timeout_s: int | None
         # Same token as before the pause: SDK handles of this sandbox keep working.
         await ctx.envd.init(placement, token=rec.envd_token,
                             current_token=None if reboot else snap.spec.get("envd_token"),
-                            env_vars=rec.env_vars, guest=guest_of(rec))
+                            env_vars=rec.env_vars, guest=guest_of(rec),
+                            volume_mounts=await mounts.attach(ctx, sid, mounts.of(rec)))
     except Exception as exc:
         await ctx.release(sid)
+        await mounts.detach(ctx, sid)
         await ctx.db(ctx.store.transition, sid, {S.RESUMING}, S.PAUSED,
                      event={"op": "resume_failed", "error": str(exc)})
         if isinstance(exc, OrchestratorError):

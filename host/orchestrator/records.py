@@ -130,7 +130,9 @@ def sandbox_info(rec: SandboxRecord, *, now: float | None = None) -> SandboxInfo
         envd_access_token=rec.envd_token, traffic_access_token=rec.traffic_token,
         metadata=dict(rec.metadata), auto_pause=rec.auto_pause, auto_resume=rec.auto_resume,
         network=network_from_json(rec.network),
-        pause_mode=_pause_mode(rec))
+        pause_mode=_pause_mode(rec),
+        volume_mounts=tuple((m["name"], m["path"])
+                            for m in rec.runtime.get("volume_mounts") or ()))
 
 
 def _pause_mode(rec: SandboxRecord) -> str | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
@@ -284,6 +285,16 @@ class NodeRuntime:
                       snapshot_id: str) -> SnapshotRef | None:
         self._check_open()
         return await adoption.salvage(self.parts, sandbox_id, facts, snapshot_id)
+
+    async def listen(self, sandbox_id: str) -> socket.socket:
+        sb = self.parts.get(sandbox_id)
+        nm = self.parts.machines.nm
+        if sb.mode != "netns" or nm is None:
+            raise RuntimeError("volume mounts need namespaced networking; this node runs "
+                               "user-mode networking (see host/network/probe.py)")
+        if sandbox_id not in nm.networks:
+            await adoption.adopt_networks(self.parts)
+        return await nm.listen(sandbox_id)
 
     async def update_network(self, sandbox_id: str, network: NetworkConfig) -> None:
         sb = self.parts.get(sandbox_id)

@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from host.private import private_dir
 
 from .errors import InvalidVolume, VolumeNameTaken, VolumeNotFound
 from .files import VolumeFiles
+from .guestserver import GuestServer, ReplayCache
 from .tokens import VolumeTokens
 
 if TYPE_CHECKING:   # the orchestrator's database (host/orchestrator imports this package)
@@ -77,11 +79,15 @@ class Volumes:
     The async methods run the database part on the store's thread."""
 
     def __init__(self, store: Store, root: Path, tokens: VolumeTokens, *,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 min_free_bytes: int = 512 << 20) -> None:
         self.store = store
         self.root = private_dir(root)
         self.tokens = tokens
         self.clock = clock
+        self.min_free_bytes = min_free_bytes   # guests' writes stop (ENOSPC) under it
+        self.replays = ReplayCache()
+        self._servers: dict[str, GuestServer] = {}
         store.add_schema(_SCHEMA)
 
     # ---- records ----------------------------------------------------------------------
@@ -176,6 +182,41 @@ class Volumes:
 
     def token(self, rec: VolumeRecord) -> str:
         return self.tokens.mint(rec.volume_id)
+
+    # ---- guests' mounts ---------------------------------------------------------------
+
+    async def attach(self, sandbox_id: str, names: builtins.list[str],
+                     sock: socket.socket) -> None:
+        """Serve the volumes `names` to `sandbox_id`'s guest on `sock` (listening in its
+        network namespace), replacing what served it before. A name no volume has any
+        more (destroyed meanwhile) stays unserved: the guest's calls fail (EACCES)."""
+        await self.detach(sandbox_id)
+        found = {}
+        for name in names:
+            rec = await self.store.run(self._by_name, name)
+            if rec is not None:
+                found[name] = self.data_dir(rec.volume_id)
+        server = GuestServer(sandbox_id, found, replays=self.replays,
+                             min_free_bytes=self.min_free_bytes)
+        try:
+            await server.start(sock)
+        except BaseException:
+            sock.close()
+            raise
+        self._servers[sandbox_id] = server
+
+    async def detach(self, sandbox_id: str) -> None:
+        """Stop serving `sandbox_id` (its run ended); idempotent."""
+        server = self._servers.pop(sandbox_id, None)
+        if server is not None:
+            await server.aclose()
+
+    def serving(self) -> builtins.list[str]:
+        return sorted(self._servers)
+
+    async def aclose(self) -> None:
+        for sid in list(self._servers):
+            await self.detach(sid)
 
     # ---- upkeep -----------------------------------------------------------------------
 

@@ -40,13 +40,13 @@ async def test_null_means_absent(client: httpx.AsyncClient, orch: FakeOrchestrat
 async def test_every_failing_field_is_named(client: httpx.AsyncClient) -> None:
     resp = await client.post("/v2/sandboxes", json={
         "templateID": "", "autoResume": {}, "network": {"allowOut": [1], "httpsPorts": [True]},
-        "volumeMounts": [{"name": "v", "path": "/v"}]})
+        "volumeMounts": [{"name": 5, "path": "/v"}]})
     assert message(resp).split("; ") == [
         "'templateID' must not be empty",
         "'autoResume.enabled' is required",
         "'network.allowOut[0]' must be a string, got int",
         "'network.httpsPorts[0]' must be an integer, got bool",
-        "'volumeMounts' must be empty (not supported by this server)",
+        "'volumeMounts[0].name' must be a string, got int",
     ]
 
 

@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +43,7 @@ class FakeRuntime:
         self.vms: dict[str, Placement] = {}
         self.snapshots: dict[str, SnapshotRef] = {}
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.listening: dict[str, int] = {}    # listen(): sandbox id -> loopback port
         self.fail: dict[str, Callable[[str], bool]] = {}
         self.gates: dict[str, asyncio.Event] = {}
         self.entered: dict[str, asyncio.Event] = {}
@@ -234,6 +236,15 @@ class FakeRuntime:
 
     async def update_network(self, sandbox_id: str, network: NetworkConfig) -> None:
         self.calls.append(("update_network", (sandbox_id, network)))
+
+    async def listen(self, sandbox_id: str) -> socket.socket:
+        """A loopback socket standing in for the guest's gateway (no namespace): its
+        port in `listening`, where a test connects as the guest would."""
+        self.calls.append(("listen", (sandbox_id,)))
+        sock = socket.create_server(("127.0.0.1", 0))
+        sock.setblocking(False)
+        self.listening[sandbox_id] = sock.getsockname()[1]
+        return sock
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         self.calls.append(("delete_snapshot", (snapshot_id,)))

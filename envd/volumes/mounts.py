@@ -1,0 +1,107 @@
+"""`Mounts`: the volumes the host asked envd to mount (`aenvVolumeMounts` in /init).
+
+Each mount is a child process (`envd volume-mount`, mount.py). /init is repeated after
+every resume and fork, and retried by the host: a path already mounted by a living child
+is left alone (its connections to the host recover by themselves, client.py), so /init
+stays idempotent. Mount state is read from /proc/self/mountinfo, never by stat'ing the
+mount point (a stuck FUSE server would block the caller).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import posixpath
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+MAX_MOUNTS = 16
+MOUNT_TIMEOUT_S = 10.0
+FSTYPE = "fuse.aenv"
+NAME_RE = re.compile(r"[a-zA-Z0-9_-]{1,250}")
+ADDRESS_RE = re.compile(r"[0-9.]{7,15}:[0-9]{1,5}")
+
+
+class MountError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Mount:
+    name: str
+    path: str
+    address: str
+
+
+def parse(raw: Any) -> list[Mount]:
+    """The /init field, validated (MountError naming what is wrong)."""
+    if not isinstance(raw, list) or len(raw) > MAX_MOUNTS:
+        raise MountError(f"'aenvVolumeMounts' must be a list of at most {MAX_MOUNTS}")
+    out = []
+    for item in raw:
+        if not isinstance(item, dict):
+            raise MountError("each volume mount must be an object")
+        name, path, address = item.get("name"), item.get("path"), item.get("address")
+        if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+            raise MountError(f"bad volume name {name!r}")
+        if (not isinstance(path, str) or not path.startswith("/") or path == "/"
+                or posixpath.normpath(path) != path or len(path) > 4096):
+            raise MountError(f"bad mount path {path!r}")
+        if not isinstance(address, str) or not ADDRESS_RE.fullmatch(address):
+            raise MountError(f"bad volume server address {address!r}")
+        out.append(Mount(name, path, address))
+    return out
+
+
+def mounted_paths() -> set[str]:
+    """Mount points of our FUSE mounts (mountinfo escapes spaces as \\040)."""
+    out = set()
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            fields = line.split(" - ", 1)
+            if len(fields) == 2 and fields[1].split(" ", 1)[0] == FSTYPE:
+                point = fields[0].split(" ")[4]
+                out.add(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), point))
+    return out
+
+
+def _self_argv() -> list[str]:
+    return [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m", "envd"]
+
+
+class Mounts:
+    def __init__(self) -> None:
+        self._children: dict[str, subprocess.Popen[bytes]] = {}
+        self._lock = asyncio.Lock()
+
+    async def ensure(self, wanted: list[Mount]) -> None:
+        async with self._lock:
+            for m in wanted:
+                await self._ensure_one(m)
+
+    async def _ensure_one(self, m: Mount) -> None:
+        child = self._children.get(m.path)
+        if child is not None and child.poll() is None and m.path in mounted_paths():
+            return
+        if child is not None and child.poll() is None:
+            child.kill()
+        if m.path in mounted_paths():   # a mount whose server died: lazily detach it
+            await asyncio.to_thread(subprocess.run, ["umount", "-l", m.path], check=False)
+        os.makedirs(m.path, mode=0o755, exist_ok=True)
+        child = await asyncio.to_thread(
+            subprocess.Popen, [*_self_argv(), "volume-mount", m.name, m.path, m.address],
+            stdin=subprocess.DEVNULL, start_new_session=True)
+        self._children[m.path] = child
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + MOUNT_TIMEOUT_S
+        while m.path not in await asyncio.to_thread(mounted_paths):
+            if child.poll() is not None:
+                raise MountError(f"mounting volume {m.name!r} at {m.path} failed "
+                                 f"(exit {child.returncode})")
+            if loop.time() > deadline:
+                child.kill()
+                raise MountError(f"mounting volume {m.name!r} at {m.path} timed out")
+            await asyncio.sleep(0.05)
