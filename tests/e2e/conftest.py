@@ -34,7 +34,9 @@ class E2EService(HostService):
 
     def sdk_env(self) -> dict[str, str]:
         return {"E2B_API_URL": self.api_url, "E2B_SANDBOX_URL": self.sandbox_url,
-                "E2B_API_KEY": self.api_key}
+                "E2B_API_KEY": self.api_key,
+                # the SDKs reach the volume content API here (else https://api.<domain>)
+                "E2B_VOLUME_API_URL": self.api_url}
 
 
 def need_vm() -> None:
