@@ -34,6 +34,15 @@ class VolumeFS(fuse.Operations):
     def __init__(self, client: HostClient) -> None:
         self.client = client
 
+    def init_with_config(self, conn: Any, config: Any) -> None:
+        """1 MiB per read and write (each a round trip to the host), 4 MiB read ahead:
+        the kernel caps them at what it supports."""
+        if conn is not None:
+            conn.max_write = MAX_IO
+            if hasattr(conn, "max_read"):   # libfuse 3: must match mount.py's max_read
+                conn.max_read = MAX_IO
+            conn.max_readahead = 4 * MAX_IO
+
     def _call(self, op: str, path: str, payload: bytes = b"",
               **args: Any) -> tuple[dict[str, Any], bytes]:
         try:

@@ -37,12 +37,13 @@ def main(argv: list[str]) -> int:
     import mfusepy as fuse  # type: ignore[import-untyped]  # after _library: loads libfuse
 
     from .client import HostClient
-    from .fs import VolumeFS
+    from .fs import MAX_IO, VolumeFS
 
     try:
         fuse.FUSE(VolumeFS(HostClient(host, int(port), args.name)), args.path,
                   foreground=True, allow_other=True, default_permissions=True,
                   attr_timeout=0, entry_timeout=0, negative_timeout=0, max_threads=16,
+                  max_read=MAX_IO,   # and max_write, max_readahead: fs.py's init
                   fsname=f"aenv-volume:{args.name}", subtype="aenv")
     except RuntimeError:
         if os.path.ismount(args.path):

@@ -7,7 +7,12 @@ mount again."""
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import shutil
+import subprocess
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +21,7 @@ from .conftest import E2EService, use_sdk
 pytestmark = [pytest.mark.vm, pytest.mark.slow]
 
 MNT = "/mnt/data"
+JS = Path(__file__).resolve().parents[1] / "js"
 
 
 def run(sbx, cmd: str, user: str = "user") -> str:
@@ -89,3 +95,26 @@ def test_volume_shared_by_two_sandboxes_through_pause_fork_and_restart(
         for s in made:
             with contextlib.suppress(Exception):   # best effort: the service cleans up
                 s.kill()
+
+
+@pytest.mark.js
+def test_js_sdk_volume_flow(service: E2EService) -> None:
+    if shutil.which("node") is None or not (JS / "node_modules" / "e2b").exists():
+        pytest.fail("node or tests/js/node_modules/e2b missing (make setup runs npm ci)")
+    name = f"e2e-js-{uuid.uuid4().hex[:8]}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
+    env.update(service.sdk_env())
+    env["E2B_DOMAIN"] = "sbx.localhost"
+    r = subprocess.run(["node", str(JS / "volumes.mjs"), name], env=env, cwd=JS,
+                       capture_output=True, text=True, timeout=900, check=False)
+    out = json.loads(r.stdout.strip().splitlines()[-1]) if r.stdout.strip() else {}
+    assert r.returncode == 0 and "error" not in out, (out, r.stderr[-2000:])
+    assert out["created"] == {"name": name, "hasToken": True}
+    assert out["info"] == [{"name": name, "path": "/mnt/js"}]
+    assert out["readInA"] == "written by the js SDK\n"
+    assert out["readInB"] == "from-a\n" and out["readByApi"] == "from-a\n"
+    assert out["listed"] == ["/a.txt:file", "/from-js.txt:file"]
+    assert out["afterResume"] == "from-a\nafter-resume\n"
+    assert out["listedVolumes"] == 1
+    assert (out["destroyed"], out["destroyedAgain"]) == (True, False)
+    assert "invalid mounts" in out["unknown"] and "no-such-volume" in out["unknown"]
