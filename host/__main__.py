@@ -87,6 +87,7 @@ def banner(cfg: Config) -> str:
         f"  export E2B_API_URL={scheme}://{host}:{cfg.api_port}",
         f"  export E2B_SANDBOX_URL={scheme}://{host}:{cfg.proxy_port}",
         f"  export E2B_API_KEY=$(head -1 {shlex.quote(str(cfg.keys_path))})",
+        f"  export E2B_VOLUME_API_URL={scheme}://{host}:{cfg.api_port}   # volumes' files",
     ]
     if cfg.tls:
         lines += [
