@@ -123,7 +123,8 @@ async def serve(cfg: Config) -> None:
             # in a cluster, pauses leave handoffs so another node can take a sandbox over
             metrics=metrics, handoff=bool(cfg.cluster_redis), warm_pool=cfg.warm_pool,
             keep_paused_s=cfg.keep_paused_s, gc_interval_s=cfg.gc_interval_s,
-            retain_killed_s=cfg.retain_killed_s, build_cache_ttl_s=cfg.build_cache_ttl_s)
+            retain_killed_s=cfg.retain_killed_s, build_cache_ttl_s=cfg.build_cache_ttl_s,
+            volumes_dir=cfg.volumes_dir)
         await orch.start(ttl_interval_s=cfg.ttl_interval_s)
         keys = ApiKeys.load_or_create(cfg.keys_path)
         extra_routes: list[Any] = []

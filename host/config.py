@@ -235,6 +235,15 @@ class Config:
     def repository_spec(self) -> str:
         return self.repository or f"posix_fs:{self.state_dir / 'repo'}"
 
+    @property
+    def volumes_dir(self) -> Path:
+        """E2B volumes: in a posix_fs repository (nodes sharing it share the volumes),
+        else (an oss repository) in the state dir, this node's own."""
+        spec = self.repository_spec
+        if spec.startswith("posix_fs:"):
+            return Path(spec.removeprefix("posix_fs:")) / "volumes"
+        return self.state_dir / "volumes"
+
 
 def _bool(value: str, name: str) -> bool:
     v = value.strip().lower()

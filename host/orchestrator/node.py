@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 from host.contract import MachineSpec, NetworkConfig, SandboxRuntime
 from host.hostmem import node_available_mib
 from host.metrics import Metrics
-from host.volumes import Volumes, VolumeTokens
+from host.volumes import Volumes
 
 from . import drain as drain_
 from . import forks, guest_access, handoff, lifecycle, mounts, pausing, snapshots, timeouts
@@ -138,9 +138,9 @@ class NodeOrchestrator:
             files_dir=files_dir or self.state_dir / "template-files",
             admission=Admission(admission), metrics=self.service_metrics, handoff=handoff)
         self._runs = self._ctx.runs  # the proxy's run events (Context.end_run)
-        # E2B volumes (host/volumes): records beside the sandboxes', bytes in volumes_dir
-        self.volumes = Volumes(store, volumes_dir or self.state_dir / "volumes",
-                               VolumeTokens.load_or_create(self.state_dir), clock=clock)
+        # E2B volumes (host/volumes): records and bytes in volumes_dir (__main__: in a
+        # posix_fs repository, so that the nodes sharing it share the volumes)
+        self.volumes = Volumes(volumes_dir or self.state_dir / "volumes", clock=clock)
         self._ctx.volumes = self.volumes
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ttl: TtlLoop | None = None
@@ -166,7 +166,7 @@ class NodeOrchestrator:
     async def start(self, *, ttl_interval_s: float = 1.0, recover: bool = True) -> None:
         """Recover the store against reality (recovery.py), then start the TTL loop."""
         if recover:
-            await self.store.run(self.volumes.sweep)
+            await asyncio.to_thread(self.volumes.sweep)
             await run_recovery(self.store, self.runtime, self.envd, clock=self.clock)
             await builds.recover(self._ctx)
             await mounts.serve_running(self._ctx)

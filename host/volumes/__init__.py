@@ -11,9 +11,10 @@ from .errors import (
     VolumeNotFound,
 )
 from .files import Entry, Upload, VolumeFiles
-from .service import VolumeRecord, Volumes
+from .records import VolumeRecord, VolumeRecords
+from .service import Volumes
 from .tokens import VolumeTokens
 
 __all__ = ["Entry", "InvalidVolume", "PathExists", "PathNotFound", "Unauthorized", "Upload",
            "VolumeError", "VolumeFiles", "VolumeFull", "VolumeNameTaken", "VolumeNotFound",
-           "VolumeRecord", "VolumeTokens", "Volumes"]
+           "VolumeRecord", "VolumeRecords", "VolumeTokens", "Volumes"]

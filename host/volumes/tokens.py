@@ -13,13 +13,9 @@ import hashlib
 import hmac
 import time
 from collections.abc import Callable
-from pathlib import Path
-
-from host.private import secret_file
 
 from .errors import Unauthorized
 
-SECRET_FILE = "volume_token.key"
 TOKEN_TTL_S = 3600   # E2B's default (VOLUME_TOKEN_DURATION); the SDKs fetch a new one on connect
 
 
@@ -31,10 +27,6 @@ class VolumeTokens:
         self._secret = secret
         self.ttl_s = ttl_s
         self.clock = clock
-
-    @classmethod
-    def load_or_create(cls, state_dir: Path, **kwargs: object) -> VolumeTokens:
-        return cls(secret_file(state_dir / SECRET_FILE), **kwargs)  # type: ignore[arg-type]
 
     def _mac(self, volume_id: str, expires: int) -> str:
         msg = f"volume\n{volume_id}\n{expires}".encode()

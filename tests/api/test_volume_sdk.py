@@ -77,7 +77,8 @@ def test_volume_lifecycle_and_files(svc):
     assert Volume.destroy(vol.volume_id) is True
     assert Volume.destroy(vol.volume_id) is False          # 404
     assert Volume.list() == []
-    assert not any(svc.node.volumes.root.iterdir())        # its bytes are gone too
+    left = [p.name for p in svc.node.volumes.root.iterdir() if not p.name.startswith(".")]
+    assert left == [] and list((svc.node.volumes.root / ".names").iterdir()) == []
     with pytest.raises((NotFoundException, VolumeException)):   # its token died with it
         again.read_file("/notes/a.txt")
 
@@ -167,9 +168,12 @@ def test_volumes_survive_a_restart(tmp_path):
                       content=b"kept", headers=bearer)
         assert r.status_code == 201
     first.close_store()
-    # an upload cut off by a crash: left in staging, swept at the next start
+    # an upload cut off by a crash: left in staging, swept at a start once old enough that
+    # no node sharing the volumes can still be writing it
     staging = tmp_path / "state" / "volumes" / vid / "staging"
     (staging / ".aenv-upload-deadbeef").write_bytes(b"partial")
+    os.utime(staging / ".aenv-upload-deadbeef", (1, 1))
+    (staging / ".aenv-upload-fresh").write_bytes(b"in flight elsewhere")
     second = NodeService(tmp_path / "state")
     with ServerThread(second, lifespan="on") as srv:
         listed = httpx.get(f"{srv.url}/volumes", headers=key).json()
@@ -178,4 +182,4 @@ def test_volumes_survive_a_restart(tmp_path):
                       headers=bearer)   # the old token still works
         assert r.content == b"kept"
     second.close_store()
-    assert list(staging.iterdir()) == []
+    assert [p.name for p in staging.iterdir()] == [".aenv-upload-fresh"]
