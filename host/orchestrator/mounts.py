@@ -41,6 +41,9 @@ def _problem(name: str, path: str, seen: set[str]) -> str | None:
         return "path must not contain any '.' or '..' components"
     if path in seen:
         return f"path '{path}' is already used"
+    for other in seen:   # E2B lets mounts nest; a mount inside another's volume writes there
+        if path.startswith(other + "/") or other.startswith(path + "/"):
+            return f"path '{path}' overlaps the mount at '{other}'"
     return None
 
 

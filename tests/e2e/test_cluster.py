@@ -142,6 +142,35 @@ def test_sdk_flow_through_the_gateway(sdk: LocalCluster) -> None:
         assert h.get("/v2/sandboxes").json() == []
 
 
+def test_a_volume_shared_by_sandboxes_on_every_node(sdk: LocalCluster,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Volumes live in the shared repository: made through the gateway, mounted by
+    sandboxes on different nodes, each seeing the others' writes."""
+    from e2b import Sandbox, Volume
+
+    monkeypatch.setenv("E2B_VOLUME_API_URL", sdk.gateway_url)
+    vol = Volume.create("cluster-shared")
+    vol.write_file("/hello", "from the gateway\n")
+    boxes = [Sandbox.create(timeout=600, volume_mounts={"/mnt/v": vol})
+             for _ in range(NODES)]
+    try:
+        assert len({holder(sdk, b.sandbox_id) for b in boxes}) == NODES   # one per node
+        for i, b in enumerate(boxes):
+            assert b.commands.run("cat /mnt/v/hello").stdout == "from the gateway\n"
+            b.commands.run(f"echo node-{i} > /mnt/v/from-{i}")
+        for b in boxes:
+            listed = b.commands.run("cat /mnt/v/from-*").stdout.split()
+            assert listed == [f"node-{i}" for i in range(NODES)]
+        assert sorted(e.name for e in vol.list("/")) == sorted(
+            ["hello", *[f"from-{i}" for i in range(NODES)]])
+        assert Volume.connect(vol.volume_id).read_file("/from-0") == "node-0\n"
+    finally:
+        for b in boxes:
+            b.kill()
+        assert Volume.destroy(vol.volume_id)
+    assert [v for v in Volume.list() if v.name == "cluster-shared"] == []
+
+
 def test_templates_and_snapshots_serve_every_node(sdk: LocalCluster, tmp_path) -> None:
     """Template.build through the gateway runs on one node; sandboxes from the template,
     and from a snapshot of one of them, start on every node (host/orchestrator/

@@ -169,4 +169,11 @@ def test_bad_mounts_are_refused_with_e2bs_messages(svc):
                        {"name": "v1", "path": "/a"}, {"name": "v1", "path": "/a"}]})
     assert r.status_code == 400
     assert "volume mount #1: path '/a' is already used" in r.json()["message"]
+    r = httpx.post(f"{svc.url}/v2/sandboxes", headers={"X-API-Key": API_KEY},
+                   json={"templateID": "base", "volumeMounts": [
+                       {"name": "v1", "path": "/a/b"}, {"name": "v1", "path": "/a"},
+                       {"name": "v1", "path": "/ab"}]})
+    assert r.status_code == 400
+    assert r.json()["message"] == ("invalid mounts:\n\t- volume mount #1: path '/a' overlaps "
+                                   "the mount at '/a/b'")
     assert not svc.runtime.vms                      # nothing was started

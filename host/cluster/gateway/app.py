@@ -62,7 +62,7 @@ from ..config import GatewayConfig
 from ..errors import ClusterError, SandboxLost, SandboxStranded, SandboxUnknown, error_reply
 from ..registry import Registry
 from ..store import DEFAULT_PREFIX, ClusterStore
-from . import listing, nodes, sandboxes, templates
+from . import listing, nodes, sandboxes, templates, volumes
 from .forward import NodeClient, node_tls
 from .metrics import GatewayMetrics, error_code
 from .resolve import Resolver
@@ -154,6 +154,10 @@ ROUTES = [
     Route("/sandboxes/{sandboxID}/{rest:path}", sandboxes.sandbox_call, methods=_ANY),
     Route("/v2/sandboxes/{sandboxID}/{rest:path}", sandboxes.sandbox_call, methods=_ANY),
     Route("/snapshots", listing.list_snapshots, methods=["GET"]),
+    # volumes (volumes.py): every node serves every volume (the shared repository)
+    Route("/volumes", volumes.volume_call, methods=["GET", "POST"]),
+    Route("/volumes/{volumeID}", volumes.volume_call, methods=["GET", "DELETE"]),
+    Route("/volumecontent/{volumeID}/{rest:path}", volumes.Content(), methods=_ANY),
     # templates (templates.py); `path`: ids like aenv/app:v1 arrive decoded
     Route("/v3/templates", templates.request_build, methods=["POST"]),
     Route("/templates", templates.list_v1, methods=["GET"]),
