@@ -48,6 +48,28 @@ class TransferObserver(Protocol):
         """`n` more bytes went through."""
 
 
+def sent_chunks(f: IO[bytes], observer: TransferObserver | None) -> Iterator[bytes]:
+    """`f`'s blocks for a streamed upload, each counted once it went out (httpx asks for
+    the next one then)."""
+    while block := f.read(CHUNK):
+        yield block
+        if observer is not None:
+            observer.advance(len(block))
+
+
+def received(resp: httpx.Response, out: IO[bytes], observer: TransferObserver | None) -> int:
+    """Copy a streamed answer's body into `out`, counted; the bytes written."""
+    if observer is not None:
+        observer.start(_body_size(resp))
+    written = 0
+    for block in resp.iter_bytes(CHUNK):
+        out.write(block)
+        written += len(block)
+        if observer is not None:
+            observer.advance(len(block))
+    return written
+
+
 def shell_command(argv: tuple[str, ...] | list[str]) -> str:
     """One argument is a shell command line; several are quoted into one."""
     import shlex
@@ -135,16 +157,9 @@ class Envd:
         size = os.fstat(f.fileno()).st_size
         if observer is not None:
             observer.start(size)
-
-        def chunks() -> Iterator[bytes]:
-            while block := f.read(CHUNK):
-                yield block
-                if observer is not None:  # the block went out: httpx asks for the next
-                    observer.advance(len(block))
-
         params = {"path": remote, **({"username": user} if user else {})}
         with f, transport_errors(self.sandbox_url, "sandbox proxy"):
-            resp = self._http.post("/files", params=params, content=chunks(),
+            resp = self._http.post("/files", params=params, content=sent_chunks(f, observer),
                                    headers={"Content-Type": "application/octet-stream",
                                             "Content-Length": str(size)})
         raise_for_status(resp, what="envd")
@@ -159,15 +174,9 @@ class Envd:
         with transport_errors(self.sandbox_url, "sandbox proxy"), self._http.stream(
                 "GET", "/files", params=params) as resp:
             raise_for_status(resp, what="envd")
-            if observer is not None:
-                observer.start(_body_size(resp))
             try:
                 with tmp.open("wb") as out:
-                    for block in resp.iter_bytes(CHUNK):
-                        out.write(block)
-                        written += len(block)
-                        if observer is not None:
-                            observer.advance(len(block))
+                    written = received(resp, out, observer)
                 tmp.replace(local)
             except OSError as exc:
                 tmp.unlink(missing_ok=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 from urllib.parse import quote
@@ -24,7 +23,7 @@ import httpx
 from host.api import volume_models as vm
 from host.volumes.files import MAX_DEPTH
 
-from .envd import CHUNK, TransferObserver
+from .envd import TransferObserver, received, sent_chunks
 from .errors import EXIT_NOT_FOUND, ApiError, CliError
 from .invocation import settings
 from .output import echo_table, emit_json, output_option, rfc3339
@@ -71,19 +70,12 @@ class VolumeContent:
             size = os.fstat(f.fileno()).st_size
             if observer is not None:
                 observer.start(size)
-
-            def chunks() -> Iterator[bytes]:
-                while block := f.read(CHUNK):
-                    yield block
-                    if observer is not None:  # the block went out: httpx asks for the next
-                        observer.advance(len(block))
-
             params = {"path": remote, "force": "true" if force else "false"}
             for key, value in (("uid", uid), ("gid", gid), ("mode", mode)):
                 if value is not None:
                     params[key] = str(value)
             with transport_errors(self.api_url):
-                resp = self._http.put(f"{self.base}/file", params=params, content=chunks(),
+                resp = self._http.put(f"{self.base}/file", params=params, content=sent_chunks(f, observer),
                                       headers={"Content-Type": "application/octet-stream",
                                                "Content-Length": str(size)})
         _check(resp, {409: ": pass --force to replace it",
@@ -93,19 +85,10 @@ class VolumeContent:
     def get(self, remote: str, out: IO[bytes], *,
             observer: TransferObserver | None = None) -> int:
         """Stream the file at `remote` into `out`; returns the bytes written."""
-        written = 0
         with transport_errors(self.api_url), self._http.stream(
                 "GET", f"{self.base}/file", params={"path": remote}) as resp:
             _check(resp, {404: " (see `aenv volume files`)"})
-            if observer is not None:
-                length = resp.headers.get("content-length", "")
-                observer.start(int(length) if length.isdigit() else None)
-            for block in resp.iter_bytes(CHUNK):
-                out.write(block)
-                written += len(block)
-                if observer is not None:
-                    observer.advance(len(block))
-        return written
+            return received(resp, out, observer)
 
 
 def _check(resp: httpx.Response, hints: dict[int, str] | None = None) -> None:

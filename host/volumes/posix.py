@@ -70,6 +70,14 @@ class VolumeOps:
         parent, name = split(path)
         return self.root.open_dir(parent), name
 
+    def _at(self, path: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """`fn(name, *args, dir_fd=<its parent>, **kwargs)` for the last name of `path`."""
+        pfd, name = self._parent(path)
+        try:
+            return fn(name, *args, dir_fd=pfd, **kwargs)
+        finally:
+            os.close(pfd)
+
     def call(self, req: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
         op = req.get("op")
         fn = getattr(self, f"op_{op}", None) if isinstance(op, str) else None
@@ -83,11 +91,7 @@ class VolumeOps:
         path = _path(req)
         if path == "/":
             return {"attr": attr(os.fstat(self.root.fd))}, b""
-        pfd, name = self._parent(path)
-        try:
-            return {"attr": attr(os.stat(name, dir_fd=pfd, follow_symlinks=False))}, b""
-        finally:
-            os.close(pfd)
+        return {"attr": attr(self._at(path, os.stat, follow_symlinks=False))}, b""
 
     def op_readdir(self, req: dict[str, Any], _: bytes) -> tuple[dict[str, Any], bytes]:
         fd = self.root.open_dir(_path(req))
@@ -97,11 +101,7 @@ class VolumeOps:
             os.close(fd)
 
     def op_readlink(self, req: dict[str, Any], _: bytes) -> tuple[dict[str, Any], bytes]:
-        pfd, name = self._parent(_path(req))
-        try:
-            return {"target": os.readlink(name, dir_fd=pfd)}, b""
-        finally:
-            os.close(pfd)
+        return {"target": self._at(_path(req), os.readlink)}, b""
 
     def op_read(self, req: dict[str, Any], _: bytes) -> tuple[dict[str, Any], bytes]:
         fd = self.root.open(_path(req), os.O_RDONLY | os.O_NONBLOCK)
@@ -185,20 +185,12 @@ class VolumeOps:
             os.close(fd)
 
     def op_unlink(self, req: dict[str, Any], _: bytes) -> tuple[dict[str, Any], bytes]:
-        pfd, name = self._parent(_path(req))
-        try:
-            os.unlink(name, dir_fd=pfd)
-            return {}, b""
-        finally:
-            os.close(pfd)
+        self._at(_path(req), os.unlink)
+        return {}, b""
 
     def op_rmdir(self, req: dict[str, Any], _: bytes) -> tuple[dict[str, Any], bytes]:
-        pfd, name = self._parent(_path(req))
-        try:
-            os.rmdir(name, dir_fd=pfd)
-            return {}, b""
-        finally:
-            os.close(pfd)
+        self._at(_path(req), os.rmdir)
+        return {}, b""
 
     def op_symlink(self, req: dict[str, Any], _: bytes) -> tuple[dict[str, Any], bytes]:
         target = req.get("target")
@@ -261,12 +253,8 @@ class VolumeOps:
         if path == "/":
             os.fchown(self.root.fd, uid, gid)
             return {}, b""
-        pfd, name = self._parent(path)
-        try:
-            os.chown(name, uid, gid, dir_fd=pfd, follow_symlinks=False)
-            return {}, b""
-        finally:
-            os.close(pfd)
+        self._at(path, os.chown, uid, gid, follow_symlinks=False)
+        return {}, b""
 
     def op_utimens(self, req: dict[str, Any], _: bytes) -> tuple[dict[str, Any], bytes]:
         times = (_int(req, "atime"), _int(req, "mtime"))
@@ -274,12 +262,8 @@ class VolumeOps:
         if path == "/":
             os.utime(self.root.fd, ns=times)
             return {}, b""
-        pfd, name = self._parent(path)
-        try:
-            os.utime(name, ns=times, dir_fd=pfd, follow_symlinks=False)
-            return {}, b""
-        finally:
-            os.close(pfd)
+        self._at(path, os.utime, ns=times, follow_symlinks=False)
+        return {}, b""
 
     def op_fsync(self, req: dict[str, Any], _: bytes) -> tuple[dict[str, Any], bytes]:
         fd = self.root.open(_path(req), os.O_RDONLY | os.O_NONBLOCK)

@@ -21,21 +21,9 @@ from e2b.exceptions import InvalidArgumentException, SandboxException
 
 from envd.volumes.mounts import mounted_paths
 from tests.api.conftest import API_KEY
-from tests.api.template_service import DOMAIN, NodeService, node_service  # noqa: F401
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"),
                                 reason="FUSE mounts need root and /dev/fuse")
-
-
-@pytest.fixture
-def svc(node_service: NodeService, monkeypatch):  # noqa: F811 - the imported fixture
-    monkeypatch.setenv("E2B_API_URL", node_service.url)
-    monkeypatch.setenv("E2B_VOLUME_API_URL", node_service.url)
-    monkeypatch.setenv("E2B_API_KEY", API_KEY)
-    monkeypatch.setenv("E2B_DOMAIN", DOMAIN)
-    for var in ("E2B_DEBUG", "E2B_SANDBOX_URL", "E2B_ACCESS_TOKEN"):
-        monkeypatch.delenv(var, raising=False)
-    return node_service
 
 
 class Guest:
