@@ -51,7 +51,8 @@ PKG_NODE=(qemu-system-x86 qemu-utils e2fsprogs fuse2fs iproute2 nftables kmod pr
 PKG_BACKPORTS=(qemu-system-x86 qemu-utils)
 # --build: the inputs of scripts/setup.sh's kernel, envd and rootfs steps, and `make web`
 PKG_BUILD=(make linux-source-6.12 build-essential flex bison bc libelf-dev libssl-dev dwarves
-           debootstrap erofs-utils python3.11-venv python3.11-dev patchelf scons nodejs npm)
+           debootstrap erofs-utils python3.11-venv python3.11-dev patchelf scons libfuse3-3
+           nodejs npm)
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit "${1:-0}"; }
 log() { printf 'install: %s\n' "$*"; }
