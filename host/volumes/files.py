@@ -119,7 +119,8 @@ class VolumeFiles:
     staging directory for uploads."""
 
     def __init__(self, directory: str | os.PathLike[str],
-                 staging: str | os.PathLike[str]) -> None:
+                 staging: str | os.PathLike[str], *, min_free_bytes: int = 0) -> None:
+        self.min_free_bytes = min_free_bytes   # uploads stop (507) under it
         self.root = Root(directory)
         try:
             self.staging_fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -322,6 +323,9 @@ class Upload:
             raise
 
     def write(self, data: bytes) -> None:
+        v = os.statvfs(self.fd)
+        if v.f_bavail * v.f_frsize - len(data) < self.files.min_free_bytes:
+            raise VolumeFull("the node's disk is under its floor: the upload was dropped")
         with _errors(self.path):
             view = memoryview(data)
             while view:

@@ -42,7 +42,8 @@ class Volumes:
         self.records = VolumeRecords(root, clock=clock)
         self.root = self.records.root
         self.tokens = VolumeTokens(secret_file(self.root / TOKEN_KEY), clock=clock)
-        self.min_free_bytes = min_free_bytes   # guests' writes stop (ENOSPC) under it
+        # guests' writes (ENOSPC) and uploads (507) stop while the disk has less free
+        self.min_free_bytes = min_free_bytes
         self.replays = ReplayCache()
         self._servers: dict[str, GuestServer] = {}
 
@@ -77,7 +78,7 @@ class Volumes:
         self.tokens.check(token, check_id(volume_id))
         rec = await self.get(volume_id)
         home = self.root / rec.volume_id
-        return VolumeFiles(home / "data", home / "staging")
+        return VolumeFiles(home / "data", home / "staging", min_free_bytes=self.min_free_bytes)
 
     def token(self, rec: VolumeRecord) -> str:
         return self.tokens.mint(rec.volume_id)

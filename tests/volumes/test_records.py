@@ -4,6 +4,7 @@ swept only once no node can still be making it."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 
@@ -86,3 +87,18 @@ def test_tokens_are_shared_by_the_nodes_sharing_the_volumes(tmp_path):
     other = VolumeTokens(os.urandom(32))
     with pytest.raises(Exception, match="invalid or expired"):
         other.check(a.token(rec), rec.volume_id)
+
+
+def test_uploads_stop_under_the_disk_floor(tmp_path):
+    from host.volumes import VolumeFull
+
+    vols = Volumes(tmp_path / "v", min_free_bytes=1 << 62)    # more than any disk has
+    rec = vols.records.create("full")
+    files = asyncio.run(vols.files(rec.volume_id, vols.token(rec)))
+    upload = files.create("/big")
+    with pytest.raises(VolumeFull):
+        upload.write(b"x" * 4096)
+    upload.abort()
+    files.close()
+    home = tmp_path / "v" / rec.volume_id
+    assert list((home / "staging").iterdir()) == [] and list((home / "data").iterdir()) == []
