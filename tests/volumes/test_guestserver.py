@@ -10,6 +10,7 @@ import os
 import socket
 import stat
 import struct
+import subprocess
 import threading
 from pathlib import Path
 
@@ -158,3 +159,47 @@ def test_a_retried_mutation_is_answered_not_redone(served):
 def test_the_guest_and_the_firewall_agree_on_the_port():
     from host.network.sandbox import GUEST_SERVICE_PORT
     assert wire.PORT == GUEST_SERVICE_PORT
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"),
+                    reason="FUSE mounts need root and /dev/fuse")
+def test_envd_init_mounts_once_and_refuses_bad_mounts(served, tmp_path):
+    """envd's /init (`aenvVolumeMounts`): bad entries are a 400 that mounts nothing; a good
+    one is mounted and served; /init again (every resume, retries) leaves it alone."""
+    import time
+
+    import httpx
+
+    from envd.volumes.mounts import mounted_paths
+    from tests.envd.test_http_endpoints import private_envd
+
+    _, data, _, port = served
+    point = tmp_path / "mnt" / "v"
+    good = {"name": "v", "path": str(point), "address": f"127.0.0.1:{port}"}
+    with private_envd() as (url, _):
+        for bad in ({**good, "path": "relative"}, {**good, "path": f"{point}/../x"},
+                    {**good, "path": "/"}, {**good, "name": "a/b"},
+                    {**good, "address": "host.example:1"}, "not-an-object"):
+            body = {"aenvVolumeMounts": [bad]}
+            r = httpx.post(f"{url}/init", json=body, timeout=30)
+            assert r.status_code == 400, (bad, r.text)
+        r = httpx.post(f"{url}/init", json={"aenvVolumeMounts": [good] * 17}, timeout=30)
+        assert r.status_code == 400
+        assert str(point) not in mounted_paths()
+        try:
+            assert httpx.post(f"{url}/init", json={"aenvVolumeMounts": [good]},
+                              timeout=60).status_code == 204
+            assert str(point) in mounted_paths()
+            (point / "hello").write_text("through envd's mount")
+            assert (data / "hello").read_text() == "through envd's mount"
+            before = (point / "hello").stat().st_ino
+            for _ in range(2):
+                assert httpx.post(f"{url}/init", json={"aenvVolumeMounts": [good]},
+                                  timeout=60).status_code == 204
+            assert list(mounted_paths()).count(str(point)) == 1
+            assert (point / "hello").stat().st_ino == before
+        finally:
+            subprocess.run(["umount", "-l", str(point)], check=False)
+            deadline = time.monotonic() + 10
+            while str(point) in mounted_paths() and time.monotonic() < deadline:
+                time.sleep(0.05)
