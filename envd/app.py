@@ -17,6 +17,7 @@ from .services.process import ProcessService, terminal_route
 from .spec.filesystem.filesystem_connect import FilesystemASGIApplication
 from .spec.process.process_connect import ProcessASGIApplication
 from .state import Defaults
+from .volumes.mounts import Mounts
 
 # Connect headers browsers must be allowed to read (upstream uses connectrpc.com/cors).
 _EXPOSED_HEADERS = [
@@ -30,6 +31,7 @@ def build_app(config: EnvdConfig | None = None) -> Starlette:
     defaults = Defaults.from_config(config)
     processes = ProcessService(defaults, keepalive_default_s=config.default_keepalive_s)
     filesystem = FilesystemService(defaults)
+    mounts = Mounts()   # volumes /init asks for (envd/volumes)
     interceptors = rpc.interceptors(defaults)
 
     @contextlib.asynccontextmanager
@@ -37,11 +39,12 @@ def build_app(config: EnvdConfig | None = None) -> Starlette:
         try:
             yield
         finally:
+            await mounts.aclose()
             await filesystem.aclose()
             await processes.aclose()
 
     routes = [
-        *http.routes(defaults, config),
+        *http.routes(defaults, config, mounts),
         terminal_route(processes.table, defaults),
         Mount("/process.Process", ProcessASGIApplication(
             processes, interceptors=interceptors, read_max_bytes=config.read_max_bytes,

@@ -10,6 +10,7 @@ from starlette.routing import BaseRoute, Route
 
 from ..config import EnvdConfig
 from ..state import Defaults
+from ..volumes.mounts import Mounts
 from .access import token_required
 from .download import download_endpoint
 from .envs import envs_endpoint
@@ -20,12 +21,12 @@ from .metrics import metrics
 from .upload import upload_endpoint
 
 
-def routes(defaults: Defaults, config: EnvdConfig) -> list[BaseRoute]:
+def routes(defaults: Defaults, config: EnvdConfig, mounts: Mounts) -> list[BaseRoute]:
     return [
         Route("/health", health, methods=["GET"]),
         Route("/files", download_endpoint(defaults), methods=["GET"]),
         Route("/files", upload_endpoint(defaults), methods=["POST"]),
-        Route("/init", init_endpoint(defaults), methods=["POST"]),
+        Route("/init", init_endpoint(defaults, mounts), methods=["POST"]),
         Route("/envs", token_required(defaults, envs_endpoint(defaults)), methods=["GET"]),
         Route("/metrics", token_required(defaults, metrics), methods=["GET"]),
     ]

@@ -80,9 +80,7 @@ def _str_field(data: dict[str, Any], key: str) -> str | None:
     return value
 
 
-def init_endpoint(defaults: Defaults) -> Endpoint:
-    mounts = Mounts()   # volumes (aenvVolumeMounts): one FUSE child per mount
-
+def init_endpoint(defaults: Defaults, mounts: Mounts) -> Endpoint:
     @json_errors
     async def init(request: Request) -> Response:
         require_token(defaults, request.headers.get("x-access-token"))

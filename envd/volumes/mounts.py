@@ -10,9 +10,13 @@ mount point (a stuck FUSE server would block the caller).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
+import logging
 import os
 import posixpath
 import re
+import struct
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -20,10 +24,17 @@ from typing import Any
 
 MAX_MOUNTS = 16
 MOUNT_TIMEOUT_S = 10.0
+WATCH_S = 2.0
+FS_IOC_GETFLAGS = 0x80086601
+FS_IOC_SETFLAGS = 0x40086602
+FS_IMMUTABLE_FL = 0x00000010
 READ_AHEAD_KB = 4096
 FSTYPE = "fuse.aenv"
 NAME_RE = re.compile(r"[a-zA-Z0-9_-]{1,250}")
 ADDRESS_RE = re.compile(r"[0-9.]{7,15}:[0-9]{1,5}")
+
+
+log = logging.getLogger(__name__)
 
 
 class MountError(ValueError):
@@ -85,19 +96,71 @@ def _read_ahead(device: str) -> None:
         pass          # no sysfs (a container): smaller reads, same results
 
 
+def _guard(path: str) -> None:
+    """Make the directory under a mount immutable (chattr +i): while a mount is replaced
+    (its process died) a program writing there gets EPERM, not a file that silently lands
+    beside the volume. Best effort: a filesystem without the flag leaves it as is."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        buf = bytearray(struct.pack("i", 0))
+        fcntl.ioctl(fd, FS_IOC_GETFLAGS, buf)
+        flags = struct.unpack("i", buf)[0]
+        if not flags & FS_IMMUTABLE_FL:
+            fcntl.ioctl(fd, FS_IOC_SETFLAGS, struct.pack("i", flags | FS_IMMUTABLE_FL))
+    except OSError as exc:
+        log.debug("%s: no immutable flag under the mount: %s", path, exc)
+    finally:
+        os.close(fd)
+
+
 def _self_argv() -> list[str]:
     return [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m", "envd"]
 
 
 class Mounts:
+    """The mounts /init asked for, kept up: a child that dies (killed, out of memory) is
+    replaced by the watchdog within `WATCH_S`, its dead mount lazily detached first."""
+
     def __init__(self) -> None:
         self._children: dict[str, subprocess.Popen[bytes]] = {}
+        self._wanted: dict[str, Mount] = {}
         self._lock = asyncio.Lock()
+        self._watch: asyncio.Task[None] | None = None
 
     async def ensure(self, wanted: list[Mount]) -> None:
         async with self._lock:
             for m in wanted:
+                self._wanted[m.path] = m
                 await self._ensure_one(m)
+        if self._watch is None:
+            self._watch = asyncio.get_running_loop().create_task(self._watchdog())
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_S)
+            async with self._lock:
+                for path, m in self._wanted.items():
+                    child = self._children.get(path)
+                    if child is not None and child.poll() is None:
+                        continue
+                    log.warning("volume %r at %s: its FUSE process ended; mounting it again",
+                                m.name, path)
+                    try:
+                        await self._ensure_one(m)
+                    except (MountError, OSError) as exc:
+                        log.warning("volume %r at %s: mounting again failed: %s",
+                                    m.name, path, exc)
+
+    async def aclose(self) -> None:
+        """Stop watching (the mounts stay: a restarted envd finds them by mountinfo)."""
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+            self._watch = None
 
     async def _ensure_one(self, m: Mount) -> None:
         child = self._children.get(m.path)
@@ -108,6 +171,7 @@ class Mounts:
         if m.path in mounted_paths():   # a mount whose server died: lazily detach it
             await asyncio.to_thread(subprocess.run, ["umount", "-l", m.path], check=False)
         os.makedirs(m.path, mode=0o755, exist_ok=True)
+        await asyncio.to_thread(_guard, m.path)
         child = await asyncio.to_thread(
             subprocess.Popen, [*_self_argv(), "volume-mount", m.name, m.path, m.address],
             stdin=subprocess.DEVNULL, start_new_session=True)

@@ -165,7 +165,8 @@ def test_the_guest_and_the_firewall_agree_on_the_port():
                     reason="FUSE mounts need root and /dev/fuse")
 def test_envd_init_mounts_once_and_refuses_bad_mounts(served, tmp_path):
     """envd's /init (`aenvVolumeMounts`): bad entries are a 400 that mounts nothing; a good
-    one is mounted and served; /init again (every resume, retries) leaves it alone."""
+    one is mounted and served; /init again (every resume, retries) leaves it alone; a
+    mount whose process died is mounted again by envd's watchdog."""
     import time
 
     import httpx
@@ -176,17 +177,16 @@ def test_envd_init_mounts_once_and_refuses_bad_mounts(served, tmp_path):
     _, data, _, port = served
     point = tmp_path / "mnt" / "v"
     good = {"name": "v", "path": str(point), "address": f"127.0.0.1:{port}"}
-    with private_envd() as (url, _):
-        for bad in ({**good, "path": "relative"}, {**good, "path": f"{point}/../x"},
-                    {**good, "path": "/"}, {**good, "name": "a/b"},
-                    {**good, "address": "host.example:1"}, "not-an-object"):
-            body = {"aenvVolumeMounts": [bad]}
-            r = httpx.post(f"{url}/init", json=body, timeout=30)
-            assert r.status_code == 400, (bad, r.text)
-        r = httpx.post(f"{url}/init", json={"aenvVolumeMounts": [good] * 17}, timeout=30)
-        assert r.status_code == 400
-        assert str(point) not in mounted_paths()
-        try:
+    try:
+        with private_envd() as (url, _):
+            for bad in ({**good, "path": "relative"}, {**good, "path": f"{point}/../x"},
+                        {**good, "path": "/"}, {**good, "name": "a/b"},
+                        {**good, "address": "host.example:1"}, "not-an-object"):
+                r = httpx.post(f"{url}/init", json={"aenvVolumeMounts": [bad]}, timeout=30)
+                assert r.status_code == 400, (bad, r.text)
+            r = httpx.post(f"{url}/init", json={"aenvVolumeMounts": [good] * 17}, timeout=30)
+            assert r.status_code == 400
+            assert str(point) not in mounted_paths()
             assert httpx.post(f"{url}/init", json={"aenvVolumeMounts": [good]},
                               timeout=60).status_code == 204
             assert str(point) in mounted_paths()
@@ -198,8 +198,36 @@ def test_envd_init_mounts_once_and_refuses_bad_mounts(served, tmp_path):
                                   timeout=60).status_code == 204
             assert list(mounted_paths()).count(str(point)) == 1
             assert (point / "hello").stat().st_ino == before
-        finally:
-            subprocess.run(["umount", "-l", str(point)], check=False)
-            deadline = time.monotonic() + 10
-            while str(point) in mounted_paths() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            # the mount's process killed (as the OOM killer would): envd mounts it again
+            pid = int(subprocess.run(["pgrep", "-f", f"volume-mount v {point} "], check=True,
+                                     capture_output=True, text=True).stdout.split()[0])
+            os.kill(pid, 9)
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    (point / "again").write_text("after the watchdog")
+                    break
+                except OSError:       # ENOTCONN until the new process has mounted it
+                    assert time.monotonic() < deadline, "not mounted again in 30 s"
+                    time.sleep(0.2)
+            assert (data / "again").read_text() == "after the watchdog"
+        # envd gone (no watchdog any more): under the mount the directory is immutable, so
+        # a write between two mounts fails instead of landing beside the volume
+        _unmount(point)
+        with pytest.raises(PermissionError):
+            (point / "beside").write_text("x")
+    finally:
+        _unmount(point)
+        subprocess.run(["chattr", "-i", str(point)], check=False)   # pytest removes it
+
+
+def _unmount(point: Path) -> None:
+    import time
+
+    from envd.volumes.mounts import mounted_paths
+
+    subprocess.run(["umount", "-l", str(point)], check=False, capture_output=True)
+    deadline = time.monotonic() + 10
+    while str(point) in mounted_paths():
+        assert time.monotonic() < deadline, f"{point} still mounted"
+        time.sleep(0.05)
