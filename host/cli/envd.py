@@ -12,6 +12,7 @@ the call failed. This keeps the CLI free of the e2b SDK.
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -68,6 +69,23 @@ def received(resp: httpx.Response, out: IO[bytes], observer: TransferObserver | 
         if observer is not None:
             observer.advance(len(block))
     return written
+
+
+@contextlib.contextmanager
+def whole_file(local: Path) -> Iterator[IO[bytes]]:
+    """A file to write `local` through: a temp file beside it, renamed to `local` when
+    the block ends, removed if it fails (a failed download leaves no partial file)."""
+    tmp = local.with_name(f".{local.name}.aenv-part")
+    try:
+        with tmp.open("wb") as out:
+            yield out
+        tmp.replace(local)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise CliError(f"cannot write {local}: {exc.strerror or exc}") from exc
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def shell_command(argv: tuple[str, ...] | list[str]) -> str:
@@ -169,22 +187,11 @@ class Envd:
                  observer: TransferObserver | None = None) -> int:
         """Stream `remote` into `local` (written to a temp file, renamed at the end)."""
         params = {"path": remote, **({"username": user} if user else {})}
-        tmp = local.with_name(f".{local.name}.aenv-part")
-        written = 0
         with transport_errors(self.sandbox_url, "sandbox proxy"), self._http.stream(
                 "GET", "/files", params=params) as resp:
             raise_for_status(resp, what="envd")
-            try:
-                with tmp.open("wb") as out:
-                    written = received(resp, out, observer)
-                tmp.replace(local)
-            except OSError as exc:
-                tmp.unlink(missing_ok=True)
-                raise CliError(f"cannot write {local}: {exc.strerror or exc}") from exc
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
-        return written
+            with whole_file(local) as out:
+                return received(resp, out, observer)
 
     # --- terminal -----------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ import httpx
 from host.api import volume_models as vm
 from host.volumes.files import MAX_DEPTH
 
-from .envd import TransferObserver, received, sent_chunks
+from .envd import TransferObserver, received, sent_chunks, whole_file
 from .errors import EXIT_NOT_FOUND, ApiError, CliError
 from .invocation import settings
 from .output import echo_table, emit_json, output_option, rfc3339
@@ -266,22 +266,8 @@ def _download(files: VolumeContent, remote: str, local: Path,
               observer: TransferObserver) -> int:
     """`remote` into `local`, written to a temp file beside it and renamed at the end (a
     failed download leaves no partial file)."""
-    tmp = local.with_name(f".{local.name}.aenv-part")
-    try:
-        out = tmp.open("wb")
-    except OSError as exc:
-        raise CliError(f"cannot write {local}: {exc.strerror or exc}") from exc
-    try:
-        with out:
-            size = files.get(remote, out, observer=observer)
-        tmp.replace(local)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise CliError(f"cannot write {local}: {exc.strerror or exc}") from exc
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return size
+    with whole_file(local) as out:
+        return files.get(remote, out, observer=observer)
 
 
 @volume.command("files")

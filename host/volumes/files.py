@@ -314,7 +314,6 @@ class Upload:
             files, dir_fd, path, name, force)
         self.temp = f"{TEMP_PREFIX}{secrets.token_hex(8)}"
         self.staging_fd = files.staging_fd
-        self.size = 0
         try:
             self.fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL
                               | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self.staging_fd)
@@ -330,7 +329,6 @@ class Upload:
             view = memoryview(data)
             while view:
                 view = view[os.write(self.fd, view):]
-        self.size += len(data)
 
     def commit(self, *, uid: int | None = None, gid: int | None = None,
                mode: int | None = None) -> Entry:

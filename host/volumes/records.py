@@ -75,14 +75,11 @@ class VolumeRecords:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def _named(self, name: str) -> str | None:
-        """The id `name` points to, if that volume is there."""
-        try:
-            volume_id = os.readlink(self.names / name)
-        except OSError:
-            return None
-        rec = self._read(volume_id)
-        return volume_id if rec is not None and rec.name == name else None
+    def find(self, name: str) -> VolumeRecord | None:
+        """The volume `name` points to, if it is there."""
+        volume_id = self._target(name)
+        rec = None if volume_id is None else self._read(volume_id)
+        return rec if rec is not None and rec.name == name else None
 
     def create(self, name: str) -> VolumeRecord:
         check_name(name)
@@ -100,7 +97,7 @@ class VolumeRecords:
             try:
                 os.symlink(rec.volume_id, link)
             except FileExistsError:
-                if self._named(name) is not None:
+                if self.find(name) is not None:
                     raise VolumeNameTaken(name) from None
                 os.unlink(link)                 # a name left by a crash: its volume is gone
                 os.symlink(rec.volume_id, link)
@@ -111,13 +108,16 @@ class VolumeRecords:
 
     def get(self, volume_id: str) -> VolumeRecord:
         rec = self._read(check_id(volume_id))
-        if rec is None or self._named(rec.name) != rec.volume_id:
+        # its name must still point to it: one being destroyed or never finished is not there
+        if rec is None or self._target(rec.name) != rec.volume_id:
             raise VolumeNotFound(volume_id)
         return rec
 
-    def find(self, name: str) -> VolumeRecord | None:
-        volume_id = self._named(name)
-        return None if volume_id is None else self._read(volume_id)
+    def _target(self, name: str) -> str | None:
+        try:
+            return os.readlink(self.names / name)
+        except OSError:
+            return None
 
     def list(self) -> list[VolumeRecord]:
         out = []
@@ -132,7 +132,7 @@ class VolumeRecords:
         rec = self.get(volume_id)
         gone = self.root / f"{GONE_PREFIX}{rec.volume_id}"
         (self.root / rec.volume_id).rename(gone)
-        if self._named(rec.name) is None:       # not another volume's since
+        if self.find(rec.name) is None:         # not another volume's since
             try:
                 os.unlink(self.names / rec.name)
             except FileNotFoundError:
@@ -145,12 +145,12 @@ class VolumeRecords:
         old = self.clock() - SWEEP_AGE_S
         named = set()
         for link in os.scandir(self.names):
-            volume_id = self._named(link.name)
-            if volume_id is None and link.stat(follow_symlinks=False).st_mtime < old:
+            rec = self.find(link.name)
+            if rec is None and link.stat(follow_symlinks=False).st_mtime < old:
                 os.unlink(link.path)
                 removed.append(f"{NAMES}/{link.name}")
-            elif volume_id is not None:
-                named.add(volume_id)
+            elif rec is not None:
+                named.add(rec.volume_id)
         for entry in os.scandir(self.root):
             unmade = (entry.is_dir(follow_symlinks=False) and not entry.name.startswith(".")
                       and entry.name not in named
