@@ -22,6 +22,7 @@ APT_PACKAGES=(
   chromium                              # tests/web: the web terminal in a real headless browser
   redis-server                          # cluster state (gateway, scheduler) and its tests
   docker-compose                        # tests/deploy: `docker-compose config` validates deploy/compose without a daemon
+  r-cran-irkernel default-jdk-headless  # tests/code_interpreter: the R and Java kernels run on this host too
 )
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -22,9 +22,11 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 3
 GUEST_PYTHON = "3.11"
-GUEST_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+# glibc 2.36 runs every tag up to 2_36; these are the ones the pinned wheels carry
+GUEST_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
+                   "manylinux2014_x86_64")
 # package directories whose test suites are never imported (about 70 MB of 370)
 _PRUNE_TESTS = ("numpy", "pandas", "matplotlib")
 
@@ -82,8 +84,12 @@ async def ensure_tree(requirements: Path, cache: Path,
 
 
 def _prune(site: Path) -> None:
-    # console scripts carry the host interpreter's path in their shebang: useless in the guest
-    shutil.rmtree(site / "bin", ignore_errors=True)
+    # console scripts carry the host interpreter's path in their shebang: useless in the
+    # guest; binaries a wheel ships there (deno) stay, their package finds them in bin/
+    for path in sorted((site / "bin").glob("*")) if (site / "bin").is_dir() else ():
+        with open(path, "rb") as f:
+            if f.read(2) == b"#!":
+                path.unlink()
     for pkg in _PRUNE_TESTS:
         root = site / pkg
         if root.is_dir():

@@ -105,7 +105,7 @@ def test_display_data_and_extra_mime_types(client: httpx.Client, context_id: str
     (b'{"code": "1", "env_vars": {"A": 1}}', 400, "env_vars[A]"),
     (b'{"code": "1", "env_vars": {"A=B": "1"}}', 400, "invalid variable name"),
     (b'{"code": "1", "context_id": "c", "language": "python"}', 400, "Only one of"),
-    (b'{"code": "1", "language": "javascript"}', 400, "Unsupported language 'javascript'"),
+    (b'{"code": "1", "language": "cobol"}', 400, "Unsupported language 'cobol'"),
     (b'{"code": "1", "context_id": "missing-ctx"}', 404, "Context missing-ctx not found"),
 ])
 def test_execute_errors(client: httpx.Client, body: bytes, status: int, message: str) -> None:
@@ -119,7 +119,7 @@ def test_execute_errors(client: httpx.Client, body: bytes, status: int, message:
     ("POST", "/contexts", b"{", 400, "not valid JSON"),
     ("POST", "/contexts", b'{"cwd": "relative/dir"}', 400, "absolute path"),
     ("POST", "/contexts", b'{"cwd": "/no/such/dir"}', 400, "not a directory"),
-    ("POST", "/contexts", b'{"language": "bash"}', 400, "Unsupported language 'bash'"),
+    ("POST", "/contexts", b'{"language": "cobol"}', 400, "Unsupported language 'cobol'"),
     ("DELETE", "/contexts/ghost", b"", 404, "Context ghost not found"),
     ("POST", "/contexts/ghost/restart", b"", 404, "Context ghost not found"),
 ])

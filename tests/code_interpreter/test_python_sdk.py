@@ -152,10 +152,11 @@ def test_unknown_context_is_not_found(sandbox: Any) -> None:
 
 
 def test_unsupported_language_is_refused(sandbox: Any) -> None:
-    with pytest.raises(e2b.SandboxException, match="Unsupported language 'r'.*python"):
-        sandbox.run_code("1", language="r")
+    with pytest.raises(e2b.SandboxException,
+                       match="Unsupported language 'cobol'.*python, javascript"):
+        sandbox.run_code("1", language="cobol")
     with pytest.raises(e2b.SandboxException, match="400"):
-        sandbox.create_code_context(language="java")
+        sandbox.create_code_context(language="fortran")
     assert sandbox.run_code("6 * 7", language="python").text == "42"
 
 

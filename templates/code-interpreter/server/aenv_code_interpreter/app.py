@@ -1,6 +1,6 @@
 """The HTTP API of the code interpreter (what the e2b code-interpreter SDKs call).
 
-    GET    /health                  "OK" once the default python kernel is warm
+    GET    /health                  "OK" once the default python and javascript kernels are warm
     POST   /execute                 NDJSON stream of one execution's outputs
     GET    /contexts                [{id, language, cwd}]
     POST   /contexts                {language?, cwd?} -> {id, language, cwd}
@@ -13,6 +13,7 @@ from `_STATUS`; 404 becomes the SDKs' NotFound error.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -27,7 +28,8 @@ from starlette.routing import Route
 from .contexts import Context, ContextRegistry
 from .errors import CodeInterpreterError, ContextNotFoundError, KernelError, RequestError
 from .execution import Job
-from .models import CreateContextRequest, ExecuteRequest, normalize_language
+from .languages import normalize_language
+from .models import CreateContextRequest, ExecuteRequest
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -111,7 +113,7 @@ async def restart_context(request: Request) -> Response:
 
 
 def build_app(settings: Settings) -> Starlette:
-    """The app; its lifespan starts the default python context before serving."""
+    """The app; its lifespan starts the warm languages' default contexts before serving."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -119,8 +121,11 @@ def build_app(settings: Settings) -> Starlette:
         app.state.settings = settings
         app.state.registry = registry
         try:
-            await registry.default()
-            log.info("default python context ready (cwd %s)", settings.default_cwd)
+            # as E2B's server: the python and javascript contexts exist before the first
+            # request (and are warm in the template's snapshot); the others on first use
+            await asyncio.gather(*(registry.default(lang) for lang in settings.warm_languages))
+            log.info("default contexts ready: %s (cwd %s)", ", ".join(settings.warm_languages),
+                     settings.default_cwd)
             yield
         finally:
             await registry.aclose()

@@ -21,7 +21,8 @@ from . import outputs
 from .errors import ContextNotFoundError, KernelDiedError, KernelError, RequestError
 from .execution import EnvState, Job, run_job
 from .kernel import Kernel
-from .models import DEFAULT_LANGUAGE, ContextInfo
+from .languages import DEFAULT_LANGUAGE, LANGUAGES
+from .models import ContextInfo
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ class Context:
         self.language = language
         self.cwd = cwd
         self._settings = settings
-        self._kernel = Kernel(self.id, cwd=cwd, runtime_dir=runtime_dir,
+        self._kernel = Kernel(self.id, LANGUAGES[language], cwd=cwd, runtime_dir=runtime_dir,
                               ready_timeout_s=settings.kernel_ready_timeout_s)
         self._jobs: asyncio.Queue[Job] = asyncio.Queue()
         self._env = EnvState()

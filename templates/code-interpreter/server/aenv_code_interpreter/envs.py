@@ -2,10 +2,13 @@
 
 Sandbox-wide variables (set when the sandbox was created) live in envd, not in this
 server's environment: each execution asks envd's `GET /envs` (with the caller's
-X-Access-Token) and the context applies what changed to the kernel's `os.environ`.
-Per-run `env_vars` win over sandbox-wide ones, as on E2B, and are undone after the run:
-each key gets back the value it had before (the sandbox-wide one, or the user's own), or
-is removed. The kernel-side changes are small silent executions built here.
+X-Access-Token) and the context applies what changed to the kernel's environment.
+Per-run `env_vars` win over sandbox-wide ones, as on E2B, and are undone after the run.
+In a python kernel each key gets back the value it had before (the sandbox-wide one, or
+the user's own), or is removed; the other languages cannot report their variables back
+as reliably, so there, as on E2B, a key gets back its sandbox-wide value or is removed.
+The kernel-side changes are small silent executions in the kernel's language
+(languages.py writes them).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .errors import RequestError
+from .languages import Language
 from .models import parse_env_vars
 
 log = logging.getLogger(__name__)
@@ -59,16 +63,20 @@ def sandbox_env_changes(applied: Mapping[str, str], current: Mapping[str, str]
     return to_set, to_unset
 
 
-def apply_code(to_set: Mapping[str, str], to_unset: Iterable[str] = ()) -> str:
-    """Python source that sets and unsets variables in the kernel's os.environ (names
-    and values are embedded as literals, never interpolated as code)."""
-    lines = []
-    if to_set:
-        lines.append(f"__import__('os').environ.update({dict(to_set)!r})")
-    unset = list(to_unset)
-    if unset:
-        lines.append(f"[__import__('os').environ.pop(k, None) for k in {unset!r}]")
-    return "\n".join(lines)
+def apply_code(language: Language, to_set: Mapping[str, str],
+               to_unset: Iterable[str] = ()) -> str:
+    """Source in `language` that sets and unsets variables in the kernel (names and values
+    are embedded as literals, never interpolated as code)."""
+    parts = [language.set_env(to_set) if to_set else "",
+             language.unset_env(to_unset) if to_unset else ""]
+    return "\n".join(p for p in parts if p)
+
+
+def reset_code(language: Language, keys: Iterable[str], sandbox: Mapping[str, str]) -> str:
+    """Source that gives each per-run key back its sandbox-wide value, or removes it."""
+    keys = list(keys)
+    return apply_code(language, {k: sandbox[k] for k in keys if k in sandbox},
+                      [k for k in keys if k not in sandbox])
 
 
 def snapshot_expression(keys: Iterable[str]) -> str:
@@ -91,7 +99,7 @@ def parse_snapshot(reply: Mapping[str, Any] | None) -> dict[str, str | None] | N
     return {str(k): (v if isinstance(v, str) else None) for k, v in value.items()}
 
 
-def restore_code(snapshot: Mapping[str, str | None]) -> str:
-    """Python source that puts every snapshotted variable back as it was."""
-    return apply_code({k: v for k, v in snapshot.items() if v is not None},
+def restore_code(language: Language, snapshot: Mapping[str, str | None]) -> str:
+    """Source that puts every snapshotted variable back as it was."""
+    return apply_code(language, {k: v for k, v in snapshot.items() if v is not None},
                       [k for k, v in snapshot.items() if v is None])

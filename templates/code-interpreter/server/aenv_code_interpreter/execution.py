@@ -95,27 +95,33 @@ async def run_job(kernel: Kernel, job: Job, env_state: EnvState, settings: Setti
     """Run a claimed job: env setup, the code with its outputs streamed, `finish`, then the
     per-run env vars undone. Raises KernelDiedError if the kernel exits meanwhile (the
     caller then finishes the job with an error)."""
+    lang = kernel.language
     sandbox = await envs.fetch_sandbox_envs(settings.envd_url, job.access_token,
                                             settings.envd_timeout_s)
     setup = ""
     if sandbox is not None:
-        to_set, to_unset = envs.sandbox_env_changes(env_state.applied, sandbox)
-        setup = envs.apply_code(to_set, to_unset)
-    snapshot: dict[str, str | None] | None = None
-    if setup or job.env_vars:
+        setup = envs.apply_code(lang, *envs.sandbox_env_changes(env_state.applied, sandbox))
+    snapshot_wanted = lang.snapshots and bool(job.env_vars)
+    reply = None
+    if setup or snapshot_wanted:
         expressions = ({envs.SNAPSHOT_KEY: envs.snapshot_expression(job.env_vars)}
-                       if job.env_vars else None)
+                       if snapshot_wanted else None)
         reply = await _run_silent(kernel, setup, settings, expressions)
-        if sandbox is not None:
-            env_state.applied = dict(sandbox)
-        if job.env_vars:
+    if sandbox is not None:
+        env_state.applied = dict(sandbox)
+    restore = ""
+    if job.env_vars:
+        if snapshot_wanted:
             snapshot = envs.parse_snapshot(reply)
-            await _run_silent(kernel, envs.apply_code(job.env_vars), settings)
+            restore = envs.restore_code(lang, snapshot) if snapshot else ""
+        else:
+            restore = envs.reset_code(lang, job.env_vars, env_state.applied)
+        await _run_silent(kernel, envs.apply_code(lang, job.env_vars), settings)
     if not job.cancel_requested:
         await _run_code(kernel, job, settings)
     job.finish()
-    if snapshot:
-        await _run_silent(kernel, envs.restore_code(snapshot), settings)
+    if restore:
+        await _run_silent(kernel, restore, settings)
 
 
 async def _run_code(kernel: Kernel, job: Job, settings: Settings) -> None:
@@ -137,7 +143,7 @@ async def _run_code(kernel: Kernel, job: Job, settings: Settings) -> None:
     if status == "error":
         emit(outputs.error(content.get("ename", ""), content.get("evalue", ""),
                            content.get("traceback") or []))
-    elif status == "aborted":
+    elif status in ("aborted", "abort"):   # IRkernel says "abort"
         emit(outputs.error("ExecutionAborted", "Execution was aborted", ""))
 
 
@@ -161,8 +167,11 @@ async def _run_silent(kernel: Kernel, code: str, settings: Settings,
 async def _wait_idle(kernel: Kernel, msg_id: str, settings: Settings,
                      emit: Callable[[outputs.Output], None], job: Job | None = None) -> None:
     """Pass the outputs of request `msg_id` to `emit` until the kernel reports idle for
-    it; interrupt while `job` is cancelled; KernelDiedError if the process exits."""
+    it (and, for a kernel that publishes late, until it has been quiet for its settle
+    time); interrupt while `job` is cancelled; KernelDiedError if the process exits."""
     interrupted_at: float | None = None
+    settle_s = kernel.language.settle_s
+    idle = False
     while True:
         if job is not None and job.cancel_requested:
             now = time.monotonic()
@@ -170,8 +179,10 @@ async def _wait_idle(kernel: Kernel, msg_id: str, settings: Settings,
                 log.info("kernel %s: client gone, interrupting", kernel.id)
                 interrupted_at = now
                 await kernel.interrupt()
-        msg = await kernel.next_iopub(settings.poll_interval_s)
+        msg = await kernel.next_iopub(settle_s if idle else settings.poll_interval_s)
         if msg is None:
+            if idle:
+                return
             code = await kernel.exit_code()
             if code is not None:
                 raise KernelDiedError(code)
@@ -181,7 +192,9 @@ async def _wait_idle(kernel: Kernel, msg_id: str, settings: Settings,
         kind = msg.get("msg_type")
         if kind == "status":
             if msg["content"].get("execution_state") == "idle":
-                return
+                if not settle_s:
+                    return
+                idle = True
             continue
         output = outputs.from_iopub(msg)
         if output is not None:

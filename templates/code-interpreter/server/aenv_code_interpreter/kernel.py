@@ -1,10 +1,10 @@
-"""One ipykernel process and the client talking to it (jupyter_client, asyncio API).
+"""One kernel process and the client talking to it (jupyter_client, asyncio API).
 
-Kernels are started from a spec built here rather than one found on disk: `sys.executable`
-(the interpreter running this server) runs kernelside.main, so the guest needs no
-installed kernelspec and the kernel always matches the server's packages. The channels
-use IPC sockets in the registry's private runtime directory: nothing listens on TCP, and
-no connection file lands in $HOME.
+Kernels are started from a spec built here from the context's `Language` rather than one
+found on disk: the guest needs no installed kernelspec, and a python kernel runs on
+`sys.executable`, so it always matches the server's packages. Connection files (and IPC
+sockets, for the kernels that can use them) live in the registry's private runtime
+directory, never in $HOME; the other kernels listen on loopback TCP only.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
-import sys
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -23,20 +22,24 @@ from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
 from .errors import KernelError
+from .languages import Language
 
-_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
-_LAUNCH = (f"import sys; sys.path.append({_PACKAGE_PARENT!r}); "
-           "from aenv_code_interpreter.kernelside import main; main()")
 Message = dict[str, Any]
 
 
-class _BuiltinSpecs(KernelSpecManager):
-    """Resolves every kernel name to this server's python kernel."""
+class _LanguageSpecs(KernelSpecManager):
+    """Resolves the kernel name to the spec of one language (its argv is looked up when
+    the kernel starts, so a missing runtime is a KernelError then, not at import)."""
+
+    def __init__(self, language: Language) -> None:
+        super().__init__()
+        self._language = language
 
     def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
-        return KernelSpec(argv=[sys.executable, "-c", _LAUNCH, "-f", "{connection_file}"],
-                          display_name="Python 3", language="python",
-                          interrupt_mode="signal", env={}, metadata={})
+        lang = self._language
+        return KernelSpec(argv=lang.argv(), display_name=lang.display_name,
+                          language=lang.name, interrupt_mode=lang.interrupt_mode,
+                          env=dict(lang.env), metadata={})
 
 
 @contextlib.contextmanager
@@ -53,14 +56,16 @@ def _mapped(action: str, kernel_id: str) -> Iterator[None]:
 class Kernel:
     """A kernel process with its channels open; `start`, `restart`, `shutdown`."""
 
-    def __init__(self, kernel_id: str, *, cwd: str, runtime_dir: Path,
+    def __init__(self, kernel_id: str, language: Language, *, cwd: str, runtime_dir: Path,
                  ready_timeout_s: float) -> None:
         self.id = kernel_id
+        self.language = language
         self.cwd = cwd
         self._ready_timeout_s = ready_timeout_s
+        ip = str(runtime_dir / kernel_id) if language.transport == "ipc" else "127.0.0.1"
         self._manager = AsyncKernelManager(
-            kernel_name="python3", kernel_spec_manager=_BuiltinSpecs(), transport="ipc",
-            ip=str(runtime_dir / kernel_id),
+            kernel_name=language.name, kernel_spec_manager=_LanguageSpecs(language),
+            transport=language.transport, ip=ip,
             connection_file=str(runtime_dir / f"{kernel_id}.json"))
         self._client: AsyncKernelClient | None = None
 

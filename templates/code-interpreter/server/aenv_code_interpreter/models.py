@@ -15,23 +15,9 @@ from types import MappingProxyType
 from typing import Any
 
 from .errors import RequestError
+from .languages import normalize_language
 
-DEFAULT_LANGUAGE = "python"
-SUPPORTED_LANGUAGES = ("python",)
-# the SDKs' spellings that E2B's server folds into one kernel
-_ALIASES = {"js": "javascript", "ts": "typescript", "python3": "python", "py": "python"}
 _EMPTY: Mapping[str, str] = MappingProxyType({})
-
-
-def normalize_language(language: str | None) -> str:
-    """The canonical name of `language` (None or blank means python); RequestError if
-    this server has no kernel for it."""
-    name = (language or "").strip().lower() or DEFAULT_LANGUAGE
-    name = _ALIASES.get(name, name)
-    if name not in SUPPORTED_LANGUAGES:
-        raise RequestError(f"Unsupported language {language!r}: this code interpreter runs "
-                           f"{', '.join(SUPPORTED_LANGUAGES)}")
-    return name
 
 
 @dataclass(frozen=True)

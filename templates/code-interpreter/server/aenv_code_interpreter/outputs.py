@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -36,6 +37,8 @@ _RESULT_FIELDS = {
     "e2b/chart": "chart",
 }
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+# colours some kernels (JJava, Deno) put into tracebacks: the SDKs hand them to programs
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 
 
 def encode(output: Output) -> bytes:
@@ -85,10 +88,11 @@ def result(data: Mapping[str, Any], *, is_main_result: bool) -> Output:
 
 
 def error(name: str, value: str, traceback: list[str] | str) -> Output:
-    """An `error` line; a kernel's traceback list is joined into one string."""
+    """An `error` line; a kernel's traceback list is joined into one plain string."""
     if not isinstance(traceback, str):
         traceback = "\n".join(line.rstrip("\n") for line in traceback)
-    return {"type": "error", "name": name, "value": value, "traceback": traceback}
+    return {"type": "error", "name": name, "value": _ANSI.sub("", value),
+            "traceback": _ANSI.sub("", traceback)}
 
 
 def _unquote(text: str) -> str:

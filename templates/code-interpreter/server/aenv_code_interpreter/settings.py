@@ -6,6 +6,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .languages import WARM_LANGUAGES, normalize_language
+
 DEFAULT_PORT = 49999  # the port the e2b code-interpreter SDKs call (JUPYTER_PORT)
 DEFAULT_ENVD_URL = "http://127.0.0.1:49983"
 
@@ -16,7 +18,8 @@ class Settings:
 
     Environment: AENV_CI_HOST, AENV_CI_PORT, AENV_CI_CWD (default working directory of
     contexts; the server's own cwd when that directory is missing), AENV_CI_ENVD_URL,
-    AENV_CI_KEEPALIVE_S.
+    AENV_CI_KEEPALIVE_S, AENV_CI_WARM (comma-separated languages whose default context
+    starts with the server; python,javascript).
     """
 
     host: str = "0.0.0.0"
@@ -35,6 +38,7 @@ class Settings:
     # long quiet execution
     keepalive_s: float = 5.0
     reply_timeout_s: float = 10.0
+    warm_languages: tuple[str, ...] = WARM_LANGUAGES
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -49,6 +53,12 @@ class Settings:
             raise SystemExit(f"bad AENV_CI_PORT / AENV_CI_KEEPALIVE_S: {exc}") from exc
         if keepalive_s <= 0:
             raise SystemExit("AENV_CI_KEEPALIVE_S must be positive")
+        try:
+            warm = tuple(dict.fromkeys(
+                normalize_language(name) for name in
+                env.get("AENV_CI_WARM", ",".join(WARM_LANGUAGES)).split(",") if name.strip()))
+        except ValueError as exc:
+            raise SystemExit(f"bad AENV_CI_WARM: {exc}") from exc
         return cls(host=env.get("AENV_CI_HOST", "0.0.0.0"), port=port, default_cwd=cwd,
                    envd_url=env.get("AENV_CI_ENVD_URL", DEFAULT_ENVD_URL).rstrip("/"),
-                   keepalive_s=keepalive_s)
+                   keepalive_s=keepalive_s, warm_languages=warm)
