@@ -4,10 +4,11 @@ build pipeline, the first time a sandbox asks for one of them by name.
 A recipe is what an SDK user would send to the template API (a source template, steps,
 a start command and a ready check) plus `prepare`, which makes the COPY archives on the
 host. `code-interpreter-v1` (the e2b-code-interpreter SDKs' default template) is the
-built-in base template plus the Python data stack and our Jupyter-backed server on
-:49999 (templates/code-interpreter/). Its start command runs the server and its ready
-check waits until the default kernel is up, so the template snapshot holds a warm
-kernel and a new sandbox runs code at once.
+built-in base template plus R and a JDK (Debian packages unpacked on the host), the
+Python data stack with the other languages' kernels (pip on the host) and our
+Jupyter-backed server on :49999 (templates/code-interpreter/). Its start command runs the
+server and its ready check waits until the default python and javascript kernels are up,
+so the template snapshot holds them warm and a new sandbox runs code at once.
 """
 
 from __future__ import annotations
@@ -20,14 +21,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from host.contract import BuildStep
+from host.vmm.image import ImageNotFound, find_image
 
-from . import archives, pydeps
+from . import archives, debdeps, pydeps
 
 TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "templates"
 CODE_INTERPRETER = "code-interpreter-v1"
 GUEST_SITE_PACKAGES = "/usr/local/lib/python3.11/dist-packages"
 SERVER_DIR = "/opt/aenv/code-interpreter"
 SERVER_PORT = 49999
+# the R and Java kernels' runtimes (the other languages' kernels come with pip)
+DEBIAN_PACKAGES = ("r-cran-irkernel", "default-jdk-headless")
+DEBS_STAGING = "/opt/aenv/debs"
 
 Progress = Callable[[str], None]
 
@@ -81,18 +86,27 @@ async def _prepare_code_interpreter(cache: Path, progress: Progress) -> Prepared
                           "(run the service from a full checkout of the repository)")
     try:
         site = await pydeps.ensure_tree(requirements, cache, progress)
-    except pydeps.PyDepsError as exc:
+        rootfs = find_image(cache=cache).rootfs
+        debs_tree = await debdeps.ensure_tree(DEBIAN_PACKAGES, rootfs, cache, progress)
+    except (pydeps.PyDepsError, debdeps.DebDepsError, ImageNotFound) as exc:
         raise RecipeError(str(exc)) from exc
     out = cache / "builtin-archives"
     progress("packing the template's files")
     deps = await _archive(site, "site-packages", out,
                           _files_hash("pydeps", pydeps.tree_key(requirements)), keep_pycache=True)
+    debs = await _archive(debs_tree, "debs", out,
+                          _files_hash("debdeps", debs_tree.parent.name), keep_pycache=True)
     code = await _archive(server, "server", out, _files_hash(
         "server", await asyncio.to_thread(archives.tree_digest, server)), keep_pycache=False)
     q = shlex.quote
     warm = ("import matplotlib.pyplot, numpy, pandas, ipykernel, jupyter_client, "
             "aenv_code_interpreter")
     steps = (
+        BuildStep("COPY", ("debs/", f"{DEBS_STAGING}/", "root", ""), files_hash=debs.files_hash),
+        # merged into / as hard links (same disk), then the linker cache: what installing
+        # the packages would have left, without dpkg under TCG (host/builtin/debdeps.py)
+        BuildStep("RUN", (f"cp -a -l {DEBS_STAGING}/. / && rm -rf {DEBS_STAGING} && ldconfig",
+                          "root")),
         BuildStep("COPY", ("site-packages/", f"{GUEST_SITE_PACKAGES}/", "root", ""),
                   files_hash=deps.files_hash),
         BuildStep("COPY", ("server/", f"{SERVER_DIR}/", "root", ""), files_hash=code.files_hash),
@@ -102,7 +116,7 @@ async def _prepare_code_interpreter(cache: Path, progress: Progress) -> Prepared
         BuildStep("USER", ("user",)),
         BuildStep("WORKDIR", ("/home/user",)),
     )
-    return Prepared(steps=steps, archives=(deps, code))
+    return Prepared(steps=steps, archives=(debs, deps, code))
 
 
 RECIPES: dict[str, Recipe] = {

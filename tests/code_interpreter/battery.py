@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+# what a run that may start a kernel gets (a JVM under TCG takes a while to come up)
+SLOW_S = 600.0
 BATTERY: dict[str, Any] = json.loads(
     (Path(__file__).with_name("languages.json")).read_text())
 LANGUAGES = [name for name in BATTERY if not name.startswith("_")]
@@ -44,7 +46,7 @@ def run_and_state(sbx: Any, language: str, context: Any = None) -> None:
     b = BATTERY[language]
     where: dict[str, Any] = ({"context": context} if context is not None
                              else {"language": language})
-    hello = sbx.run_code(b["hello"]["code"], **where)
+    hello = sbx.run_code(b["hello"]["code"], timeout=SLOW_S, request_timeout=SLOW_S, **where)
     assert hello.error is None and _stdout(hello) == b["hello"]["stdout"], f"{hello}"
     assert sbx.run_code(b["state"]["set"], **where).error is None
     _check_output(sbx.run_code(b["state"]["get"], **where), b["state"])
@@ -83,15 +85,15 @@ def cwd_and_contexts(sbx: Any, language: str, home: str, other_dir: str) -> None
     state; contexts are listed, restarted (state lost) and removed."""
     b = BATTERY[language]
     _check_output(sbx.run_code(b["cwd"]["code"], language=language), b["cwd"], cwd=home)
-    ctx = sbx.create_code_context(language=language, cwd=other_dir)
+    ctx = sbx.create_code_context(language=language, cwd=other_dir, request_timeout=SLOW_S)
     try:
         assert (ctx.language, ctx.cwd) == (language, other_dir)
         _check_output(sbx.run_code(b["cwd"]["code"], context=ctx), b["cwd"], cwd=other_dir)
         listed = {c.id: c for c in sbx.list_code_contexts()}
         assert listed[ctx.id].language == language
         run_and_state(sbx, language, ctx)
-        sbx.restart_code_context(ctx)
-        after = sbx.run_code(b["state"]["get"], context=ctx)
+        sbx.restart_code_context(ctx)   # the sandbox's request_timeout bounds it
+        after = sbx.run_code(b["state"]["get"], context=ctx, timeout=SLOW_S)
         # the variable is gone: an error, or (bash) an empty expansion
         assert after.error is not None or _stdout(after) != b["state"].get("stdout"), \
             f"{after}"

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from tests.code_interpreter import battery
+from tests.code_interpreter import charts as figures
 from tests.orchestrator.hostproc import REPO
 
 from .conftest import E2EService, use_sdk
@@ -49,7 +51,9 @@ def ci(service: E2EService) -> Iterator[E2EService]:
 def box(ci: E2EService):
     from e2b_code_interpreter import Sandbox
 
-    sbx = Sandbox.create(timeout=900, envs={"SBX_WIDE": "sandbox-wide"})
+    # request_timeout: a restarted context answers once its new kernel is up (a JVM
+    # under TCG takes a while)
+    sbx = Sandbox.create(timeout=1800, envs={"SBX_WIDE": "sandbox-wide"}, request_timeout=600)
     yield sbx
     sbx.kill()
 
@@ -166,6 +170,43 @@ def test_timeout_interrupts_the_kernel(box) -> None:
     # read False
     assert box.run_code("interrupted").text == "True"
     assert box.run_code("x + 1").text == "42"
+
+
+@pytest.mark.parametrize("language", battery.LANGUAGES)
+def test_every_language(box, language: str) -> None:
+    """The battery of tests/code_interpreter/languages.json in a real VM: run, state,
+    errors, env vars at three levels (SBX_WIDE is the sandbox's), cwd, contexts,
+    streaming and a timeout that interrupts the kernel, per language."""
+    from e2b import TimeoutException
+
+    battery.full(box, language, home="/home/user", other_dir="/tmp",
+                 sandbox_env=("SBX_WIDE", "sandbox-wide"), timeout_exc=TimeoutException)
+    assert language in {c.language for c in box.list_code_contexts()}
+
+
+def test_charts_and_saved_images(box) -> None:
+    from e2b_code_interpreter import charts
+
+    figures.check_all(box, charts)
+    figures.check_saved_images(box)
+
+
+@pytest.mark.js
+def test_js_sdk_every_language(ci: E2EService, box) -> None:
+    """The same battery through the JS SDK, in the sandbox the Python battery warmed."""
+    if shutil.which("node") is None or not (JS / "node_modules" / "@e2b" /
+                                            "code-interpreter").exists():
+        pytest.skip("node or tests/js/node_modules/@e2b/code-interpreter missing "
+                    "(npm ci in tests/js)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
+    env.update(ci.sdk_env())
+    env.update({"E2B_DOMAIN": "sbx.localhost", "E2B_SANDBOX_ID": box.sandbox_id})
+    r = subprocess.run(["node", "code_interpreter_languages.mjs", "/home/user", "/tmp",
+                        "SBX_WIDE=sandbox-wide"], env=env, cwd=JS, capture_output=True,
+                       text=True, timeout=1800, check=False)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-4000:])
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {
+        language: True for language in battery.LANGUAGES}
 
 
 def test_state_survives_pause_and_resume(ci: E2EService) -> None:
