@@ -23,7 +23,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 SUITE = "bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 KEYRING = "/usr/share/keyrings/debian-archive-keyring.gpg"
@@ -104,18 +104,29 @@ async def _download(packages: Sequence[str], status: Path, state: Path,
     opts = _apt_options(state, status)
     progress(f"apt: package lists of {mirror()} {SUITE}")
     await _run("apt-get", *opts, "-q", "update", what="apt-get update")
-    # what the guest lacks, by apt's resolver, fetched into the shared archive cache
-    out = await _run("apt-get", *opts, "-q", "-y", "--print-uris", "install", *packages,
+    # what the guest lacks, by apt's resolver ("Inst NAME (VERSION ... [ARCH])" lines of
+    # a simulated install), fetched into the shared archive cache
+    out = await _run("apt-get", *opts, "-q", "-y", "--simulate", "install", *packages,
                      what=f"resolving {' '.join(packages)}")
-    names = [line.split()[1] for line in out.splitlines() if line.startswith("'")]
-    progress(f"apt: downloading {len(names)} packages for {' '.join(packages)}")
+    debs = [state / "archives" / _deb_name(line) for line in out.splitlines()
+            if line.startswith("Inst ")]
+    if not debs:
+        raise DebDepsError(f"apt found nothing to install for {' '.join(packages)}: "
+                           "the image has them already, or the status read is wrong")
+    progress(f"apt: downloading {len(debs)} packages for {' '.join(packages)}")
     await _run("apt-get", *opts, "-q", "-y", "--download-only", "install", *packages,
                what="apt-get --download-only install")
-    debs = [state / "archives" / name for name in names]
     missing = [d.name for d in debs if not d.is_file()]
     if missing:
         raise DebDepsError(f"apt did not download {missing[:5]}")
     return debs
+
+
+def _deb_name(inst_line: str) -> str:
+    """The archive file name apt gives the package of one simulated `Inst` line."""
+    parts = inst_line.split()
+    name, version, arch = parts[1], parts[2].lstrip("("), parts[-1].strip("[])")
+    return f"{name}_{version.replace(':', '%3a')}_{arch}.deb"
 
 
 def _merge_usr(root: Path) -> None:
@@ -128,12 +139,23 @@ def _merge_usr(root: Path) -> None:
             shutil.rmtree(src)
 
 
-def _link_java(root: Path) -> None:
-    # update-alternatives' job in openjdk's postinst: java and jshell on the PATH
-    for tool in ("java", "jshell", "javac"):
-        found = sorted(root.glob(f"usr/lib/jvm/*/bin/{tool}"))
-        link = root / "usr" / "bin" / tool
-        if found and not link.exists():
+# update-alternatives' job in the postinst scripts: (link, the glob of its target)
+ALTERNATIVES = (
+    ("usr/bin/java", "usr/lib/jvm/*/bin/java"),          # openjdk-*-jre-headless
+    ("usr/bin/jshell", "usr/lib/jvm/*/bin/jshell"),      # openjdk-*-jdk-headless
+    ("usr/bin/javac", "usr/lib/jvm/*/bin/javac"),
+    # libblas3 / liblapack3: R links against the generic names
+    ("usr/lib/x86_64-linux-gnu/libblas.so.3", "usr/lib/x86_64-linux-gnu/blas/libblas.so.3"),
+    ("usr/lib/x86_64-linux-gnu/liblapack.so.3",
+     "usr/lib/x86_64-linux-gnu/lapack/liblapack.so.3"),
+)
+
+
+def _alternatives(root: Path) -> None:
+    for link_rel, pattern in ALTERNATIVES:
+        found = sorted(root.glob(pattern))
+        link = root / link_rel
+        if found and not link.exists() and not link.is_symlink():
             link.parent.mkdir(parents=True, exist_ok=True)
             link.symlink_to("/" + found[-1].relative_to(root).as_posix())
 
@@ -148,7 +170,7 @@ def _r_environ(root: Path) -> None:
         shutil.copy2(template, target)
 
 
-FIXUPS: tuple[Callable[[Path], None], ...] = (_merge_usr, _link_java, _r_environ)
+FIXUPS: tuple[Callable[[Path], None], ...] = (_merge_usr, _alternatives, _r_environ)
 
 
 async def ensure_tree(packages: Sequence[str], rootfs: Path, cache: Path,
