@@ -192,15 +192,16 @@ def test_charts_and_saved_images(box) -> None:
 
 
 @pytest.mark.js
-def test_js_sdk_every_language(ci: E2EService, box) -> None:
-    """The same battery through the JS SDK, in the sandbox the Python battery warmed."""
+def test_js_sdk_every_language(ci: E2EService) -> None:
+    """The same battery through the JS SDK, in a sandbox of its own (created by the
+    script with SBX_WIDE): `box` holds every language's kernel by now."""
     if shutil.which("node") is None or not (JS / "node_modules" / "@e2b" /
                                             "code-interpreter").exists():
         pytest.skip("node or tests/js/node_modules/@e2b/code-interpreter missing "
                     "(npm ci in tests/js)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
     env.update(ci.sdk_env())
-    env.update({"E2B_DOMAIN": "sbx.localhost", "E2B_SANDBOX_ID": box.sandbox_id})
+    env["E2B_DOMAIN"] = "sbx.localhost"
     r = subprocess.run(["node", "code_interpreter_languages.mjs", "/home/user", "/tmp",
                         "SBX_WIDE=sandbox-wide"], env=env, cwd=JS, capture_output=True,
                        text=True, timeout=1800, check=False)

@@ -6,10 +6,10 @@
 //
 //   node code_interpreter_languages.mjs <home> <other dir> <sandbox var>=<value> [lang...]
 //
-// Debug mode (E2B_DEBUG=true) reaches a server on localhost:49999; with E2B_SANDBOX_ID set
-// it connects to that sandbox through the service instead (tests/e2e). Prints one line per
-// passed check, then "ALL PASSED" and a JSON summary as the last line; exits non-zero on
-// the first failure.
+// Debug mode (E2B_DEBUG=true) reaches a server on localhost:49999 (whose stand-in envd has
+// the sandbox variable); otherwise a new sandbox is created through the service with that
+// variable, and killed at the end (tests/e2e). Prints one line per passed check, then
+// "ALL PASSED" and a JSON summary as the last line; exits non-zero on the first failure.
 import assert from 'node:assert/strict'
 import { readFileSync } from 'node:fs'
 import { Sandbox, TimeoutError } from '@e2b/code-interpreter'
@@ -19,11 +19,10 @@ const [sbName, sbValue] = sandboxVar.split('=')
 const battery = JSON.parse(readFileSync(
   new URL('../code_interpreter/languages.json', import.meta.url), 'utf8'))
 const languages = only.length ? only : Object.keys(battery).filter((k) => !k.startsWith('_'))
-const sbx = process.env.E2B_SANDBOX_ID
-  ? await Sandbox.connect(process.env.E2B_SANDBOX_ID)
-  : await Sandbox.create()
 // the first run of a language may start its kernel (a JVM under TCG takes a while)
 const SLOW = { timeoutMs: 600_000, requestTimeoutMs: 600_000 }
+const sbx = await Sandbox.create({ envs: { [sbName]: sbValue }, timeoutMs: 1_800_000,
+  requestTimeoutMs: 600_000 })
 const summary = {}
 
 const fill = (s, vars) => Object.entries(vars).reduce(
@@ -117,5 +116,6 @@ for (const language of languages) {
   summary[language] = true
 }
 
+if (process.env.E2B_DEBUG !== 'true') await sbx.kill()
 console.log('ALL PASSED')
 console.log(JSON.stringify(summary))

@@ -1,6 +1,6 @@
 """The HTTP API of the code interpreter (what the e2b code-interpreter SDKs call).
 
-    GET    /health                  "OK" once the default python and javascript kernels are warm
+    GET    /health                  "OK" once the default python kernel is warm
     POST   /execute                 NDJSON stream of one execution's outputs
     GET    /contexts                [{id, language, cwd}]
     POST   /contexts                {language?, cwd?} -> {id, language, cwd}
@@ -13,7 +13,6 @@ from `_STATUS`; 404 becomes the SDKs' NotFound error.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -28,7 +27,7 @@ from starlette.routing import Route
 from .contexts import Context, ContextRegistry
 from .errors import CodeInterpreterError, ContextNotFoundError, KernelError, RequestError
 from .execution import Job
-from .languages import normalize_language
+from .languages import DEFAULT_CONTEXT_LANGUAGES, normalize_language
 from .models import CreateContextRequest, ExecuteRequest
 from .settings import Settings
 
@@ -122,9 +121,12 @@ def build_app(settings: Settings) -> Starlette:
         app.state.registry = registry
         try:
             # as E2B's server: the python and javascript contexts exist before the first
-            # request (and are warm in the template's snapshot); the others on first use
-            await asyncio.gather(*(registry.default(lang) for lang in settings.warm_languages))
-            log.info("default contexts ready: %s (cwd %s)", ", ".join(settings.warm_languages),
+            # request; the warm ones' kernels run already (and so are in the template's
+            # snapshot), the others' start on first use, like other languages' contexts
+            for lang in dict.fromkeys((*settings.warm_languages, *DEFAULT_CONTEXT_LANGUAGES)):
+                await registry.default(lang, start=lang in settings.warm_languages)
+            log.info("default contexts: %s, warm: %s (cwd %s)",
+                     ", ".join(DEFAULT_CONTEXT_LANGUAGES), ", ".join(settings.warm_languages),
                      settings.default_cwd)
             yield
         finally:

@@ -49,13 +49,19 @@ class Context:
     def info(self) -> ContextInfo:
         return ContextInfo(id=self.id, language=self.language, cwd=self.cwd)
 
-    async def start(self) -> None:
+    async def start(self, *, kernel: bool = True) -> None:
+        """Start the worker, and the kernel now (KernelError if it cannot start) or, with
+        `kernel=False`, when the first job comes."""
+        if kernel:
+            await self._start_kernel()
+        self._start_worker()
+
+    async def _start_kernel(self) -> None:
         try:
             await self._kernel.start()
         except BaseException:
             await self._kernel.shutdown()
             raise
-        self._start_worker()
 
     def submit(self, job: Job) -> None:
         """Queue `job`; it runs after every job queued before it."""
@@ -69,7 +75,8 @@ class Context:
             await self._stop_worker("Context was restarted")
             self._env = EnvState()
             try:
-                await self._kernel.restart()
+                if self._kernel.started:     # a kernel never started has no state to lose
+                    await self._kernel.restart()
             finally:
                 # even with a failed restart: the worker's next job retries it
                 if not self._closed:
@@ -105,6 +112,8 @@ class Context:
             if not job.claim():
                 continue    # its client left while it waited
             try:
+                if not self._kernel.started:
+                    await self._start_kernel()
                 await run_job(self._kernel, job, self._env, self._settings)
             except asyncio.CancelledError:
                 job.finish(outputs.error("ContextRestarting", self._stop_reason, ""))
@@ -119,7 +128,8 @@ class Context:
             except KernelError as exc:
                 log.error("context %s: %s", self.id, exc)
                 job.finish(outputs.error("KernelError", str(exc), ""))
-                await self._recover()
+                if self._kernel.started:
+                    await self._recover()
             except Exception as exc:   # a bug here must not leave later jobs waiting
                 log.exception("context %s: execution failed", self.id)
                 job.finish(outputs.error("InternalError", repr(exc), ""))
@@ -145,23 +155,27 @@ class ContextRegistry:
         self._defaults_lock = asyncio.Lock()
         self._runtime_dir = Path(tempfile.mkdtemp(prefix="aenv-ci-"))  # 0700, IPC sockets
 
-    async def create(self, language: str, cwd: str | None = None) -> Context:
-        """Start a new context; RequestError if `cwd` is not a directory."""
+    async def create(self, language: str, cwd: str | None = None, *,
+                     start: bool = True) -> Context:
+        """A new context, its kernel started unless `start` is false (then on its first
+        job); RequestError if `cwd` is not a directory."""
         cwd = cwd or self._settings.default_cwd
         if not Path(cwd).is_dir():
             raise RequestError(f"cwd {cwd!r} is not a directory")
         context = Context(language, cwd, runtime_dir=self._runtime_dir,
                           settings=self._settings)
-        await context.start()
+        await context.start(kernel=start)
         self._contexts[context.id] = context
         return context
 
-    async def default(self, language: str = DEFAULT_LANGUAGE) -> Context:
-        """The default context of `language`, created if missing (or removed)."""
+    async def default(self, language: str = DEFAULT_LANGUAGE, *,
+                      start: bool = True) -> Context:
+        """The default context of `language`, created if missing (or removed); its
+        kernel starts now, or with `start=False` on its first job."""
         async with self._defaults_lock:
             context = self._contexts.get(self._defaults.get(language, ""))
             if context is None:
-                context = await self.create(language)
+                context = await self.create(language, start=start)
                 self._defaults[language] = context.id
             return context
 

@@ -69,6 +69,11 @@ class Kernel:
             connection_file=str(runtime_dir / f"{kernel_id}.json"))
         self._client: AsyncKernelClient | None = None
 
+    @property
+    def started(self) -> bool:
+        """Whether the process runs with its channels open (started, not shut down)."""
+        return self._client is not None
+
     async def start(self) -> None:
         """Launch the process and wait for its kernel_info reply."""
         # the server's own settings are no business of user code

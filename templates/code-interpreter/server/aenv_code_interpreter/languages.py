@@ -35,8 +35,13 @@ from pathlib import Path
 from .errors import KernelError, RequestError
 
 DEFAULT_LANGUAGE = "python"
-# what E2B's server starts with (its lifespan): these contexts are warm in the template
-WARM_LANGUAGES = ("python", "javascript")
+# E2B's server starts with the default contexts of python and javascript (its lifespan),
+# and the SDKs' users expect to see both listed. Only python's kernel starts with the
+# server (so it is warm in the template's snapshot); javascript's starts on its first
+# use: a Deno kernel holds ~200 MiB, which would triple an idle sandbox's memory
+# (bench/bench_code_interpreter.py: 298 vs ~98 MiB used after create).
+DEFAULT_CONTEXT_LANGUAGES = ("python", "javascript")
+WARM_LANGUAGES = ("python",)
 # the SDKs' spellings that E2B's server folds into one language
 _ALIASES = {"js": "javascript", "ts": "typescript", "python3": "python", "py": "python",
             "sh": "bash", "shell": "bash"}

@@ -18,8 +18,8 @@ class Settings:
 
     Environment: AENV_CI_HOST, AENV_CI_PORT, AENV_CI_CWD (default working directory of
     contexts; the server's own cwd when that directory is missing), AENV_CI_ENVD_URL,
-    AENV_CI_KEEPALIVE_S, AENV_CI_WARM (comma-separated languages whose default context
-    starts with the server; python,javascript).
+    AENV_CI_KEEPALIVE_S, AENV_CI_WARM (comma-separated languages whose default context's
+    kernel starts with the server; python).
     """
 
     host: str = "0.0.0.0"
