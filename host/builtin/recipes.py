@@ -7,8 +7,8 @@ host. `code-interpreter-v1` (the e2b-code-interpreter SDKs' default template) is
 built-in base template plus R and a JDK (Debian packages unpacked on the host), the
 Python data stack with the other languages' kernels (pip on the host) and our
 Jupyter-backed server on :49999 (templates/code-interpreter/). Its start command runs the
-server and its ready check waits until the default python and javascript kernels are up,
-so the template snapshot holds them warm and a new sandbox runs code at once.
+server and its ready check waits until the default python kernel is up, so the template
+snapshot holds it warm and a new sandbox runs Python at once.
 """
 
 from __future__ import annotations

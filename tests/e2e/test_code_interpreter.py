@@ -191,10 +191,8 @@ def test_charts_and_saved_images(box) -> None:
     figures.check_saved_images(box)
 
 
-@pytest.mark.js
-def test_js_sdk_every_language(ci: E2EService) -> None:
-    """The same battery through the JS SDK, in a sandbox of its own (created by the
-    script with SBX_WIDE): `box` holds every language's kernel by now."""
+def _node(ci: E2EService, *args: str) -> dict:
+    """Run a tests/js script against the service; its last line (a JSON summary)."""
     if shutil.which("node") is None or not (JS / "node_modules" / "@e2b" /
                                             "code-interpreter").exists():
         pytest.skip("node or tests/js/node_modules/@e2b/code-interpreter missing "
@@ -202,12 +200,19 @@ def test_js_sdk_every_language(ci: E2EService) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
     env.update(ci.sdk_env())
     env["E2B_DOMAIN"] = "sbx.localhost"
-    r = subprocess.run(["node", "code_interpreter_languages.mjs", "/home/user", "/tmp",
-                        "SBX_WIDE=sandbox-wide"], env=env, cwd=JS, capture_output=True,
+    r = subprocess.run(["node", *args], env=env, cwd=JS, capture_output=True,
                        text=True, timeout=1800, check=False)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-4000:])
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == {
-        language: True for language in battery.LANGUAGES}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.js
+def test_js_sdk_every_language(ci: E2EService) -> None:
+    """The same battery through the JS SDK, in a sandbox of its own (created by the
+    script with SBX_WIDE): `box` holds every language's kernel by now."""
+    summary = _node(ci, "code_interpreter_languages.mjs", "/home/user", "/tmp",
+                    "SBX_WIDE=sandbox-wide")
+    assert summary == {language: True for language in battery.LANGUAGES}
 
 
 def test_state_survives_pause_and_resume(ci: E2EService) -> None:
@@ -243,18 +248,7 @@ def test_fork_children_keep_kernel_state(ci: E2EService) -> None:
 
 @pytest.mark.js
 def test_js_code_interpreter_sdk(ci: E2EService) -> None:
-    script = JS / "code_interpreter.mjs"
-    if shutil.which("node") is None or not (JS / "node_modules" / "@e2b" /
-                                            "code-interpreter").exists():
-        pytest.skip("node or tests/js/node_modules/@e2b/code-interpreter missing "
-                    "(npm ci in tests/js)")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
-    env.update(ci.sdk_env())
-    env["E2B_DOMAIN"] = "sbx.localhost"
-    r = subprocess.run(["node", str(script)], env=env, cwd=JS, capture_output=True,
-                       text=True, timeout=900, check=False)
-    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = _node(ci, "code_interpreter.mjs")
     assert out["answer"] == "42", out
     assert out["png"] is True and out["errorName"] == "ValueError", out
     assert out["isolated"] is True, out

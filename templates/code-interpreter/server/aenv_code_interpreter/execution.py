@@ -15,6 +15,7 @@ import asyncio
 import enum
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,6 +138,8 @@ async def _run_code(kernel: Kernel, job: Job, settings: Settings) -> None:
         job.emit(output)
 
     await _wait_idle(kernel, msg_id, settings, emit, job)
+    if kernel.language.flush is not None:
+        await _flush(kernel, msg_id, settings, emit)
     reply = await kernel.reply(msg_id, settings.reply_timeout_s)
     content = (reply or {}).get("content") or {}
     status = content.get("status")
@@ -167,11 +170,8 @@ async def _run_silent(kernel: Kernel, code: str, settings: Settings,
 async def _wait_idle(kernel: Kernel, msg_id: str, settings: Settings,
                      emit: Callable[[outputs.Output], None], job: Job | None = None) -> None:
     """Pass the outputs of request `msg_id` to `emit` until the kernel reports idle for
-    it (and, for a kernel that publishes late, until it has been quiet for its settle
-    time); interrupt while `job` is cancelled; KernelDiedError if the process exits."""
+    it; interrupt while `job` is cancelled; KernelDiedError if the process exits."""
     interrupted_at: float | None = None
-    settle_s = kernel.language.settle_s
-    idle = False
     while True:
         if job is not None and job.cancel_requested:
             now = time.monotonic()
@@ -179,10 +179,8 @@ async def _wait_idle(kernel: Kernel, msg_id: str, settings: Settings,
                 log.info("kernel %s: client gone, interrupting", kernel.id)
                 interrupted_at = now
                 await kernel.interrupt()
-        msg = await kernel.next_iopub(settle_s if idle else settings.poll_interval_s)
+        msg = await kernel.next_iopub(settings.poll_interval_s)
         if msg is None:
-            if idle:
-                return
             code = await kernel.exit_code()
             if code is not None:
                 raise KernelDiedError(code)
@@ -192,10 +190,54 @@ async def _wait_idle(kernel: Kernel, msg_id: str, settings: Settings,
         kind = msg.get("msg_type")
         if kind == "status":
             if msg["content"].get("execution_state") == "idle":
-                if not settle_s:
-                    return
-                idle = True
+                return
             continue
         output = outputs.from_iopub(msg)
         if output is not None:
+            emit(output)
+
+
+async def _flush(kernel: Kernel, msg_id: str, settings: Settings,
+                 emit: Callable[[outputs.Output], None]) -> None:
+    """For a kernel that publishes outputs after `idle` (languages.Language.flush): run
+    the silent flush cell and pass on what request `msg_id` still publishes until the
+    cell's markers have come back through every output path. Output the kernel parents
+    to the flush cell is late output of `msg_id` (Deno parents output to the request it
+    last received) and passes on too; the markers do not."""
+    flush = kernel.language.flush
+    assert flush is not None
+    marker = f"\x01aenv-flush-{uuid.uuid4().hex}"
+    flush_id = kernel.execute(flush(marker), silent=True)
+    stream_seen = display_seen = idle = False
+    deadline = time.monotonic() + settings.flush_timeout_s
+    while not (stream_seen and display_seen and idle):
+        if time.monotonic() > deadline:
+            log.warning("kernel %s: flush markers not back after %.0f s; the execution ends "
+                        "without them", kernel.id, settings.flush_timeout_s)
+            return
+        msg = await kernel.next_iopub(settings.poll_interval_s)
+        if msg is None:
+            code = await kernel.exit_code()
+            if code is not None:
+                raise KernelDiedError(code)
+            continue
+        parent = msg.get("parent_header", {}).get("msg_id")
+        if parent not in (msg_id, flush_id):
+            continue
+        kind = msg.get("msg_type")
+        content = msg.get("content") or {}
+        if kind == "status":
+            idle = idle or (parent == flush_id and content.get("execution_state") == "idle")
+            continue
+        if kind == "stream" and marker in content.get("text", ""):
+            stream_seen = True
+            text = content["text"].replace(f"{marker}\n", "").replace(marker, "")
+            if not text:
+                continue
+            msg = {**msg, "content": {**content, "text": text}}
+        elif kind == "display_data" and (content.get("data") or {}).get("text/plain") == marker:
+            display_seen = True
+            continue
+        output = outputs.from_iopub(msg)
+        if output is not None and output["type"] != "number_of_executions":
             emit(output)

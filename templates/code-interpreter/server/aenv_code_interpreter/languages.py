@@ -72,10 +72,13 @@ class Language:
     snapshots: bool = False
     # added to the kernel's environment
     env: Mapping[str, str] = field(default_factory=dict)
-    # Deno's kernel forwards results and console output through its own tasks and may
-    # publish them just after the request's `idle` status (its server sleeps 5 ms and
-    # hopes): an execution there ends once its iopub has also been quiet this long
-    settle_s: float = 0.0
+    # Deno's kernel publishes a cell's result (an op its JS side starts and does not
+    # await) and its console output (a channel drained by another task) on their own
+    # schedule, sometimes after the cell's `idle` (its server sleeps 5 ms and hopes).
+    # For such a kernel an execution ends with a silent flush cell whose code, given a
+    # marker, emits it through both paths; once both markers are back, every output of
+    # the cell before it is too (execution.py)
+    flush: Callable[[str], str] | None = None
 
 
 def _which(program: str, what: str) -> str:
@@ -162,7 +165,11 @@ def _bash_unset(keys: Iterable[str]) -> str:
     return "\n".join(f"unset -v -- {shlex.quote(k)}" for k in keys)
 
 
-_DENO_SETTLE_S = 0.05
+def _deno_flush(marker: str) -> str:
+    return (f"console.log({_lit(marker)});\n"
+            f"await Deno.jupyter.display({{'text/plain': {_lit(marker)}}}, {{raw: true}});")
+
+
 _DENO = (_setter("Deno.env.set({}, {});"), _unsetter("Deno.env.delete({});"))
 
 LANGUAGES: dict[str, Language] = {lang.name: lang for lang in (
@@ -170,9 +177,9 @@ LANGUAGES: dict[str, Language] = {lang.name: lang for lang in (
              _python_unset, snapshots=True),
     # Deno colours its text/plain results unless NO_COLOR is set
     Language("javascript", "JavaScript (Deno)", "tcp", "message", _deno_argv, *_DENO,
-             env={"NO_COLOR": "1"}, settle_s=_DENO_SETTLE_S),
+             env={"NO_COLOR": "1"}, flush=_deno_flush),
     Language("typescript", "TypeScript (Deno)", "tcp", "message", _deno_argv, *_DENO,
-             env={"NO_COLOR": "1"}, settle_s=_DENO_SETTLE_S),
+             env={"NO_COLOR": "1"}, flush=_deno_flush),
     Language("r", "R", "tcp", "signal", _r_argv, _setter("invisible(Sys.setenv({} = {}))"),
              _unsetter("invisible(Sys.unsetenv({}))")),
     Language("java", "Java (JJava)", "tcp", "message", _java_argv,

@@ -38,6 +38,8 @@ class Settings:
     # long quiet execution
     keepalive_s: float = 5.0
     reply_timeout_s: float = 10.0
+    # the longest wait for a flush cell's markers (languages.Language.flush)
+    flush_timeout_s: float = 30.0
     warm_languages: tuple[str, ...] = WARM_LANGUAGES
 
     @classmethod
