@@ -14,8 +14,8 @@ against a real `python -m host` service, next to plain commands in the same run.
                 of a trivial expression, M times: p50 / p99
     size        the guest's used disk in a code-interpreter sandbox vs a base sandbox
     memory      the guest's used memory (MemTotal - MemAvailable) just after create
-                (python + javascript warm), with every language's kernel started, and
-                each kernel's RSS; "python only" = just after create minus Deno's RSS
+                (python's kernel warm; any warm Deno kernel's RSS is subtracted for
+                "python only"), with every language's kernel started, and each kernel's RSS
 
 Ratios: first code / first cmd, warm code / warm cmd, all kernels / python only. Samples
 go to JSON (--json, default out/bench/code_interpreter.json). Nothing is asserted.
@@ -108,8 +108,8 @@ def languages_rows(Sandbox, m: int, res: dict[str, object]) -> None:
         print(f"  {lang:<11} first {ms(first[lang])}   warm p50 {ms(pct(warm[lang], .5))} "
               f"p99 {ms(pct(warm[lang], .99))}")
     mib = 1 << 20
-    print(f"guest memory used: just after create (python + javascript warm) "
-          f"{used_fresh / mib:.0f} MiB, python only ~{python_only / mib:.0f} MiB, "
+    print(f"guest memory used: just after create {used_fresh / mib:.0f} MiB (warm kernels: "
+          f"{', '.join(sorted(rss_fresh))}), python only ~{python_only / mib:.0f} MiB, "
           f"every kernel started {used_all / mib:.0f} MiB   ratio all / python only "
           f"{used_all / python_only:.2f}")
     print("kernel RSS with every kernel started: " + ", ".join(
