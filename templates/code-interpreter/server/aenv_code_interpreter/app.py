@@ -112,7 +112,8 @@ async def restart_context(request: Request) -> Response:
 
 
 def build_app(settings: Settings) -> Starlette:
-    """The app; its lifespan starts the warm languages' default contexts before serving."""
+    """The app; its lifespan makes the default contexts (the warm ones' kernels started)
+    before serving."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -167,6 +167,15 @@ async def _run_silent(kernel: Kernel, code: str, settings: Settings,
     return None if reply is None else reply.get("content")
 
 
+async def _next_message(kernel: Kernel, settings: Settings) -> dict[str, Any] | None:
+    """The next iopub message, or None after a quiet poll interval; KernelDiedError if
+    the kernel process exited meanwhile."""
+    msg = await kernel.next_iopub(settings.poll_interval_s)
+    if msg is None and (code := await kernel.exit_code()) is not None:
+        raise KernelDiedError(code)
+    return msg
+
+
 async def _wait_idle(kernel: Kernel, msg_id: str, settings: Settings,
                      emit: Callable[[outputs.Output], None], job: Job | None = None) -> None:
     """Pass the outputs of request `msg_id` to `emit` until the kernel reports idle for
@@ -179,11 +188,8 @@ async def _wait_idle(kernel: Kernel, msg_id: str, settings: Settings,
                 log.info("kernel %s: client gone, interrupting", kernel.id)
                 interrupted_at = now
                 await kernel.interrupt()
-        msg = await kernel.next_iopub(settings.poll_interval_s)
+        msg = await _next_message(kernel, settings)
         if msg is None:
-            code = await kernel.exit_code()
-            if code is not None:
-                raise KernelDiedError(code)
             continue
         if msg.get("parent_header", {}).get("msg_id") != msg_id:
             continue   # late output of an interrupted or earlier request
@@ -215,11 +221,8 @@ async def _flush(kernel: Kernel, msg_id: str, settings: Settings,
             log.warning("kernel %s: flush markers not back after %.0f s; the execution ends "
                         "without them", kernel.id, settings.flush_timeout_s)
             return
-        msg = await kernel.next_iopub(settings.poll_interval_s)
+        msg = await _next_message(kernel, settings)
         if msg is None:
-            code = await kernel.exit_code()
-            if code is not None:
-                raise KernelDiedError(code)
             continue
         parent = msg.get("parent_header", {}).get("msg_id")
         if parent not in (msg_id, flush_id):

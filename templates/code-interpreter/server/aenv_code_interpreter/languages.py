@@ -135,12 +135,11 @@ def _bash_argv() -> list[str]:
 
 
 def _python_set(env: Env) -> str:
-    return f"__import__('os').environ.update({dict(env)!r})" if env else ""
+    return f"__import__('os').environ.update({dict(env)!r})"
 
 
 def _python_unset(keys: Iterable[str]) -> str:
-    keys = list(keys)
-    return f"[__import__('os').environ.pop(k, None) for k in {keys!r}]" if keys else ""
+    return f"[__import__('os').environ.pop(k, None) for k in {list(keys)!r}]"
 
 
 def _lines(template: str, items: Iterable[tuple[str, ...]]) -> str:
