@@ -21,6 +21,7 @@ import pytest
 
 from host.storage.control import StackInfo
 from host.storage.convert import convert_image
+from host.vmm.qemu.cmdline import MACHINE
 from tests.vmassets import require_vm_assets
 
 from .conftest import BlockServerProc, free_port
@@ -66,7 +67,7 @@ def _boot(man: dict[str, Any], info: StackInfo, work: Path, timeout_s: float = 2
     port = free_port()
     console = work / f"console-{info.name}.log"
     argv = [
-        "qemu-system-x86_64", "-M", "microvm", "-accel", "tcg", "-cpu", "max", "-smp", "2",
+        "qemu-system-x86_64", "-M", MACHINE, "-accel", "tcg", "-cpu", "max", "-smp", "2",
         "-m", "1G", "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
         "-kernel", man["kernel"]["vmlinux"],
         "-append", man["cmdline"].format(tsc_khz=_tsc_khz()),

@@ -16,8 +16,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from host.vmm import BootTimeouts, QemuDriver, QemuVm, VmmBootTimeout, VmmStartError, VmState
+from host.vmm import (
+    BootTimeouts,
+    QemuDriver,
+    QemuVm,
+    VmmBootTimeout,
+    VmmStartError,
+    VmSpec,
+    VmState,
+)
 from host.vmm.image import GuestImage
+from host.vmm.qemu.cmdline import QemuRunFiles, build_argv
 
 from .conftest import private_root
 from .helpers import procs_mentioning
@@ -147,12 +156,32 @@ async def _boot_failing(image: GuestImage, tmp_path: Path, extra: str,
 async def test_missing_init_fails_fast_with_serial_tail(guest_image: GuestImage,
                                                         tmp_path: Path) -> None:
     """No init: the guest panics, QEMU exits (panic=-1, -no-reboot), reported at once."""
-    t0 = time.monotonic()
     exc = await _boot_failing(guest_image, tmp_path, "init=/nonexistent", 60)
-    assert isinstance(exc, VmmStartError)
-    assert time.monotonic() - t0 < 45
+    assert isinstance(exc, VmmStartError)  # QEMU's exit, not the 60 s boot deadline
     assert "Kernel panic" in exc.serial_tail
     assert "guest serial log" in str(exc)
+
+
+@session_loop
+async def test_cold_boots_reach_the_kernel_every_time(guest_image: GuestImage,
+                                                      tmp_path: Path) -> None:
+    """With the legacy PIC and PIT (plain `-M microvm`), a PVH cold boot here triple-faulted
+    at random before the kernel printed a line (10-13 runs in 16 under TCG): a PIT tick
+    through the unprogrammed PIC came as vector 0. Each run boots the real kernel with no
+    root disk, so every one must get as far as its panic (and QEMU then exits)."""
+    driver = QemuDriver(run_dir=tmp_path / "run")
+    accel, tsc_khz = await driver.accel()
+    spec = VmSpec(kernel=guest_image.kernel.vmlinux, cmdline="quiet root=/dev/vda", mem_mib=128,
+                  network=None)
+    for run in range(16):
+        files = QemuRunFiles.in_dir(tmp_path / f"boot{run}")
+        files.serial_log.parent.mkdir()
+        argv = build_argv(spec, files=files, accel=accel, tsc_khz=tsc_khz)
+        proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.DEVNULL,
+                                                    stderr=asyncio.subprocess.PIPE)
+        _, err = await asyncio.wait_for(proc.communicate(), 120)
+        serial = files.serial_log.read_text(errors="replace")
+        assert "Kernel panic" in serial, (run, proc.returncode, serial[-400:], err[-400:])
 
 
 @session_loop

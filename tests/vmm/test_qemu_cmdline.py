@@ -8,6 +8,7 @@ import pytest
 
 from host.vmm import FileDisk, MemoryBacking, NbdDisk, TapNet, UserNet, VmSpec
 from host.vmm.qemu.cmdline import (
+    MACHINE,
     TCG_TB_MIB,
     QemuRunFiles,
     build_argv,
@@ -27,7 +28,7 @@ def test_basic_tcg_argv() -> None:
     spec = VmSpec(kernel=Path("/k/vmlinux"), cmdline="root=/dev/vda", vcpus=2, mem_mib=768)
     argv = build_argv(spec, files=FILES, accel="tcg", tsc_khz=2596118, host_port=4321)
     assert argv[0] == "qemu-system-x86_64"
-    assert _opt(argv, "-M") == ["microvm"]
+    assert _opt(argv, "-M") == [MACHINE]
     assert _opt(argv, "-accel") == [f"tcg,tb-size={TCG_TB_MIB}"]
     assert _opt(argv, "-cpu") == ["max"]
     assert _opt(argv, "-smp") == ["2"] and _opt(argv, "-m") == ["768M"]
@@ -96,7 +97,7 @@ def test_memory_backend_file(shared: bool) -> None:
     spec = VmSpec(kernel=Path("/k"), mem_mib=256, network=None,
                   memory=MemoryBacking(path=Path("/snap/mem"), shared=shared))
     argv = build_argv(spec, files=FILES, accel="tcg", tsc_khz=None, incoming=True)
-    assert _opt(argv, "-M") == ["microvm,memory-backend=mem0"]
+    assert _opt(argv, "-M") == [f"{MACHINE},memory-backend=mem0"]
     share = "on" if shared else "off"
     assert _opt(argv, "-object") == [
         f"memory-backend-file,id=mem0,size=256M,mem-path=/snap/mem,share={share},merge=off"]

@@ -40,8 +40,6 @@ log = logging.getLogger(__name__)
 _PORT_ATTEMPTS = 5
 _QMP_CALL_S = 10.0
 _MIGRATE_S = 120.0
-EARLY_RESET_TRIES = 8
-EARLY_RESET_WATCH_S = 8.0  # a `quiet` kernel may print nothing for seconds
 _MAX_BANDWIDTH = 100 * 1024**3  # bytes/s; the 7.2 default (32 MiB/s) makes snapshots slow
 
 
@@ -150,39 +148,12 @@ class QemuVm(VmBase):
                     resume=resume)
                 self._state = VmState.RUNNING if resume else VmState.PAUSED
             elif state_file is None:
-                await self._relaunch_after_early_resets(tsc_khz)
                 self._state = VmState.RUNNING
             else:
                 await self._load_state(state_file, resume=resume)
         except BaseException:
             await self._kill_failed_start()
             raise
-
-    async def _relaunch_after_early_resets(self, tsc_khz: int | None) -> None:
-        """Under TCG, QEMU 10.0.2 here resets a cold-booting guest at random before its
-        kernel prints a line (measured: 1 to 6 runs in 8 of a plain `-M microvm` boot,
-        any -cpu model, with or without the jail; never with -S, never once the kernel
-        printed); with -no-reboot that is an exit with status 0. Such a start is made
-        again, up to EARLY_RESET_TRIES times; any other exit is left to wait_for_envd to
-        report. Restores never run the early boot and are not affected."""
-        loop = asyncio.get_running_loop()
-        for attempt in range(1, EARLY_RESET_TRIES + 1):
-            deadline = loop.time() + EARLY_RESET_WATCH_S
-            assert self._proc is not None
-            while loop.time() < deadline and self._proc.returncode is None:
-                if self.serial_log.exists() and self.serial_log.stat().st_size > 0:
-                    return
-                await asyncio.sleep(0.02)
-            rc = await self._died()
-            if rc != 0 or (self.serial_log.exists() and self.serial_log.stat().st_size > 0):
-                return
-            log.warning("%s: the guest reset before its kernel printed anything (QEMU TCG "
-                        "early-boot reset): starting it again (%d)", self._spec.name, attempt)
-            await self._close_control()
-            await self._reap()
-            await self._release_host()
-            self.serial_log.unlink(missing_ok=True)
-            await self._launch(tsc_khz, incoming=False)
 
     async def _launch(self, tsc_khz: int | None, *, incoming: bool) -> None:
         """Spawn QEMU and connect QMP, retrying with a new port if the picked one was

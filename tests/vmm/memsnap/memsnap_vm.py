@@ -22,6 +22,7 @@ from pathlib import Path
 from qemu.qmp import ConnectError, QMPClient
 
 from host.vmm.memsnap import config_digest
+from host.vmm.qemu.cmdline import MACHINE
 
 AENV_CACHE = Path(os.environ.get("AENV_CACHE", "/var/cache/aenv"))
 QEMU = "qemu-system-x86_64"
@@ -96,7 +97,7 @@ class VmShape:
         append = (f"console=ttyS0 panic=-1 tsc_early_khz={tsc_khz()} quiet loglevel=1 "
                   "cryptomgr.notests root=/dev/vda ro rootfstype=ext4 init=/init")
         argv = [
-            QEMU, "-M", "microvm", "-accel", "tcg", "-cpu", "max", "-smp", "1",
+            QEMU, "-M", MACHINE, "-accel", "tcg", "-cpu", "max", "-smp", "1",
             "-m", f"{self.mem_mib}M", "-display", "none", "-no-reboot", "-nodefaults",
             "-object", (f"memory-backend-file,id=mem0,size={self.mem_mib}M,mem-path={mem_path},"
                         f"share={'on' if share else 'off'},merge=off"),
