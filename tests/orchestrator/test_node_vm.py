@@ -270,6 +270,10 @@ def test_ttl_expiry_pauses_by_default_and_kills_without_autopause(svc: HostServi
             time.sleep(0.2)
         assert svc.db_states()[k["sandboxID"]] == "killed"
         assert k["sandboxID"] not in svc.vm_sandbox_ids()
+        # a pause answers once the guest is stopped; its VM goes when the snapshot is
+        # committed, which a loaded machine may not have finished yet
+        while p["sandboxID"] in svc.vm_sandbox_ids() and time.monotonic() < deadline + 60:
+            time.sleep(0.2)
         assert p["sandboxID"] not in svc.vm_sandbox_ids()
         r = c.post(f"/v2/sandboxes/{p['sandboxID']}/connect", json={"timeout": 60})
         assert r.status_code == 201
