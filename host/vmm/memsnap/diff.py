@@ -36,7 +36,7 @@ import tempfile
 import threading
 import zlib
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -242,6 +242,38 @@ def parse_header(raw: bytes, *, name: str = "diff") -> DiffHeader:
     return DiffHeader(page_size, count, mem_pages, DiffKind(kind), base, config, parent, digest)
 
 
+class _Checked:
+    """Keys of files whose digest this process has checked (the newest `limit`). A file
+    that changes gets another key: its inode's ctime moves with any write, rename or
+    chmod, so a diff rewritten in place, or put back under the same name, is hashed
+    again. Threads checking one file wait for the first instead of hashing it too."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._limit = limit
+        self._done: dict[tuple[object, ...], None] = {}  # insertion order: oldest first
+        self._busy: dict[tuple[object, ...], threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def once(self, key: tuple[object, ...], check: Callable[[], None]) -> None:
+        with self._guard:
+            if key in self._done:
+                return
+            lock = self._busy.setdefault(key, threading.Lock())
+        with lock:
+            with self._guard:
+                if key in self._done:
+                    return
+            check()  # raises on a mismatch: nothing is recorded, the next caller hashes
+            with self._guard:
+                self._done[key] = None
+                self._busy.pop(key, None)
+                while len(self._done) > self._limit:
+                    del self._done[next(iter(self._done))]
+
+
+_VERIFIED = _Checked()
+
+
 class DiffFile:
     """A validated, memory-mapped diff file. Use as a context manager or call ``close()``."""
 
@@ -290,7 +322,15 @@ class DiffFile:
         return self
 
     def verify(self) -> None:
-        """Recompute the digest over indexes + data; raise CorruptSnapshotError on mismatch."""
+        """Recompute the digest over indexes + data; raise CorruptSnapshotError on mismatch.
+        Once per file in this process (`_VERIFIED`): the 16 children of a fork restore
+        the same diff at once, and each hashing all of it was a third of their restore."""
+        st = os.fstat(self._file.fileno())  # type: ignore[attr-defined]
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+               self.header.digest)
+        _VERIFIED.once(key, self._hash_check)
+
+    def _hash_check(self) -> None:
         h = hashlib.sha256(memoryview(self._mm)[HEADER_SIZE : HEADER_SIZE + 4 * self.header.count])
         h.update(memoryview(self._mm)[self.header.data_offset : self.header.file_size])
         if h.digest() != self.header.digest:

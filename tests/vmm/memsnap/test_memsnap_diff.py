@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import hashlib
 import os
 import struct
+import time
 import zlib
 from array import array
 from pathlib import Path
@@ -135,6 +137,44 @@ def test_damaged_files_raise_clear_errors(tmp_path: Path, damage, match: str) ->
     path.write_bytes(damage(path.read_bytes()))
     with pytest.raises(CorruptSnapshotError, match=match):
         DiffFile.open(path)
+
+
+def test_a_diff_is_hashed_once_per_process_until_it_changes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The children of one fork restore the same diff at once: one of them hashes it, the
+    others wait for that check; a file changed in place is hashed (and refused) again."""
+    path = tmp_path / "f.diff"
+    write(path, {i: page(i) for i in range(1, 60)})
+    hashed: list[int] = []
+    real = DiffFile._hash_check
+
+    def counting(self: DiffFile) -> None:
+        hashed.append(1)
+        time.sleep(0.05)  # the other threads arrive while the first one hashes
+        real(self)
+
+    monkeypatch.setattr(DiffFile, "_hash_check", counting)
+
+    def open_and_verify() -> None:
+        with DiffFile.open(path, verify=False) as f:
+            f.verify()
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: open_and_verify(), range(16)))
+    assert len(hashed) == 1
+    DiffFile.open(path).close()
+    assert len(hashed) == 1
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 1  # one bit of the last page's data
+    time.sleep(0.02)  # past the kernel's coarse timestamp tick
+    with open(path, "r+b") as f:  # in place: same inode, same size
+        f.write(raw)
+    with pytest.raises(CorruptSnapshotError, match="checksum"):
+        DiffFile.open(path)
+    assert len(hashed) == 2
+    with pytest.raises(CorruptSnapshotError, match="checksum"):  # a failure is not kept
+        DiffFile.open(path)
+    assert len(hashed) == 3
 
 
 def test_write_rejects_bad_input(tmp_path: Path) -> None:
