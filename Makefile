@@ -33,7 +33,7 @@ cluster: web      ## Redis, scheduler, gateway and 3 nodes on this machine (Ctrl
 	$(PY) -m host.cluster.local --nodes $(or $(NODES),3)
 
 test: web image   ## the full test suite (what .ci/run runs); builds kernel and image first (cached)
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=25
 
 test-fast: web    ## unit and envd tests only (no VMs)
 	$(PY) -m pytest -q -ra -m "not vm"

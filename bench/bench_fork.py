@@ -1,0 +1,142 @@
+"""Fork after real setup against fork of an idle sandbox (issue 30), through NodeRuntime
+(host/runtime) on real QEMU VMs, in one run on one host.
+
+Rows, each a parent started from the same template and forked into `--children`:
+
+* idle         the anchor: a parent that ran one command
+* wrote        a parent that wrote 200 MiB to its disk and synced (the guest's page cache
+               holds what it wrote: the case the issue measured at 4.3x idle)
+* paused xN    a parent paused and resumed `--cycles` times first (a long memory chain,
+               which compaction keeps short)
+
+Per row: the live snapshot (wall, guest downtime, memory pages in its diff), the
+children's restores (wall until every child's envd answered), their p50 stages, and the
+ratio of the fork (snapshot + children) to the idle row's. Needs `make kernel image`,
+root and QEMU; under TCG on 2 cores every number is noisy: compare rows of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from host.contract import MachineSpec
+from host.orchestrator.model import NetworkConfig
+from host.runtime import NodeRuntime, RuntimeConfig
+from tests.runtime.helpers import run
+
+NET = NetworkConfig()
+WRITE = "dd if=/dev/urandom of=/home/user/big bs=1M count=200 status=none && sync"
+
+
+async def fork_row(rt: NodeRuntime, tpl: Any, name: str, children: int,
+                   setup: Any) -> dict[str, Any]:
+    parent = f"{name}-p"
+    p = await rt.start(parent, tpl, NET)
+    kids = [f"{name}-k{i}" for i in range(children)]
+    try:
+        parent = await setup(rt, tpl, parent, p)
+        t0 = time.perf_counter()
+        ref = await rt.snapshot(parent, f"{name}-fork", stop=False)
+        snap_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        got = await asyncio.gather(*(rt.start(k, ref, NET) for k in kids), return_exceptions=True)
+        restore_s = time.perf_counter() - t1
+        failed = [repr(g) for g in got if isinstance(g, BaseException)]
+        stages: dict[str, list[float]] = {}
+        for g in got:
+            if not isinstance(g, BaseException):
+                for k, v in g.facts["timings"].items():
+                    if k.endswith("_s"):
+                        stages.setdefault(k, []).append(v)
+        t = ref.facts["timings"]
+        return {"row": name, "snapshot_s": snap_s, "downtime_s": t.get("downtime_s", 0.0),
+                "diff_pages": t.get("diff_pages", 0.0), "restore_s": restore_s,
+                "fork_s": snap_s + restore_s, "children_ok": children - len(failed),
+                "failed": failed[:3],
+                "child_p50_ms": {k[:-2]: round(statistics.median(v) * 1e3)
+                                 for k, v in stages.items()}}
+    finally:
+        for k in (parent, *kids):
+            await rt.kill(k)
+
+
+async def idle(rt: NodeRuntime, tpl: Any, sid: str, p: Any) -> str:
+    await run(p, "true")
+    return sid
+
+
+async def wrote(rt: NodeRuntime, tpl: Any, sid: str, p: Any) -> str:
+    await run(p, WRITE)
+    return sid
+
+
+def cycled(n: int) -> Any:
+    async def setup(rt: NodeRuntime, tpl: Any, sid: str, p: Any) -> str:
+        for i in range(n):
+            await run(p, f"head -c 1M /dev/urandom > /home/user/c{i % 4}")
+            ref = await rt.snapshot(sid, f"{sid}-c{i}", stop=True)
+            p = await rt.start(sid, ref, NET)
+        return sid
+    return setup
+
+
+def report(rows: list[dict[str, Any]]) -> None:
+    anchor = rows[0]["fork_s"]
+    print(f"\n{'row':<12} {'snapshot':>9} {'down':>6} {'pages':>7} {'children':>9} "
+          f"{'fork':>8} {'/ idle':>7}  child p50 stages (ms)")
+    for r in rows:
+        print(f"{r['row']:<12} {r['snapshot_s'] * 1e3:7.0f}ms {r['downtime_s'] * 1e3:4.0f}ms "
+              f"{r['diff_pages']:7.0f} {r['restore_s']:8.2f}s {r['fork_s']:7.2f}s "
+              f"{r['fork_s'] / anchor:6.2f}x  {r['child_p50_ms']}"
+              + (f"  FAILED {r['failed']}" if r["failed"] else ""))
+
+
+async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
+    work = Path(tempfile.mkdtemp(prefix="aenv-bfork-", dir="/var/tmp"))
+    cfg = RuntimeConfig(state_dir=work / "state",
+                        run_dir=Path(f"/tmp/aenv-bfork-{work.name[-8:]}"),
+                        vms_survive_service=False)
+    rt = await NodeRuntime(cfg).open()
+    rows: list[dict[str, Any]] = []
+    try:
+        tpl = await rt.build_template("bfork", MachineSpec(cpu_count=1, memory_mb=args.mem_mib))
+        for name, setup in (("idle", idle), ("wrote", wrote),
+                            (f"paused x{args.cycles}", cycled(args.cycles))):
+            row = await fork_row(rt, tpl, name.replace(" ", ""), args.children, setup)
+            row["row"] = name
+            rows.append(row)
+            print(f"  {name}: fork {row['fork_s']:.2f} s", flush=True)
+    finally:
+        await rt.shutdown()
+        shutil.rmtree(cfg.run_dir, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--children", type=int, default=16)
+    ap.add_argument("--mem-mib", type=int, default=512)
+    ap.add_argument("--cycles", type=int, default=100, help="pause/resume cycles of the last row")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    rows = asyncio.run(amain(args))
+    report(rows)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
