@@ -8,18 +8,22 @@
 #
 # Output: ${AENV_CACHE:-/var/cache/aenv}/kernel/<hash>/{vmlinux,bzImage,config,System.map,
 #         build.log,info.json,DONE}  and the symlink  ${AENV_CACHE}/kernel/current -> <hash>
-# hash = sha256(fragment + base config choice + linux-source package version + script version)
+# hash = sha256(fragment + patches + base config choice + linux-source package version +
+#        script version)
 # A build counts as done only when <hash>/DONE exists; <hash>/ itself is created by an
 # atomic rename of a temp dir, so an interrupted build is never taken for a finished one.
 set -euo pipefail
 
-BUILD_SCRIPT_VERSION=1
+BUILD_SCRIPT_VERSION=2
 BASE_CONFIG=allnoconfig
 PKG=linux-source-6.12
 TARBALL=/usr/src/linux-source-6.12.tar.xz
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
 FRAGMENT="$HERE/microvm.config"
+shopt -s nullglob
+PATCHES=("$HERE"/patches/*.patch)   # applied in name order (kernel/README.md)
+shopt -u nullglob
 CACHE="${AENV_CACHE:-/var/cache/aenv}/kernel"
 
 log() { printf 'kernel: %s\n' "$*" >&2; }
@@ -38,7 +42,7 @@ PKG_VERSION="$(dpkg-query -W -f='${Version}' "$PKG" 2>/dev/null || true)"
 [ -n "$PKG_VERSION" ] || die "package $PKG not installed"
 
 HASH="$( { printf 'base=%s\npkg=%s %s\nscript=%s\n--\n' "$BASE_CONFIG" "$PKG" "$PKG_VERSION" \
-          "$BUILD_SCRIPT_VERSION"; cat "$FRAGMENT"; } | sha256sum | cut -c1-16)"
+          "$BUILD_SCRIPT_VERSION"; cat "$FRAGMENT" ${PATCHES[@]+"${PATCHES[@]}"}; } | sha256sum | cut -c1-16)"
 OUT="$CACHE/$HASH"
 
 if [ "$mode" = print ]; then
@@ -85,12 +89,30 @@ else
   log "[1/5] source already unpacked: $SRC"
 fi
 
-# 2. configure out of tree: base config, merge fragment, olddefconfig
 WORK="$CACHE/.work-$HASH"
 rm -rf "$WORK"
 mkdir -p "$WORK/build" "$WORK/out"
 BLOG="$WORK/out/build.log"
 : >"$BLOG"
+
+# 1b. our patches, on a copy of the source made of hard links (seconds, no space): patch
+#     writes each file it changes anew and renames it into place, so the unpacked source
+#     shared by every build keeps its original files (checked below)
+if [ "${#PATCHES[@]}" -gt 0 ]; then
+  log "[1/5] applying ${#PATCHES[@]} patch(es) from kernel/patches"
+  cp -al "$SRC" "$WORK/src"
+  for p in "${PATCHES[@]}"; do
+    patch -d "$WORK/src" -p1 --no-backup-if-mismatch --forward <"$p" >>"$BLOG" 2>&1 \
+      || { tail -20 "$BLOG"; die "patch $(basename "$p") does not apply to $PKG $PKG_VERSION"; }
+    for f in $(sed -n 's|^+++ b/\([^[:space:]]*\).*|\1|p' "$p"); do
+      [ "$(stat -c %i "$WORK/src/$f")" != "$(stat -c %i "$SRC/$f")" ] \
+        || die "patching $f changed the shared source $SRC (a hard link was written through)"
+    done
+  done
+  SRC="$WORK/src"
+fi
+
+# 2. configure out of tree: base config, merge fragment, olddefconfig
 K=(make -C "$SRC" O="$WORK/build" ARCH=x86_64)
 log "[2/5] configuring: $BASE_CONFIG + $(basename "$FRAGMENT") (hash $HASH, log $BLOG)"
 "${K[@]}" "$BASE_CONFIG" >>"$BLOG" 2>&1 || { tail -20 "$BLOG"; die "make $BASE_CONFIG failed"; }
@@ -142,6 +164,7 @@ B="$WORK/build"
 cp "$B/vmlinux" "$B/arch/x86/boot/bzImage" "$B/System.map" "$WORK/out/"
 cp "$B/.config" "$WORK/out/config"
 cp "$FRAGMENT" "$WORK/out/microvm.config"
+if [ "${#PATCHES[@]}" -gt 0 ]; then cp "${PATCHES[@]}" "$WORK/out/"; fi
 KREL="$(cat "$B/include/config/kernel.release")"
 secs=$(( $(date +%s) - t0 ))
 cat >"$WORK/out/info.json" <<EOF
