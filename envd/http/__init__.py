@@ -1,4 +1,5 @@
-"""envd's plain HTTP routes: /health, /files, /init, /envs, /metrics (spec §4.5).
+"""envd's plain HTTP routes: /health, /files, /init, /envs, /metrics (spec §4.5), and
+/aenv/reclaim (ours: reclaim.py).
 
 Every route but /health needs X-Access-Token once /init set a token; /files also
 accepts a signed URL instead. Errors are JSON `{"code": <status>, "message": ...}`.
@@ -18,6 +19,7 @@ from .errors import HTTPError, json_error
 from .health import health
 from .init import init_endpoint
 from .metrics import metrics
+from .reclaim import reclaim_endpoint
 from .upload import upload_endpoint
 
 
@@ -29,6 +31,7 @@ def routes(defaults: Defaults, config: EnvdConfig, mounts: Mounts) -> list[BaseR
         Route("/init", init_endpoint(defaults, mounts), methods=["POST"]),
         Route("/envs", token_required(defaults, envs_endpoint(defaults)), methods=["GET"]),
         Route("/metrics", token_required(defaults, metrics), methods=["GET"]),
+        Route("/aenv/reclaim", token_required(defaults, reclaim_endpoint), methods=["POST"]),
     ]
 
 

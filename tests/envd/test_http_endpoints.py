@@ -139,6 +139,14 @@ def test_envs_and_metrics(secured_envd):
     assert 0 < m["disk_used"] < m["disk_total"] and abs(m["ts"] - time.time()) < 60
 
 
+def test_reclaim_needs_the_token(secured_envd):
+    """POST /aenv/reclaim (ours, envd/http/reclaim.py) is token-protected like /envs; only
+    the refusals are sent here: a real call would drop this host's page cache."""
+    r = httpx.post(f"{secured_envd}/aenv/reclaim")
+    assert r.status_code == 401 and r.json()["code"] == 401
+    assert httpx.get(f"{secured_envd}/aenv/reclaim", headers=AUTH).status_code == 405
+
+
 def test_init_validation_and_reinit_with_new_token():
     with private_envd() as (url, _):
         # No token yet: /init is open. Bad bodies change nothing.
