@@ -17,7 +17,7 @@ The implementation is `host.runtime.NodeRuntime`.
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -190,7 +190,8 @@ class SandboxRuntime(Protocol):
 
     async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool,
                        memory: bool = True, stopped: Callable[[], None] | None = None,
-                       keep: bool = False) -> SnapshotRef:
+                       keep: bool = False,
+                       reclaim: Callable[[], Awaitable[int]] | None = None) -> SnapshotRef:
         """Snapshot a running sandbox, complete and durable before returning. stop=True is
         pause: the VM and its local runtime files are released, its network and disk stack
         right after (a start or kill of the same id waits for that). stop=False:
@@ -199,7 +200,12 @@ class SandboxRuntime(Protocol):
         called once the guest is stopped for good, before the snapshot is written; a
         snapshot that fails after it leaves the guest running again. `keep` (stop=True
         with memory): the committed snapshot's VM stays, stopped, like a held start's: a
-        start of the same id from this snapshot continues it, `kill` releases it."""
+        start of the same id from this snapshot continues it, `kill` releases it.
+        `reclaim` (with memory): asks the guest to free its page cache (envd's
+        /aenv/reclaim) and returns the MiB it freed; called before the memory cut when
+        the guest's RAM differs enough from its memory file to be worth it, and the cut
+        then waits, briefly, for the guest to give that memory back, so that it stays
+        out of the snapshot."""
         ...
 
     async def kill(self, sandbox_id: str) -> None:

@@ -1,5 +1,6 @@
-"""The host's calls into a sandbox's envd: `POST /init`, `GET /metrics`, and `sync` (a
-root `/bin/sync` through envd's process API before a filesystem-only pause).
+"""The host's calls into a sandbox's envd: `POST /init`, `GET /metrics`, `sync` (a
+root `/bin/sync` through envd's process API before a filesystem-only pause), and
+`reclaim` (aenv's envd drops the guest's clean page cache before a memory snapshot).
 
 One httpx client per orchestrator (no kept-alive connections); tests inject an
 `httpx.MockTransport`. envd runs inside the guest and may be hostile: every answer is read
@@ -161,6 +162,32 @@ class EnvdClient:
         if done.get("exitCode", 0) != 0 or not done.get("exited", True):
             raise OperationFailed(f"sync in {placement.sandbox_id} failed: "
                                   f"{done.get('status') or done.get('error') or done}")
+
+    async def reclaim(self, placement: Placement, token: str | None, *,
+                      timeout_s: float = 10.0) -> int:
+        """Ask the guest to drop its clean page cache before its memory is snapshotted
+        (`POST /aenv/reclaim`, envd/http/reclaim.py); the MiB it says it freed. 0 when
+        its envd has no such route (E2B's, or an older aenv envd in a template) or the
+        call failed: the snapshot goes on without it, only larger."""
+        headers = {"X-Access-Token": token} if token else {}
+        path = "/aenv/reclaim"
+        try:
+            resp = await guestio.request(self._http, "POST", self._url(placement, path),
+                                         limit=guestio.MAX_ANSWER_BYTES, what=path,
+                                         headers=headers, timeout=timeout_s)
+            if resp.status_code == 404:
+                return 0
+            if not 200 <= resp.status_code < 300:
+                raise OperationFailed(f"envd answered {resp.status_code}: {resp.text[:200]}")
+            freed = resp.json()["freedMiB"]
+            if not isinstance(freed, int) or isinstance(freed, bool):
+                raise OperationFailed(f"freedMiB is not a number: {freed!r}")
+        except (httpx.HTTPError, guestio.GuestAnswerError, OperationFailed, ValueError,
+                TypeError, KeyError) as exc:
+            log.warning("sandbox %s: its page cache was not dropped before the snapshot "
+                        "(%s): the snapshot keeps it", placement.sandbox_id, exc)
+            return 0
+        return max(0, freed)
 
     async def healthy(self, placement: Placement, *, attempts: int = 3,
                       timeout_s: float = 3.0) -> bool:

@@ -47,6 +47,7 @@ from .records import (
     with_runtime,
     without_memory,
 )
+from .snapshots import page_cache_reclaim
 from .states import SandboxState as S
 from .store import SandboxRecord
 
@@ -159,7 +160,8 @@ async def pause_locked(ctx: Context, rec: SandboxRecord, op: str, *,
     degraded: dict[str, str] = {}
     try:
         ref = await ctx.runtime.snapshot(sid, snap_id, stop=True, memory=memory,
-                                         stopped=answer, keep=keep)
+                                         stopped=answer, keep=keep,
+                                         reclaim=page_cache_reclaim(ctx, rec) if memory else None)
     except Exception as exc:
         # A pause already answered, or one whose VM died, keeps the disk at least (the
         # caller was told "paused"; a VM-less sandbox must not read as running).

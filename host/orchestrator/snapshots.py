@@ -6,7 +6,7 @@ of pause/fork snapshots that nothing can reach any more.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from host.contract import SnapshotRef
 
@@ -14,7 +14,14 @@ from . import ids
 from .errors import AliasConflict, InvalidRequest, OperationFailed, SnapshotNotFound
 from .model import SnapshotInfo
 from .opcontext import Context, observed
-from .records import GONE, snapshot_info, snapshot_record, snapshot_ref, with_runtime
+from .records import (
+    GONE,
+    placement_of,
+    snapshot_info,
+    snapshot_record,
+    snapshot_ref,
+    with_runtime,
+)
 from .states import SandboxState as S
 from .store import SandboxRecord
 from .templates import catalog
@@ -48,6 +55,22 @@ async def _snapshot(ctx: Context, sandbox_id: str, public_id: str,
     return snapshot_info(snap)
 
 
+def page_cache_reclaim(ctx: Context, rec: SandboxRecord) -> Callable[[], Awaitable[int]] | None:
+    """The `reclaim` of a memory snapshot of `rec`'s running guest: it drops its clean page
+    cache (envd's /aenv/reclaim), which then stays out of the snapshot instead of being
+    copied into it and into every sandbox started from it. The runtime calls it when the
+    guest's memory makes it worth a call; it answers the MiB freed (0: not done)."""
+    placement = placement_of(rec)
+    if placement is None:
+        return None
+    token = rec.envd_token
+
+    async def ask() -> int:
+        return await ctx.envd.reclaim(placement, token)
+
+    return ask
+
+
 async def live_snapshot(ctx: Context, rec: SandboxRecord, via: S, store_id: str | None,
                         kind: str) -> SnapshotRef:
     """running -> `via`, snapshot without stopping; back to running on failure.
@@ -58,7 +81,8 @@ async def live_snapshot(ctx: Context, rec: SandboxRecord, via: S, store_id: str 
     rec = await ctx.db(ctx.store.transition, rec.id, {S.RUNNING}, via,
                        runtime=with_runtime(rec, pending=pending))
     try:
-        return await ctx.runtime.snapshot(rec.id, runtime_id, stop=False)
+        return await ctx.runtime.snapshot(rec.id, runtime_id, stop=False,
+                                          reclaim=page_cache_reclaim(ctx, rec))
     except Exception as exc:
         await ctx.db(ctx.store.transition, rec.id, {via}, S.RUNNING,
                      event={"op": f"{kind}_failed", "error": str(exc)},

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
@@ -258,13 +258,15 @@ class NodeRuntime:
 
     async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool,
                        memory: bool = True, stopped: Callable[[], None] | None = None,
-                       keep: bool = False) -> SnapshotRef:
+                       keep: bool = False,
+                       reclaim: Callable[[], Awaitable[int]] | None = None) -> SnapshotRef:
         """Snapshot a running sandbox: memory + disk, or (`memory=False`, only with
         `stop=True`) its disk alone: a filesystem-only pause, resumed by a cold boot.
-        `stopped`, `keep`: see the contract."""
+        `stopped`, `keep`, `reclaim`: see the contract."""
         self._check_open()
         return await snapshots.snapshot(self.parts, sandbox_id, snapshot_id, stop=stop,
-                                        memory=memory, stopped=stopped, keep=keep)
+                                        memory=memory, stopped=stopped, keep=keep,
+                                        reclaim=reclaim)
 
     async def kill(self, sandbox_id: str) -> None:
         await adoption.kill(self.parts, sandbox_id)

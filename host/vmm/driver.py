@@ -155,13 +155,24 @@ class VmSpec:
 # allocated and freed 300 MiB, its QEMU's PSS less TCG's code after / idle): order 9
 # 1.39x, order 7 1.26x. Order 7 needs 16 MiB free; a report is still a few calls per 16 MiB.
 REPORTING_ORDER = "page_reporting.page_reporting_order"
+# How long freed blocks wait to be reported: our kernel's parameter (kernel/patches; 2 s
+# fixed upstream). Each run reports a sixteenth of a free list and the next waits this
+# long again, so a guest that dropped 200 MiB of page cache took ~30 s to give it all back;
+# a snapshot right after it copied the lot. At 20 ms it is back in a few hundred ms
+# (host/runtime/snapshots.py waits for it), and what is freed and soon reused in steady
+# state costs the host a page fault more per page.
+REPORTING_DELAY = "page_reporting.page_reporting_delay_ms"
+REPORTING_DELAY_MS = 20
 
 
 def balloon_cmdline(spec: VmSpec) -> str:
-    """`spec.cmdline` with what its balloon needs in the guest (unless already set)."""
-    if not spec.balloon or f"{REPORTING_ORDER}=" in spec.cmdline:
+    """`spec.cmdline` with what its balloon needs in the guest (each unless already set)."""
+    if not spec.balloon:
         return spec.cmdline
-    return f"{spec.cmdline} {REPORTING_ORDER}=7".strip()
+    extra = [f"{key}={value}" for key, value in ((REPORTING_ORDER, 7),
+                                                 (REPORTING_DELAY, REPORTING_DELAY_MS))
+             if f"{key}=" not in spec.cmdline]
+    return " ".join([spec.cmdline, *extra]).strip()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -288,6 +299,11 @@ class Vm(Protocol):
 
     async def balloon_stats(self) -> BalloonStats:
         """The balloon's size and target, and the guest's last memory report."""
+
+    async def private_memory_mib(self) -> int | None:
+        """MiB of guest RAM that differs from the VM's memory file (copied on write: what
+        a memory diff copies, and what a guest's free-page reports give back); None where
+        the VMM cannot tell, or for RAM that is not a private mapping of a file."""
 
     async def kill(self) -> None:
         """Stop the VMM and remove everything it owned. Idempotent; never raises for an

@@ -32,6 +32,8 @@ class FakeVm:
         self.balloon_mib = 0
         # what the fake guest could give back (its MemAvailable before any balloon)
         self.guest_available_mib = spec.mem_mib // 2
+        # what private_memory_mib() answers (None: unknown, as a VMM that cannot tell)
+        self.private_mib: int | list[int] | None = None
         self.saved_to: list[Path] = []
 
     @property
@@ -114,6 +116,15 @@ class FakeVm:
         available = max(0, min(kept, self.guest_available_mib - self.balloon_mib))
         return BalloonStats(size_mib=self.balloon_mib, target_mib=self.balloon_mib,
                             available_mib=available, free_mib=available, caches_mib=0)
+
+    async def private_memory_mib(self) -> int | None:
+        """`private_mib`, settable: a test scripts what the guest gives back (a list is
+        read one value per call, its last value repeated)."""
+        self._require(VmState.RUNNING, VmState.PAUSED)
+        await self._driver._op("private_memory_mib", self)
+        if isinstance(self.private_mib, list):
+            return self.private_mib.pop(0) if len(self.private_mib) > 1 else self.private_mib[0]
+        return self.private_mib
 
     async def freeze_memory(self, dest: Path) -> BaseImage:
         """Records the call; returns a BaseImage naming `dest` (no files are written)."""

@@ -308,6 +308,10 @@ class VmBase:
 
     # -- teardown -----------------------------------------------------------------------
 
+    async def private_memory_mib(self) -> int | None:
+        """See `Vm.private_memory_mib`; None unless the driver can tell (QEMU does)."""
+        return None
+
     async def kill(self) -> None:
         """Idempotent; shielded, so a cancelled caller cannot leave a half-killed VM.
         A no-op after detach(): the VM then belongs to whoever adopts it."""

@@ -6,6 +6,7 @@ under TCG; the lifecycle tests (pause/resume, snapshot, fork, kill) make their o
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 import uuid
@@ -328,27 +329,45 @@ def test_snapshot_then_create_from_it(env: E2EService) -> None:
             s.kill()
 
 
+def _newest_memory_snapshot(state: Path, since: float) -> dict:
+    """stats of the memory snapshot the service wrote last (its snapshot.json)."""
+    found = [p for p in state.rglob("snapshot.json") if p.stat().st_mtime >= since]
+    assert found, "no memory snapshot written"
+    return json.loads(max(found, key=lambda p: p.stat().st_mtime).read_text())["stats"]
+
+
 def test_fork_sixteen_children_each_with_their_own_data(env: E2EService) -> None:
-    """The largest fork: every child sees the parent's files, writes its own and reads it
-    back, and neither another child nor the parent sees a child's writes."""
+    """The largest fork, after real setup: the parent wrote 64 MiB and synced it (now
+    clean page cache) and 4 MiB it did not sync (dirty). The guest drops its clean cache
+    before the snapshot, so the fork's memory diff holds less than that file (issue 30);
+    every child reads every byte of both back, writes its own file and reads it back, and
+    neither another child nor the parent sees a child's writes."""
     from e2b import Sandbox
 
     parent = Sandbox.create(timeout=600)
     kids: list = []
     try:
         parent.files.write("/home/user/parent.txt", "from-parent")
+        sums = parent.commands.run(
+            "cd /home/user && head -c 64M /dev/urandom > synced && sync && "
+            "head -c 4M /dev/urandom > dirty && md5sum synced dirty", timeout=300).stdout
+        since = time.time()
         res = parent.fork(count=16, timeout=600)
         kids = [k for k in res if isinstance(k, Sandbox)]
         assert len(kids) == 16, res
+        stats = _newest_memory_snapshot(env.state, since)
+        assert stats["diff_pages"] < (64 << 20) // 4096 // 2, stats
         assert len({parent.sandbox_id, *(k.sandbox_id for k in kids)}) == 17
         for i, k in enumerate(kids):
             k.files.write("/home/user/mine.txt", f"child-{i}")
         for i, k in enumerate(kids):
-            out = k.commands.run("cat /home/user/parent.txt; echo; cat /home/user/mine.txt")
-            assert out.stdout.split() == ["from-parent", f"child-{i}"]
+            out = k.commands.run("cd /home/user && md5sum synced dirty && cat parent.txt && "
+                                 "echo && cat mine.txt", timeout=120).stdout
+            assert out == f"{sums}from-parent\nchild-{i}", (i, out)
         kids[0].files.write("/home/user/parent.txt", "changed")
         assert parent.files.read("/home/user/parent.txt") == "from-parent"
-        assert parent.commands.run("ls /home/user").stdout.split() == ["parent.txt"]
+        assert parent.commands.run("ls /home/user").stdout.split() == [
+            "dirty", "parent.txt", "synced"]
     finally:
         for s in [parent, *kids]:
             s.kill()

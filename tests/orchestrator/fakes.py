@@ -13,7 +13,7 @@ import itertools
 import json
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -53,6 +53,8 @@ class FakeRuntime:
         self.held: dict[str, str | None] = {}
         self.reboots: list[str] = []  # sandboxes cold-booted (filesystem-only resume)
         self.memory_flags: list[bool] = []  # `memory` of each snapshot call
+        # per snapshot call: what its `reclaim` said the guest freed (None: no reclaim)
+        self.reclaimed: list[int | None] = []
         self.dead: set[str] = set()  # VMs that "exited by themselves" (exited())
         self.warm: set[str] = set()  # held VMs (start(hold=True)) not continued yet
         self.build_specs: list[BuildSpec] = []  # every build() call's spec, in order
@@ -156,8 +158,11 @@ class FakeRuntime:
 
     async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool,
                        memory: bool = True, stopped: Callable[[], None] | None = None,
-                       keep: bool = False) -> SnapshotRef:
+                       keep: bool = False,
+                       reclaim: Callable[[], Awaitable[int]] | None = None) -> SnapshotRef:
         self.calls.append(("snapshot", (sandbox_id, snapshot_id, stop)))
+        # always asked (a real runtime asks only a guest with enough private memory)
+        self.reclaimed.append(await reclaim() if reclaim is not None else None)
         self.memory_flags.append(memory)
         if stop and stopped is not None and self.answer_on_stop and sandbox_id in self.vms:
             stopped()
@@ -294,6 +299,9 @@ class FakeEnvd:
         self.syncs: list[tuple[str, str, str]] = []  # (host, cmd, authorization)
         self.sync_fails: set[str] = set()
         self.sync_exit: dict[str, int] = {}   # host -> /bin/sync's exit code (default 0)
+        self.reclaims: list[str] = []  # hosts asked to drop their page cache
+        # host -> what /aenv/reclaim answers: MiB freed (default 0), or a Response
+        self.freed: dict[str, int | httpx.Response] = {}
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         host = request.url.host
@@ -329,6 +337,12 @@ class FakeEnvd:
                 frames += b"\0" + len(done).to_bytes(4, "big") + done
             return httpx.Response(200, headers={"content-type": "application/connect+json"},
                                   content=frames + b"\2" + len(end).to_bytes(4, "big") + end)
+        if request.url.path == "/aenv/reclaim" and request.method == "POST":
+            self.reclaims.append(host)
+            freed = self.freed.get(host, 0)
+            if isinstance(freed, httpx.Response):
+                return freed
+            return httpx.Response(200, json={"freedMiB": freed, "freeMiB": freed + 50})
         if request.url.path == "/metrics":
             return httpx.Response(200, json={"ts": 1_700_000_000, "cpu_count": 2,
                                              "cpu_used_pct": 3.5, "mem_total": 10,

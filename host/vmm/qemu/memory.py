@@ -15,13 +15,30 @@ from typing import Any
 from ..driver import MemoryBacking
 from ..errors import VmmError, memory_snapshot_errors
 from ..memsnap import (
+    PAGE_SIZE,
     BaseImage,
+    MemSnapError,
     MemSnapshot,
+    find_vma,
     freeze_base,
     restore_base_into,
     restore_into,
+    scan_private,
     snapshot_incremental,
 )
+
+
+def private_mib(pid: int, mem: MemoryBacking | None) -> int | None:
+    """MiB of the guest's RAM copied on write from its memory file (a private mapping:
+    restored VMs); None for RAM in a shared file, or when the mapping cannot be read.
+    One PAGEMAP_SCAN of the mapping: cheap enough to poll."""
+    if mem is None or mem.shared:
+        return None
+    try:
+        vma = find_vma(pid, mem.path)
+        return sum(n for _, n in scan_private(pid, vma)) * PAGE_SIZE >> 20
+    except (MemSnapError, OSError):
+        return None
 
 
 def check_restore_spec(name: str, mem: MemoryBacking | None, base: BaseImage) -> None:

@@ -395,6 +395,12 @@ class QemuVm(VmBase):
 
     # -- memory snapshots (memsnap) -------------------------------------------------------
 
+    async def private_memory_mib(self) -> int | None:
+        pid = self.pid
+        if pid is None:
+            return None
+        return await asyncio.to_thread(qemu_memory.private_mib, pid, self._spec.memory)
+
     async def freeze_memory(self, dest: Path) -> BaseImage:
         self._require(VmState.RUNNING, VmState.PAUSED)
         assert self._qmp is not None
