@@ -5,7 +5,12 @@ Rows, each a parent started from the same template and forked into `--children`:
 
 * idle         the anchor: a parent that ran one command
 * wrote        a parent that wrote 200 MiB to its disk and synced (the guest's page cache
-               holds what it wrote: the case the issue measured at 4.3x idle)
+               holds what it wrote: the case the issue measured at 4.3x idle), snapshot
+               as it is: the previous path
+* reclaimed    the same, but the guest drops its clean page cache first (envd's
+               /aenv/reclaim, what the orchestrator does before every memory snapshot)
+               and the cut waits for its free-page reports (`reclaim`; asked only when
+               the guest's private memory is worth it, so the idle row skips it)
 * paused xN    a parent paused and resumed `--cycles` times first (a long memory chain,
                which compaction keeps short)
 
@@ -32,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from host.contract import MachineSpec
+from host.orchestrator.envd import EnvdClient
 from host.orchestrator.model import NetworkConfig
 from host.runtime import NodeRuntime, RuntimeConfig
 from tests.runtime.helpers import run
@@ -41,14 +47,23 @@ WRITE = "dd if=/dev/urandom of=/home/user/big bs=1M count=200 status=none && syn
 
 
 async def fork_row(rt: NodeRuntime, tpl: Any, name: str, children: int,
-                   setup: Any) -> dict[str, Any]:
+                   setup: Any, reclaim: bool = False) -> dict[str, Any]:
     parent = f"{name}-p"
     p = await rt.start(parent, tpl, NET)
     kids = [f"{name}-k{i}" for i in range(children)]
     try:
-        parent = await setup(rt, tpl, parent, p)
+        p = await setup(rt, tpl, parent, p)
+        envd = EnvdClient()
+
+        async def ask() -> int:  # what the orchestrator's reclaim does (no token here)
+            return await envd.reclaim(p, None)
+
         t0 = time.perf_counter()
-        ref = await rt.snapshot(parent, f"{name}-fork", stop=False)
+        try:
+            ref = await rt.snapshot(parent, f"{name}-fork", stop=False,
+                                    reclaim=ask if reclaim else None)
+        finally:
+            await envd.aclose()
         snap_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         got = await asyncio.gather(*(rt.start(k, ref, NET) for k in kids), return_exceptions=True)
@@ -62,9 +77,13 @@ async def fork_row(rt: NodeRuntime, tpl: Any, name: str, children: int,
                         stages.setdefault(k, []).append(v)
         t = ref.facts["timings"]
         return {"row": name, "snapshot_s": snap_s, "downtime_s": t.get("downtime_s", 0.0),
+                "freed_mib": t.get("freed_mib", 0.0), "returned_mib": t.get("returned_mib", 0.0),
+                "reclaim_s": t.get("reclaim_s", 0.0),
                 "diff_pages": t.get("diff_pages", 0.0), "restore_s": restore_s,
                 "fork_s": snap_s + restore_s, "children_ok": children - len(failed),
                 "failed": failed[:3],
+                "snapshot_ms": {k[:-2]: round(v * 1e3) for k, v in t.items()
+                                if k.endswith("_s") and k != "total_s"},
                 "child_p50_ms": {k[:-2]: round(statistics.median(v) * 1e3)
                                  for k, v in stages.items()}}
     finally:
@@ -72,35 +91,40 @@ async def fork_row(rt: NodeRuntime, tpl: Any, name: str, children: int,
             await rt.kill(k)
 
 
-async def idle(rt: NodeRuntime, tpl: Any, sid: str, p: Any) -> str:
+async def idle(rt: NodeRuntime, tpl: Any, sid: str, p: Any) -> Any:
     await run(p, "true")
-    return sid
+    return p
 
 
-async def wrote(rt: NodeRuntime, tpl: Any, sid: str, p: Any) -> str:
+async def wrote(rt: NodeRuntime, tpl: Any, sid: str, p: Any) -> Any:
     await run(p, WRITE)
-    return sid
+    return p
 
 
 def cycled(n: int) -> Any:
-    async def setup(rt: NodeRuntime, tpl: Any, sid: str, p: Any) -> str:
+    async def setup(rt: NodeRuntime, tpl: Any, sid: str, p: Any) -> Any:
         for i in range(n):
             await run(p, f"head -c 1M /dev/urandom > /home/user/c{i % 4}")
             ref = await rt.snapshot(sid, f"{sid}-c{i}", stop=True)
             p = await rt.start(sid, ref, NET)
-        return sid
+        return p
     return setup
 
 
 def report(rows: list[dict[str, Any]]) -> None:
     anchor = rows[0]["fork_s"]
-    print(f"\n{'row':<12} {'snapshot':>9} {'down':>6} {'pages':>7} {'children':>9} "
-          f"{'fork':>8} {'/ idle':>7}  child p50 stages (ms)")
+    print(f"\n{'row':<12} {'freed':>6} {'back':>5} {'wait':>6} {'snapshot':>9} {'down':>6} "
+          f"{'pages':>7} {'children':>9} {'fork':>8} {'/ idle':>7}  child p50 stages (ms)")
     for r in rows:
-        print(f"{r['row']:<12} {r['snapshot_s'] * 1e3:7.0f}ms {r['downtime_s'] * 1e3:4.0f}ms "
+        print(f"{r['row']:<12} {r['freed_mib']:6.0f} {r['returned_mib']:5.0f} "
+              f"{r['reclaim_s'] * 1e3:4.0f}ms {r['snapshot_s'] * 1e3:7.0f}ms "
+              f"{r['downtime_s'] * 1e3:4.0f}ms "
               f"{r['diff_pages']:7.0f} {r['restore_s']:8.2f}s {r['fork_s']:7.2f}s "
               f"{r['fork_s'] / anchor:6.2f}x  {r['child_p50_ms']}"
               + (f"  FAILED {r['failed']}" if r["failed"] else ""))
+    print("\nsnapshot stages (ms):")
+    for r in rows:
+        print(f"  {r['row']:<12} {r['snapshot_ms']}")
 
 
 async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -112,9 +136,11 @@ async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     try:
         tpl = await rt.build_template("bfork", MachineSpec(cpu_count=1, memory_mb=args.mem_mib))
-        for name, setup in (("idle", idle), ("wrote", wrote),
-                            (f"paused x{args.cycles}", cycled(args.cycles))):
-            row = await fork_row(rt, tpl, name.replace(" ", ""), args.children, setup)
+        for name, setup, reclaim in (("idle", idle, True), ("wrote", wrote, False),
+                                     ("reclaimed", wrote, True),
+                                     (f"paused x{args.cycles}", cycled(args.cycles), True)):
+            row = await fork_row(rt, tpl, name.replace(" ", ""), args.children, setup,
+                                 reclaim)
             row["row"] = name
             rows.append(row)
             print(f"  {name}: fork {row['fork_s']:.2f} s", flush=True)
