@@ -62,6 +62,19 @@ def test_built_kernel_has_every_fragment_option():
     assert "Xen" in notes and ("PHYS32_ENTRY" in notes or "0x00000012" in notes), notes[-800:]
 
 
+@pytest.mark.vm  # needs what `make kernel` built
+def test_built_kernel_carries_our_patches():
+    """kernel/patches: the free-page reporting delay is a parameter of the built kernel
+    (the host's guests set it on their command line, host/vmm/driver.py)."""
+    require_vm_assets()
+    kdir = _kernel_dir()
+    assert kdir is not None
+    symbols = (kdir / "System.map").read_text()
+    assert "__param_page_reporting_delay_ms" in symbols
+    shipped = sorted(p.name for p in kdir.glob("*.patch"))
+    assert shipped == sorted(p.name for p in (REPO / "kernel" / "patches").glob("*.patch"))
+
+
 def test_init_compiles_static_without_warnings(tmp_path):
     if not shutil.which("gcc"):
         pytest.skip("no gcc")
