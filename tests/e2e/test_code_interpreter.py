@@ -206,13 +206,22 @@ def _node(ci: E2EService, *args: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+# The JS SDK's battery in a VM: the SDK's side is the same for every language (it sends a
+# name and parses one protocol), and every language already ran in a VM above (Python SDK)
+# and through the JS SDK against the server on the host (tests/code_interpreter); here
+# three kernels (ipykernel, Deno over TCP, bash_kernel) prove the SDK's path into a guest.
+# The JVM and R cold starts a second time would cost CI ~3 minutes for nothing more.
+JS_IN_VM = ("python", "javascript", "bash")
+
+
 @pytest.mark.js
-def test_js_sdk_every_language(ci: E2EService) -> None:
-    """The same battery through the JS SDK, in a sandbox of its own (created by the
-    script with SBX_WIDE): `box` holds every language's kernel by now."""
+def test_js_sdk_battery_in_a_vm(ci: E2EService) -> None:
+    """The battery through the JS SDK, in a sandbox of its own (created by the script
+    with SBX_WIDE)."""
+    assert set(JS_IN_VM) < set(battery.LANGUAGES)
     summary = _node(ci, "code_interpreter_languages.mjs", "/home/user", "/tmp",
-                    "SBX_WIDE=sandbox-wide")
-    assert summary == {language: True for language in battery.LANGUAGES}
+                    "SBX_WIDE=sandbox-wide", *JS_IN_VM)
+    assert summary == {language: True for language in JS_IN_VM}
 
 
 def test_state_survives_pause_and_resume(ci: E2EService) -> None:

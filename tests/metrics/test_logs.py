@@ -9,7 +9,7 @@ import io
 import json
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -133,10 +133,11 @@ class LoggingRuntime(FakeRuntime):
 
     async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool,
                        memory: bool = True, stopped: Callable[[], None] | None = None,
-                       keep: bool = False) -> SnapshotRef:
+                       keep: bool = False,
+                       reclaim: Callable[[], Awaitable[int]] | None = None) -> SnapshotRef:
         VM_LOG.info("writing a snapshot")
         return await super().snapshot(sandbox_id, snapshot_id, stop=stop, memory=memory,
-                                      stopped=stopped, keep=keep)
+                                      stopped=stopped, keep=keep, reclaim=reclaim)
 
     async def kill(self, sandbox_id: str) -> None:
         VM_LOG.info("stopping a VM")
