@@ -62,9 +62,10 @@ async def test_forks_and_resumes_get_their_own_entropy(store: Store, rt: FakeRun
 @pytest.mark.asyncio(loop_scope="function")
 async def test_memory_snapshots_ask_the_guest_to_drop_its_page_cache_first(
         store: Store, rt: FakeRuntime, envd: FakeEnvd) -> None:
-    """A fork, a named snapshot and a pause ask envd to drop the guest's clean page cache
-    and pass what it freed to the runtime, which waits for it before the cut (issue 30);
-    a filesystem-only pause keeps no memory and asks nothing."""
+    """A fork, a named snapshot and a pause nobody waits on (to free memory; a TTL's) ask
+    envd to drop the guest's clean page cache and pass what it freed to the runtime, which
+    waits for it before the cut (issue 30). A pause answered at the stop does not (the
+    reclaim would delay its answer), nor a filesystem-only pause (no memory kept)."""
     o = NodeOrchestrator(store, rt, envd=EnvdClient(transport=envd.transport()))
     try:
         sbx = await o.create(CreateRequest())
@@ -72,12 +73,14 @@ async def test_memory_snapshots_ask_the_guest_to_drop_its_page_cache_first(
         envd.freed[host] = 180
         await o.fork(sbx.sandbox_id, 2, 60)
         await o.snapshot(sbx.sandbox_id, None)
-        await o.pause(sbx.sandbox_id)
+        await o.pause_for_memory(sbx.sandbox_id)
         assert rt.reclaimed == [180, 180, 180]
         assert envd.reclaims == [host] * 3
         await o.connect(sbx.sandbox_id, 60)
+        await o.pause(sbx.sandbox_id)
+        await o.connect(sbx.sandbox_id, 60)
         await o.pause(sbx.sandbox_id, memory=False)
-        assert rt.reclaimed[-1] is None and len(envd.reclaims) == 3
+        assert rt.reclaimed[-2:] == [None, None] and len(envd.reclaims) == 3
     finally:
         await o.aclose()
 
