@@ -134,6 +134,9 @@ BuildLog = Callable[[str, str, "str | None"], None]
 """A build's log sink: (level: debug|info|warn|error, message, step: "base" | "1".. |
 "finalize" | None). Called from the event loop; must not block."""
 
+Reclaim = Callable[[], Awaitable[int]]
+"""A memory snapshot's `reclaim`: asks the guest to drop its page cache; the MiB freed."""
+
 
 @dataclass(frozen=True)
 class Balloon:
@@ -190,8 +193,7 @@ class SandboxRuntime(Protocol):
 
     async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool,
                        memory: bool = True, stopped: Callable[[], None] | None = None,
-                       keep: bool = False,
-                       reclaim: Callable[[], Awaitable[int]] | None = None) -> SnapshotRef:
+                       keep: bool = False, reclaim: Reclaim | None = None) -> SnapshotRef:
         """Snapshot a running sandbox, complete and durable before returning. stop=True is
         pause: the VM and its local runtime files are released, its network and disk stack
         right after (a start or kill of the same id waits for that). stop=False:

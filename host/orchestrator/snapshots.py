@@ -6,9 +6,9 @@ of pause/fork snapshots that nothing can reach any more.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
-from host.contract import SnapshotRef
+from host.contract import Reclaim, SnapshotRef
 
 from . import ids
 from .errors import AliasConflict, InvalidRequest, OperationFailed, SnapshotNotFound
@@ -55,7 +55,7 @@ async def _snapshot(ctx: Context, sandbox_id: str, public_id: str,
     return snapshot_info(snap)
 
 
-def page_cache_reclaim(ctx: Context, rec: SandboxRecord) -> Callable[[], Awaitable[int]] | None:
+def page_cache_reclaim(ctx: Context, rec: SandboxRecord) -> Reclaim | None:
     """The `reclaim` of a memory snapshot of `rec`'s running guest: it drops its clean page
     cache (envd's /aenv/reclaim), which then stays out of the snapshot instead of being
     copied into it and into every sandbox started from it. The runtime calls it when the

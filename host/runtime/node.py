@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
@@ -33,6 +33,7 @@ from host.contract import (
     MachineSpec,
     NetworkConfig,
     Placement,
+    Reclaim,
     SnapshotRef,
 )
 from host.network import NetworkError
@@ -258,8 +259,7 @@ class NodeRuntime:
 
     async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool,
                        memory: bool = True, stopped: Callable[[], None] | None = None,
-                       keep: bool = False,
-                       reclaim: Callable[[], Awaitable[int]] | None = None) -> SnapshotRef:
+                       keep: bool = False, reclaim: Reclaim | None = None) -> SnapshotRef:
         """Snapshot a running sandbox: memory + disk, or (`memory=False`, only with
         `stop=True`) its disk alone: a filesystem-only pause, resumed by a cold boot.
         `stopped`, `keep`, `reclaim`: see the contract."""

@@ -19,7 +19,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from host.contract import SnapshotRef
+from host.contract import Reclaim, SnapshotRef
+from host.vmm.driver import REPORTING_DELAY_MS
 from host.vmm.memsnap import BaseImage, MemSnapshot
 
 from .errors import NodeRuntimeError, SandboxNotFoundError, SnapshotNotFoundError
@@ -31,14 +32,13 @@ from .starts import stages
 log = logging.getLogger(__name__)
 
 Seal = Callable[[], Awaitable[None]]
-Reclaim = Callable[[], Awaitable[int]]  # asks the guest to drop its page cache: MiB freed
 RECLAIM_MIN_PRIVATE_MIB = 64
 # A guest's free-page reports start at 16 MiB of free 512 KiB blocks: less freed than
 # that may never come back, and waiting for it would only delay the snapshot
 RECLAIM_MIN_FREED_MIB = 16
 RECLAIM_WAIT_S = 2.0
-# a report run every REPORTING_DELAY_MS (20) when there is more: 3 runs with nothing
-RECLAIM_QUIET_S = 0.06
+# reports come a run every REPORTING_DELAY_MS while there is more: 3 runs with nothing
+RECLAIM_QUIET_S = 3 * REPORTING_DELAY_MS / 1000
 
 
 async def snapshot(p: NodeParts, sandbox_id: str, snapshot_id: str, *, stop: bool,

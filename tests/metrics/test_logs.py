@@ -9,14 +9,14 @@ import io
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from host.config import ConfigError, parse_config
-from host.contract import NetworkConfig, Placement, SnapshotRef
+from host.contract import NetworkConfig, Placement, Reclaim, SnapshotRef
 from host.metrics import Metrics, bind_sandbox, sandbox_context, setup_logging
 from host.metrics.logs import _SANDBOX_ID
 from host.orchestrator import NodeOrchestrator, Store, ids
@@ -133,8 +133,7 @@ class LoggingRuntime(FakeRuntime):
 
     async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool,
                        memory: bool = True, stopped: Callable[[], None] | None = None,
-                       keep: bool = False,
-                       reclaim: Callable[[], Awaitable[int]] | None = None) -> SnapshotRef:
+                       keep: bool = False, reclaim: Reclaim | None = None) -> SnapshotRef:
         VM_LOG.info("writing a snapshot")
         return await super().snapshot(sandbox_id, snapshot_id, stop=stop, memory=memory,
                                       stopped=stopped, keep=keep, reclaim=reclaim)

@@ -13,7 +13,7 @@ import itertools
 import json
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -25,6 +25,7 @@ from host.contract import (
     BuildSpec,
     MachineSpec,
     Placement,
+    Reclaim,
     SnapshotRef,
 )
 from host.orchestrator.model import NetworkConfig
@@ -158,8 +159,7 @@ class FakeRuntime:
 
     async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool,
                        memory: bool = True, stopped: Callable[[], None] | None = None,
-                       keep: bool = False,
-                       reclaim: Callable[[], Awaitable[int]] | None = None) -> SnapshotRef:
+                       keep: bool = False, reclaim: Reclaim | None = None) -> SnapshotRef:
         self.calls.append(("snapshot", (sandbox_id, snapshot_id, stop)))
         # always asked (a real runtime asks only a guest with enough private memory)
         self.reclaimed.append(await reclaim() if reclaim is not None else None)
