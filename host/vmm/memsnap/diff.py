@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
-from typing import Self
+from typing import BinaryIO, Self
 
 from .errors import CorruptSnapshotError, MemSnapError, SnapshotMismatchError
 
@@ -260,15 +260,18 @@ class _Checked:
                 return
             lock = self._busy.setdefault(key, threading.Lock())
         with lock:
-            with self._guard:
-                if key in self._done:
-                    return
-            check()  # raises on a mismatch: nothing is recorded, the next caller hashes
-            with self._guard:
-                self._done[key] = None
-                self._busy.pop(key, None)
-                while len(self._done) > self._limit:
-                    del self._done[next(iter(self._done))]
+            try:
+                with self._guard:
+                    if key in self._done:
+                        return
+                check()  # raises on a mismatch: nothing is recorded, the next caller hashes
+                with self._guard:
+                    self._done[key] = None
+                    while len(self._done) > self._limit:
+                        del self._done[next(iter(self._done))]
+            finally:
+                with self._guard:  # a file that failed leaves no lock behind either
+                    self._busy.pop(key, None)
 
 
 _VERIFIED = _Checked()
@@ -277,7 +280,7 @@ _VERIFIED = _Checked()
 class DiffFile:
     """A validated, memory-mapped diff file. Use as a context manager or call ``close()``."""
 
-    def __init__(self, path: Path, header: DiffHeader, f: object, mm: mmap.mmap) -> None:
+    def __init__(self, path: Path, header: DiffHeader, f: BinaryIO, mm: mmap.mmap) -> None:
         self.path = path
         self.header = header
         self._file = f
@@ -325,7 +328,7 @@ class DiffFile:
         """Recompute the digest over indexes + data; raise CorruptSnapshotError on mismatch.
         Once per file in this process (`_VERIFIED`): the 16 children of a fork restore
         the same diff at once, and each hashing all of it was a third of their restore."""
-        st = os.fstat(self._file.fileno())  # type: ignore[attr-defined]
+        st = os.fstat(self._file.fileno())
         key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
                self.header.digest)
         _VERIFIED.once(key, self._hash_check)
@@ -390,7 +393,7 @@ class DiffFile:
         try:
             self._mm.close()
         finally:
-            self._file.close()  # type: ignore[attr-defined]
+            self._file.close()
 
     def __enter__(self) -> Self:
         return self
