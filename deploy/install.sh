@@ -50,7 +50,7 @@ PKG_NODE=(qemu-system-x86 qemu-utils e2fsprogs fuse2fs iproute2 nftables kmod pr
 # to map a shared memory base without opening it for writing; bookworm's own is 7.2
 PKG_BACKPORTS=(qemu-system-x86 qemu-utils)
 # --build: the inputs of scripts/setup.sh's kernel, envd and rootfs steps, and `make web`
-PKG_BUILD=(make linux-source-6.12 build-essential flex bison bc libelf-dev libssl-dev dwarves
+PKG_BUILD=(make linux-source-6.12 build-essential patch flex bison bc libelf-dev libssl-dev dwarves
            debootstrap erofs-utils python3.11-venv python3.11-dev patchelf scons libfuse3-3
            nodejs npm)
 

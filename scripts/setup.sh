@@ -10,7 +10,7 @@ APT_PACKAGES=(
   debootstrap e2fsprogs erofs-utils     # rootfs layers
   fuse2fs                               # OCI layers applied on the host (host/runtime/hostimport.py)
   libfuse3-3                            # volume mounts: bundled into the frozen envd (envd/volumes)
-  linux-source-6.12 build-essential flex bison bc libelf-dev libssl-dev dwarves  # guest kernel
+  linux-source-6.12 build-essential patch flex bison bc libelf-dev libssl-dev dwarves  # guest kernel
   python3.11-venv python3.11-dev patchelf scons  # frozen envd (PyInstaller + staticx, Debian python)
   attr iproute2 nftables cpio xz-utils zstd
   libnss-myhostname   # tests/e2e/test_tls.py: *.localhost -> loopback in its netns (postinst also adds it to /etc/nsswitch.conf)
