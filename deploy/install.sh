@@ -152,7 +152,7 @@ if [ "${#missing[@]}" -gt 0 ]; then
   done
   if [ "${#backports[@]}" -gt 0 ] &&
      ! grep -rqs bookworm-backports /etc/apt/sources.list /etc/apt/sources.list.d/; then
-    uri=$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)
+    uri=$(awk '/^URIs:/ && !found { print $2; found = 1 }' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
     changed "add bookworm-backports (${uri:-http://deb.debian.org/debian}) for QEMU 10"
     [ "$dry_run" = 1 ] || printf 'Types: deb\nURIs: %s\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
       "${uri:-http://deb.debian.org/debian}" >/etc/apt/sources.list.d/aenv-backports.sources

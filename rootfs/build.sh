@@ -221,7 +221,7 @@ EOF
   e2fsck -fn "$W/rootfs.ext4" >"$W/fsck.log" 2>&1 || { cat "$W/fsck.log" >&2; die "e2fsck of rootfs.ext4 failed"; }
   # check what landed (sizes must match the sources)
   for f in usr/bin/envd usr/sbin/aenv-init; do
-    got="$(debugfs -R "stat /$f" "$W/rootfs.ext4" 2>/dev/null | sed -n 's/.*Size: \([0-9]*\).*/\1/p' | head -1)"
+    got="$(debugfs -R "stat /$f" "$W/rootfs.ext4" 2>/dev/null | awk '/Size: / && !found { sub(/.*Size: /, ""); sub(/[^0-9].*/, ""); print; found = 1 }')"
     [ "$got" = "$(stat -c %s "$W/files/$f")" ] || die "/$f in rootfs.ext4 has size '$got'"
   done
   echo "$ENVD_VERSION" >"$W/envd.version"

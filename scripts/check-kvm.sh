@@ -51,7 +51,7 @@ else
 fi
 
 field() {  # field ROW N: column N of ROW's availability line
-  printf '%s\n' "$avail" | awk -F '\t' -v r="$1" -v n="$2" '$1 == r { print $n; exit }'
+  printf '%s\n' "$avail" | awk -F '\t' -v r="$1" -v n="$2" '$1 == r && !found { print $n; found = 1 }'
 }
 
 counts() {  # counts JUNIT_XML: "passed failed skipped"

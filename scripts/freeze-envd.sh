@@ -35,7 +35,8 @@ force=0
 [ -x "$PYTHON" ] || die "$PYTHON missing (apt-get install python3.11-venv python3.11-dev)"
 command -v patchelf >/dev/null || die "patchelf missing (apt-get install patchelf)"
 # volume mounts (envd/volumes): mfusepy loads libfuse 3 with ctypes, so it is bundled by hand
-LIBFUSE3="$(/sbin/ldconfig -p | awk '/libfuse3\.so\.3 / {print $NF; exit}')"
+# (awk reads to the end: exiting at the first match would SIGPIPE ldconfig, fatal under pipefail)
+LIBFUSE3="$(/sbin/ldconfig -p | awk '/libfuse3\.so\.3 / && !found {print $NF; found = 1}')"
 [ -n "$LIBFUSE3" ] || die "libfuse3 missing (apt-get install libfuse3-3)"
 
 mkdir -p "$OUT" "$CACHE"

@@ -44,13 +44,18 @@ fi
 # file copy-on-write without opening it for writing; bookworm's own QEMU is 7.2.
 QEMU_MIN_MAJOR=10
 BACKPORTS_PACKAGES=(qemu-system-x86 qemu-utils)
-qemu_major() { qemu-system-x86_64 --version 2>/dev/null | sed -n 's/.*version \([0-9]*\)\..*/\1/p' | head -1; }
+# (the readers below take the first match but read to the end: one that exits early, like
+# `| head -1`, can SIGPIPE the writer, which pipefail turns into a failed setup)
+qemu_major() {
+  qemu-system-x86_64 --version 2>/dev/null |
+    awk 'match($0, /version [0-9]+\./) && !found { print substr($0, RSTART + 8, RLENGTH - 9); found = 1 }'
+}
 if [ "$(qemu_major || true)" != "" ] && [ "$(qemu_major)" -ge "$QEMU_MIN_MAJOR" ]; then
   :
 else
   src=/etc/apt/sources.list.d/aenv-backports.sources
   if ! grep -rqs "bookworm-backports" /etc/apt/sources.list /etc/apt/sources.list.d/; then
-    uri=$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)
+    uri=$(awk '/^URIs:/ && !found { print $2; found = 1 }' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
     echo "setup: adding bookworm-backports (${uri:-http://deb.debian.org/debian}) for QEMU $QEMU_MIN_MAJOR"
     printf 'Types: deb\nURIs: %s\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
       "${uri:-http://deb.debian.org/debian}" > "$src"
