@@ -124,6 +124,7 @@ class BlockServer:
             await server.aclose()
         self._own.clear()
         for exp in self._stacks.values():
+            await exp.aclose_prehash()
             with contextlib.suppress(OSError):
                 exp.stack.flush()
             exp.stack.close()
@@ -268,6 +269,7 @@ class BlockServer:
             return exp.info(self.nbd_socket)
 
     async def _seal_locked(self, exp: StackExport, user_tag: str) -> str:
+        await exp.adopt_prehash()
         old_dir = exp.stack.upper.dir
         new_id = f"{exp.name}-{uuid.uuid4().hex[:12]}"
 
@@ -330,6 +332,7 @@ class BlockServer:
             if own is not None:
                 await own.aclose()
             await asyncio.to_thread(shutil.rmtree, own_socket(self.socket_dir, name).parent, True)
+            await exp.aclose_prehash()
             async with exp.lock:
                 exp.stack.close()
                 (self.state_dir / "stacks" / f"{name}.json").unlink(missing_ok=True)
@@ -338,6 +341,10 @@ class BlockServer:
 
     async def flush(self, name: str) -> None:
         await self._get(name).flush()
+
+    async def prehash(self, name: str) -> None:
+        """A seal of `name` is coming: start hashing its upper now (see StackExport)."""
+        self._get(name).prehash()
 
     async def info(self, name: str) -> StackInfo:
         return self._get(name).info(self.nbd_socket)
@@ -519,6 +526,7 @@ class BlockServer:
             ops: dict[str, Callable[..., Awaitable[Any]]] = {
                 "create": self.create, "seal": self.seal, "clone": self.clone,
                 "delete": self.delete, "flush": self.flush, "info": self.info,
+                "prehash": self.prehash,
                 "import_layer": self.import_layer, "push": self.push,
                 "export_raw": self.export_raw,
                 "collect": self.collect, "compact": self.compact}

@@ -142,6 +142,10 @@ class BlockServerClient:
     async def flush(self, name: str) -> None:
         await self._call("flush", name=name)
 
+    async def prehash(self, name: str) -> None:
+        """A seal of `name` is coming: the server hashes its upper meanwhile."""
+        await self._call("prehash", name=name)
+
     async def import_layer(self, path: str | Path, *, upload: bool = True) -> str:
         """Adopt a sealed layer file (e.g. from convert) into the server; returns its digest."""
         return str(await self._call("import_layer", path=str(path), upload=upload))

@@ -4,10 +4,13 @@ write-behind so a guest's fsync (and QEMU's flush at every pause) waits for litt
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
+import threading
 from pathlib import Path
 
+from .appender import Appender, Rehashed
 from .control import StackInfo
 from .index import SegmentIndex
 from .lsmt import SealedLayer
@@ -29,6 +32,10 @@ def start_writeback(fd: int) -> None:
     _libc.sync_file_range(fd, ctypes.c_int64(0), ctypes.c_int64(0), _SYNC_FILE_RANGE_WRITE)
 
 
+def _holds(done: Rehashed | None, out: Appender) -> bool:
+    return done is not None and done.out is out and done.generation == out.generation
+
+
 class StackExport:
     """One stack served over NBD; its lock serializes every change to the stack."""
 
@@ -39,6 +46,8 @@ class StackExport:
         self.upper_id = upper_id
         self.lock = asyncio.Lock()
         self._unsent = 0  # bytes written since the last write-behind
+        self._prehash: asyncio.Task[Rehashed | None] | None = None
+        self._closing = threading.Event()  # stops a prehash of a stack going away
 
     @property
     def name(self) -> str:
@@ -93,6 +102,39 @@ class StackExport:
     async def flush(self) -> None:
         async with self.lock:
             await asyncio.to_thread(self.stack.flush)
+
+    def prehash(self) -> None:
+        """A seal is coming (a snapshot is about to stop the guest): rehash the upper's
+        data file now, beside the writer, if overwrites made its running digest stale,
+        so the seal does not read the whole file while the guest is stopped."""
+        out, task = self.stack.upper.out, self._prehash
+        if task is not None and not task.done():
+            return
+        if task is not None and task.exception() is None and _holds(task.result(), out):
+            return  # done, and no overwrite since: the seal takes it
+        if not out.hasher_stale:
+            return
+        self._prehash = asyncio.create_task(asyncio.to_thread(out.rehash_beside,
+                                                              self._closing.is_set))
+
+    async def adopt_prehash(self) -> None:
+        """Before a seal, under the lock: wait for a prehash and take its digest if no
+        overwrite voided it (a void or failed one leaves the seal to rehash)."""
+        task, self._prehash = self._prehash, None
+        if task is None:
+            return
+        done = None
+        with contextlib.suppress(OSError):
+            done = await task
+        self.stack.upper.out.adopt(done)
+
+    async def aclose_prehash(self) -> None:
+        """The stack is going away: stop a prehash and wait for its thread."""
+        self._closing.set()
+        task, self._prehash = self._prehash, None
+        if task is not None:
+            with contextlib.suppress(OSError):
+                await task
 
     def info(self, nbd_socket: Path) -> StackInfo:
         return StackInfo(name=self.name, layers=tuple(self.stack.layer_digests),

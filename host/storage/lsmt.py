@@ -24,6 +24,7 @@ import uuid as uuidlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from .appender import Appender
 from .blob import Blob, FileBlob
 from .errors import LayerFormatError
 from .index import ZERO, SegmentIndex
@@ -242,42 +243,6 @@ class SealedLayer:
         self.blob.close()
 
 
-class _Appender:
-    """Appends to a file at its end while keeping the file's running sha256."""
-
-    def __init__(self, fd: int, pos: int, hasher: hashlib._Hash) -> None:
-        self.fd = fd
-        self.pos = pos
-        self.hasher = hasher
-        self.hasher_stale = False  # set by in-place overwrites: rehash before use
-
-    def digest_state(self) -> hashlib._Hash:
-        """The running sha256 of bytes [0, pos), recomputed if something was overwritten."""
-        if self.hasher_stale:
-            h = hashlib.sha256()
-            pos = 0
-            while pos < self.pos:
-                chunk = os.pread(self.fd, min(1 << 22, self.pos - pos), pos)
-                if not chunk:
-                    raise LayerFormatError("data file shrank under the upper")
-                h.update(chunk)
-                pos += len(chunk)
-            self.hasher = h
-            self.hasher_stale = False
-        return self.hasher
-
-    def append(self, data: bytes | bytearray | memoryview) -> int:
-        at = self.pos
-        view = memoryview(data)
-        done = 0
-        while done < len(view):
-            done += os.pwrite(self.fd, view[done:], at + done)
-        if not self.hasher_stale:
-            self.hasher.update(view)
-        self.pos += len(view)
-        return at
-
-
 class LayerWriter:
     """Writes a sealed layer from scratch (used by conversion and tests)."""
 
@@ -291,7 +256,7 @@ class LayerWriter:
                                   uuid=uuid or new_uuid(), parent_uuid=parent_uuid,
                                   user_tag=user_tag)
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        self.out = _Appender(self.fd, 0, hashlib.sha256())
+        self.out = Appender(self.fd, 0, hashlib.sha256())
         self.out.append(self.info.pack())
         self.index = SegmentIndex()
 
@@ -314,7 +279,7 @@ class LayerWriter:
         return digest
 
 
-def seal_data_file(out: _Appender, index: SegmentIndex, info: HeaderTrailer) -> str:
+def seal_data_file(out: Appender, index: SegmentIndex, info: HeaderTrailer) -> str:
     """Append index + trailer to a data file being written through `out`; fsync; digest."""
     out.digest_state()
     index_offset = out.pos
@@ -341,7 +306,7 @@ class Upper:
     """
 
     def __init__(self, directory: Path, info: HeaderTrailer, data_fd: int, journal_fd: int,
-                 out: _Appender, index: SegmentIndex) -> None:
+                 out: Appender, index: SegmentIndex) -> None:
         self.dir = directory
         self.info = info
         self.data_fd = data_fd
@@ -418,8 +383,8 @@ class Upper:
             os.close(data_fd)
             os.close(journal_fd)
             raise
-        out = _Appender(data_fd, size, hashlib.sha256())
-        out.hasher_stale = True  # hashed lazily, at the first seal
+        out = Appender(data_fd, size, hashlib.sha256())
+        out.overwritten()  # hashed lazily, at the first seal
         return cls(d, info, data_fd, journal_fd, out, index)
 
     # --- Blob protocol (reads of the upper's own data) ---
@@ -457,7 +422,8 @@ class Upper:
         Overwriting freshly allocated file pages costs far more than appending on ext4, so
         a rewrite of blocks the upper already holds goes in place. Like any unflushed block
         write it may be torn by a crash; flushed data stays intact. It invalidates the
-        running digest, which `seal` then recomputes from the file."""
+        running digest, which `seal` then recomputes from the file (or takes from a rehash
+        made beside the writer: `Appender.rehash_beside`)."""
         at = moff * SECTOR
         if at < SPACE or at + len(data) > self.out.pos:
             raise ValueError("overwrite outside the upper's data")
@@ -465,7 +431,7 @@ class Upper:
         done = 0
         while done < len(view):
             done += os.pwrite(self.data_fd, view[done:], at + done)
-        self.out.hasher_stale = True
+        self.out.overwritten()
 
     def zero(self, sector: int, nsectors: int) -> None:
         s, end = sector, sector + nsectors

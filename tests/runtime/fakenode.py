@@ -52,6 +52,7 @@ class FakeBlockClient:
 
     stacks: dict[str, list[str]] = field(default_factory=dict)
     sealed: int = 0
+    prehashed: list[str] = field(default_factory=list)
 
     async def create(self, name: str, layers: list[str]) -> None:
         self.stacks[name] = list(layers)
@@ -59,6 +60,9 @@ class FakeBlockClient:
     async def delete(self, name: str) -> None:
         if self.stacks.pop(name, None) is None:
             raise StackNotFoundError(name)
+
+    async def prehash(self, name: str) -> None:
+        self.prehashed.append(name)
 
     async def seal(self, name: str, upload: bool = True) -> str:
         self.sealed += 1

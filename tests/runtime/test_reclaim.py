@@ -13,9 +13,10 @@ from host.contract import NetworkConfig
 from host.runtime import starts
 from host.runtime.parts import NodeParts
 from host.runtime.snapshots import RECLAIM_MIN_PRIVATE_MIB, snapshot
+from host.storage.errors import ControlError
 from host.vmm.fake import FakeVm
 
-from .fakenode import GatedDriver, fake_node, publish_template, ref
+from .fakenode import FakeBlockClient, GatedDriver, fake_node, publish_template, ref
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 NET = NetworkConfig()
@@ -92,3 +93,24 @@ async def test_a_lying_guest_is_bounded_by_its_ram(tmp_path: Path) -> None:
     p, vm = await _running(tmp_path, [300, 0])
     got = await snapshot(p, "sbx", "s1", stop=False, memory=True, reclaim=Guest(10**9))
     assert got.facts["timings"]["freed_mib"] == vm.spec.mem_mib
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["fork", "pause"])
+async def test_every_snapshot_asks_the_block_server_to_prehash_first(
+        tmp_path: Path, stop: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other preparation before the cut: the disk upper is hashed beside the guest
+    (host/storage/appender.py), so the seal does not; a block server that cannot is no
+    error (the seal hashes it)."""
+    p, _ = await _running(tmp_path, None)
+    client = p.block.client
+    assert isinstance(client, FakeBlockClient)
+    await snapshot(p, "sbx", "s1", stop=False, memory=True)
+    assert client.prehashed == [p.sandboxes["sbx"].stack]
+
+    async def refuse(name: str) -> None:
+        raise ControlError("unknown op 'prehash'")  # a block server from before it
+
+    monkeypatch.setattr(client, "prehash", refuse)
+    sealed = client.sealed
+    await snapshot(p, "sbx", "s2", stop=stop, memory=True)
+    assert client.sealed == sealed + 1
