@@ -11,6 +11,9 @@ Rows, each a parent started from the same template and forked into `--children`:
                /aenv/reclaim, what the orchestrator does before every memory snapshot)
                and the cut waits for its free-page reports (`reclaim`; asked only when
                the guest's private memory is worth it, so the idle row skips it)
+* no prehash   `reclaimed` without the block server's prehash (the previous seal: the
+               disk upper, whose running digest the guest's in-place rewrites voided, is
+               hashed whole while the guest is stopped); every other row prehashes
 * paused xN    a parent paused and resumed `--cycles` times first (a long memory chain,
                which compaction keeps short)
 
@@ -47,7 +50,7 @@ WRITE = "dd if=/dev/urandom of=/home/user/big bs=1M count=200 status=none && syn
 
 
 async def fork_row(rt: NodeRuntime, tpl: Any, name: str, children: int,
-                   setup: Any, reclaim: bool = False) -> dict[str, Any]:
+                   setup: Any, reclaim: bool = False, prehash: bool = True) -> dict[str, Any]:
     parent = f"{name}-p"
     p = await rt.start(parent, tpl, NET)
     kids = [f"{name}-k{i}" for i in range(children)]
@@ -58,12 +61,16 @@ async def fork_row(rt: NodeRuntime, tpl: Any, name: str, children: int,
         async def ask() -> int:  # what the orchestrator's reclaim does (no token here)
             return await envd.reclaim(p, None)
 
+        client = rt.parts.block.client
+        if not prehash:
+            client.prehash = _no_prehash  # type: ignore[method-assign]
         t0 = time.perf_counter()
         try:
             ref = await rt.snapshot(parent, f"{name}-fork", stop=False,
                                     reclaim=ask if reclaim else None)
         finally:
             await envd.aclose()
+            vars(client).pop("prehash", None)
         snap_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         got = await asyncio.gather(*(rt.start(k, ref, NET) for k in kids), return_exceptions=True)
@@ -89,6 +96,10 @@ async def fork_row(rt: NodeRuntime, tpl: Any, name: str, children: int,
     finally:
         for k in (parent, *kids):
             await rt.kill(k)
+
+
+async def _no_prehash(name: str) -> None:
+    pass
 
 
 async def idle(rt: NodeRuntime, tpl: Any, sid: str, p: Any) -> Any:
@@ -136,11 +147,14 @@ async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     try:
         tpl = await rt.build_template("bfork", MachineSpec(cpu_count=1, memory_mb=args.mem_mib))
-        for name, setup, reclaim in (("idle", idle, True), ("wrote", wrote, False),
-                                     ("reclaimed", wrote, True),
-                                     (f"paused x{args.cycles}", cycled(args.cycles), True)):
+        for name, setup, reclaim, prehash in (
+                ("idle", idle, True, True), ("wrote", wrote, False, True),
+                ("reclaimed", wrote, True, True), ("no prehash", wrote, True, False),
+                (f"paused x{args.cycles}", cycled(args.cycles), True, True)):
+            if args.cycles == 0 and name.startswith("paused"):
+                continue
             row = await fork_row(rt, tpl, name.replace(" ", ""), args.children, setup,
-                                 reclaim)
+                                 reclaim, prehash)
             row["row"] = name
             rows.append(row)
             print(f"  {name}: fork {row['fork_s']:.2f} s", flush=True)
@@ -155,7 +169,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--children", type=int, default=16)
     ap.add_argument("--mem-mib", type=int, default=512)
-    ap.add_argument("--cycles", type=int, default=100, help="pause/resume cycles of the last row")
+    ap.add_argument("--cycles", type=int, default=100,
+                    help="pause/resume cycles of the last row (0: no such row)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     rows = asyncio.run(amain(args))
