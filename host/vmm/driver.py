@@ -163,6 +163,14 @@ REPORTING_ORDER = "page_reporting.page_reporting_order"
 # state costs the host a page fault more per page.
 REPORTING_DELAY = "page_reporting.page_reporting_delay_ms"
 REPORTING_DELAY_MS = 20
+# Free pages the guest keeps on its per-CPU lists are invisible to reporting: since Linux
+# 6.7 those lists grow on their own up to an eighth of the zone while a process frees a lot,
+# and stay there. Measured (TCG, 512 MiB guest, /proc/zoneinfo `count:` after a process
+# allocated, touched and freed 300 MiB): 9784 pages (38 MiB) on the list, the host holding
+# 61 MiB of the guest against 22 before. A fixed fraction stops the growth: 1/512 of the
+# zone (the kernel's floor, 4 batches, in a small guest), what a 1-2 vCPU guest needs.
+PCP_HIGH_FRACTION = "sysctl.vm.percpu_pagelist_high_fraction"
+PCP_HIGH_FRACTION_VALUE = 512
 
 
 def balloon_cmdline(spec: VmSpec) -> str:
@@ -170,7 +178,8 @@ def balloon_cmdline(spec: VmSpec) -> str:
     if not spec.balloon:
         return spec.cmdline
     extra = [f"{key}={value}" for key, value in ((REPORTING_ORDER, 7),
-                                                 (REPORTING_DELAY, REPORTING_DELAY_MS))
+                                                 (REPORTING_DELAY, REPORTING_DELAY_MS),
+                                                 (PCP_HIGH_FRACTION, PCP_HIGH_FRACTION_VALUE))
              if f"{key}=" not in spec.cmdline]
     return " ".join([spec.cmdline, *extra]).strip()
 

@@ -113,6 +113,7 @@ def boot_calls(spec: VmSpec, *, dirty: bool = True, kernel: str = "boot/vmlinux"
                                  "boot_args": "reboot=k panic=1 pci=off console=ttyS0 quiet"
                                               + (" page_reporting.page_reporting_order=7"
                                                  " page_reporting.page_reporting_delay_ms=20"
+                                                 " sysctl.vm.percpu_pagelist_high_fraction=512"
                                                  if spec.balloon else "")}),
         ("PUT", "/drives/rootfs", {"drive_id": "rootfs", "path_on_host": "drives/rootfs",
                                    "is_root_device": True, "is_read_only": True}),

@@ -91,7 +91,8 @@ async def test_boot_cmdline_with_root_leaves_no_root_drive_and_passes_initrd(
     assert calls[1][2] == {"kernel_image_path": "boot/vmlinux",
                            "boot_args": "console=ttyS0 reboot=k panic=1 pci=off root=/dev/vdb "
                                          "page_reporting.page_reporting_order=7 "
-                                         "page_reporting.page_reporting_delay_ms=20",
+                                         "page_reporting.page_reporting_delay_ms=20 "
+                                         "sysctl.vm.percpu_pagelist_high_fraction=512",
                            "initrd_path": "boot/initrd"}
     assert [c[2]["is_root_device"] for c in calls if c[1].startswith("/drives/")] == [
         False, False]

@@ -38,7 +38,8 @@ def test_basic_tcg_argv() -> None:
     assert _opt(argv, "-kernel") == ["/k/vmlinux"]
     assert _opt(argv, "-append") == [  # the last: the balloon's (driver.balloon_cmdline)
         ("console=ttyS0 panic=-1 tsc_early_khz=2596118 tsc=reliable norandmaps root=/dev/vda "
-         "page_reporting.page_reporting_order=7 page_reporting.page_reporting_delay_ms=20")]
+         "page_reporting.page_reporting_order=7 page_reporting.page_reporting_delay_ms=20 "
+         "sysctl.vm.percpu_pagelist_high_fraction=512")]
     # append: the log may be truncated under QEMU when it is rotated
     assert _opt(argv, "-chardev") == ["file,id=ser0,path=/w/serial.log,append=on"]
     assert _opt(argv, "-serial") == ["chardev:ser0"]
