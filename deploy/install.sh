@@ -43,9 +43,10 @@ EXCLUDES=(.git .venv node_modules __pycache__ .mypy_cache .ruff_cache .pytest_ca
 KEEP=(.venv out build)   # kept in $PREFIX when the code is replaced (venv, --build outputs)
 
 PKG_COMMON=(python3 python3-venv ca-certificates)
-# what the node runs: VMMs and disk tools, netns + nftables, OCI pulls and imports (fuse2fs)
-PKG_NODE=(qemu-system-x86 qemu-utils e2fsprogs fuse2fs iproute2 nftables kmod procps attr
-          cpio xz-utils zstd skopeo)
+# what the node runs: VMMs and disk tools, netns + nftables, OCI pulls and imports (fuse2fs,
+# libseccomp2 for the import helper's filters)
+PKG_NODE=(qemu-system-x86 qemu-utils e2fsprogs fuse2fs libseccomp2 iproute2 nftables kmod
+          procps attr cpio xz-utils zstd skopeo)
 # from bookworm-backports (QEMU 10): the VM jail runs QEMU unprivileged, which needs 8.2+
 # to map a shared memory base without opening it for writing; bookworm's own is 7.2
 PKG_BACKPORTS=(qemu-system-x86 qemu-utils)

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 APT_PACKAGES=(
   qemu-utils                            # qemu-io / qemu-img / qemu-storage-daemon
   debootstrap e2fsprogs erofs-utils     # rootfs layers
-  fuse2fs                               # OCI layers applied on the host (host/runtime/hostimport.py)
+  fuse2fs libseccomp2                   # OCI layers applied on the host (host/runtime/hostimport.py; its seccomp filters)
   libfuse3-3                            # volume mounts: bundled into the frozen envd (envd/volumes)
   linux-source-6.12 build-essential patch flex bison bc libelf-dev libssl-dev dwarves  # guest kernel
   python3.11-venv python3.11-dev patchelf scons  # frozen envd (PyInstaller + staticx, Debian python)

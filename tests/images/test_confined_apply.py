@@ -8,10 +8,13 @@ written."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import json
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -71,6 +74,7 @@ def test_a_layer_lands_in_the_image_with_owners_modes_and_links(helper: Confined
     assert summary["files"] == 2 and summary["hardlinks"] == 1
     # applied by the namespace's root, which is UID_BASE on this host
     assert summary["uid_map"] == f"0 {UID_BASE} {UID_COUNT}"
+    assert summary["seccomp_filters"] == 2  # DENIED from the start, DENIED_APPLYING on top
     assert _debugfs(img, "cat /srv/app.py") == "print('hi')\n"
     st = _stat(img, "/srv/app.py")
     assert "User:  1000   Group:  1000" in st and "Mode:  04755" in st, st
@@ -135,3 +139,84 @@ def test_a_host_without_fuse2fs_is_told_what_to_install(monkeypatch: pytest.Monk
                         lambda cmd, **kw: None if cmd == "fuse2fs" else real(cmd, **kw))
     with pytest.raises(BuildFailed, match="apt-get install fuse2fs"):
         ConfinedHelper()
+
+
+# What each filter refuses, in a process of its own (a filter cannot be taken off): run as
+# root here, without the filters every call below would succeed.
+SECCOMP_PROBE = r"""
+import ctypes, errno, json, os, sys
+from host.images import confined
+libc = ctypes.CDLL(None, use_errno=True)
+def call(fn, *args):
+    rc = fn(*args)
+    return 0 if rc >= 0 else ctypes.get_errno()
+def probe():
+    out = {"unshare_user": call(libc.unshare, 0x10000000),  # CLONE_NEWUSER
+           "ptrace": call(libc.ptrace, 16, 0x7FFFFFFF, 0, 0),  # ATTACH, no such pid: ESRCH
+           "keyctl": call(libc.syscall, 250, 0, 0, 0, 0)}     # KEYCTL_GET_KEYRING_ID
+    if sys.argv[2] == "applying":  # no fork to try it in: exec here (success ends the probe)
+        try:
+            os.execv("/bin/true", ["/bin/true"])
+        except PermissionError:
+            out["exec"] = errno.EPERM
+        try:
+            if os.fork() == 0:
+                os._exit(0)
+            out["fork"] = 0
+        except PermissionError:
+            out["fork"] = errno.EPERM
+        import threading  # threads are clones too, and still work
+        t = threading.Thread(target=lambda: out.update(thread=1))
+        t.start()
+        t.join()
+    else:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.execv("/bin/true", ["/bin/true"])
+            finally:
+                os._exit(13)
+        out["exec"] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])  # 0: /bin/true ran
+        out["fork"] = 0
+    with open(sys.argv[1] + "/f", "w") as f:  # files still work
+        f.write("ok")
+    out["file"] = open(sys.argv[1] + "/f").read()
+    return out
+stage = sys.argv[2]
+if stage != "none":
+    libc.prctl(38, 1, 0, 0, 0)
+    confined.deny_syscalls(confined.DENIED, namespaces=True)
+if stage == "applying":
+    confined.deny_syscalls(confined.DENIED_APPLYING, processes=False)
+print(json.dumps(probe()))
+"""
+
+
+@pytest.mark.parametrize("stage", ["start", "applying"])
+def test_the_seccomp_filters_refuse_what_the_helper_never_needs(tmp_path: Path,
+                                                                stage: str) -> None:
+    def probe(stage: str) -> dict[str, object]:
+        out = subprocess.run([sys.executable, "-c", SECCOMP_PROBE, str(tmp_path), stage],
+                             capture_output=True, text=True, check=True,
+                             cwd=Path(__file__).resolve().parents[2]).stdout
+        return json.loads(out.splitlines()[-1])
+
+    got = probe(stage)
+    assert got["unshare_user"] == errno.EPERM and got["keyctl"] == errno.EPERM
+    assert got["ptrace"] == errno.EPERM
+    assert got["file"] == "ok"
+    if stage == "applying":
+        assert got["fork"] == errno.EPERM and got["exec"] == errno.EPERM
+        assert got["thread"] == 1
+    else:  # fuse2fs is started under the first filter: fork and exec still work
+        assert got["fork"] == 0 and got["exec"] == 0
+
+
+def test_without_filters_the_probe_calls_succeed(tmp_path: Path) -> None:
+    """The probe's calls are refused by the filters, not by this host."""
+    out = subprocess.run([sys.executable, "-c", SECCOMP_PROBE, str(tmp_path), "none"],
+                         capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2]).stdout
+    got = json.loads(out.splitlines()[-1])
+    assert got["unshare_user"] == 0 and got["ptrace"] == errno.ESRCH
+    assert got["keyctl"] != errno.EPERM and got["exec"] == 0
