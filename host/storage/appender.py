@@ -107,12 +107,16 @@ class Appender:
             os.close(fd)
         return Rehashed(self, gen, end, h)
 
+    def holds(self, done: Rehashed | None) -> bool:
+        """Whether `done` is a rehash of this file that no overwrite has voided since."""
+        return done is not None and done.out is self and done.generation == self.generation
+
     def adopt(self, done: Rehashed | None) -> bool:
         """Take a `rehash_beside` result (as the writer): it holds while no overwrite came
         after it started; the bytes appended since are hashed now."""
-        if (done is None or done.out is not self or not self.hasher_stale
-                or done.generation != self.generation):
+        if not self.hasher_stale or not self.holds(done):
             return False
+        assert done is not None
         h = done.hasher.copy()
         if not _hash_range(self.fd, h, done.end, self.pos):
             return False

@@ -10,7 +10,7 @@ import os
 import threading
 from pathlib import Path
 
-from .appender import Appender, Rehashed
+from .appender import Rehashed
 from .control import StackInfo
 from .index import SegmentIndex
 from .lsmt import SealedLayer
@@ -30,10 +30,6 @@ _libc = ctypes.CDLL(None, use_errno=True)
 def start_writeback(fd: int) -> None:
     """Start writing `fd`'s dirty pages to disk; does not wait for them. Best effort."""
     _libc.sync_file_range(fd, ctypes.c_int64(0), ctypes.c_int64(0), _SYNC_FILE_RANGE_WRITE)
-
-
-def _holds(done: Rehashed | None, out: Appender) -> bool:
-    return done is not None and done.out is out and done.generation == out.generation
 
 
 class StackExport:
@@ -110,7 +106,7 @@ class StackExport:
         out, task = self.stack.upper.out, self._prehash
         if task is not None and not task.done():
             return
-        if task is not None and task.exception() is None and _holds(task.result(), out):
+        if task is not None and task.exception() is None and out.holds(task.result()):
             return  # done, and no overwrite since: the seal takes it
         if not out.hasher_stale:
             return
