@@ -22,6 +22,7 @@ APT_PACKAGES=(
   chromium                              # tests/web: the web terminal in a real headless browser
   redis-server                          # cluster state (gateway, scheduler) and its tests
   docker-compose                        # tests/deploy: `docker-compose config` validates deploy/compose without a daemon
+  docker.io                             # tests/deploy: the Docker images built and a node container restarted by a dockerd the tests start
   r-cran-irkernel default-jdk-headless  # tests/code_interpreter: the R and Java kernels run on this host too
 )
 missing=()

@@ -72,7 +72,15 @@ class HostService:
     def start(self, timeout_s: float = 120.0) -> None:
         self.starts += 1
         log = open(self.root / f"service-{self.starts}.log", "wb")  # noqa: SIM115
-        argv = [*self.wrapper, sys.executable, "-m", "host", "--state-dir", str(self.state),
+        argv = [*self.wrapper, sys.executable, "-m", "host", *self.flags()]
+        self.proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        log.close()
+        self.wait_healthy(timeout_s)
+
+    def flags(self) -> list[str]:
+        """The `python -m host` flags of this service."""
+        return ["--state-dir", str(self.state),
                 "--run-dir", str(self.run), "--api-port", str(self.api_port),
                 "--proxy-port", str(self.proxy_port), "--memory-mb", str(self.memory_mb),
                 "--network-prefix", self.prefix, "--network-pool", self.pool,
@@ -80,13 +88,19 @@ class HostService:
                 "--keep-paused", str(self.keep_paused_s),
                 # 20 concurrent TCG restores on a shared 2-core host can take minutes
                 "--envd-timeout", "240", *self.extra]
-        self.proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        log.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def exited(self) -> int | None:
+        """The service's exit status once it has exited, else None."""
+        return None if self.proc is None else self.proc.poll()
+
+    def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"host service exited {self.proc.returncode}: {self.log()}")
+            if self.exited() is not None:
+                raise RuntimeError(f"host service exited {self.exited()}: {self.log()}")
             try:
                 # the CA may not exist before the first start: /health is not about trust
                 r = httpx.get(f"{self.api_url}/health", timeout=1, verify=False)
@@ -187,7 +201,7 @@ class HostService:
     def cleanup(self) -> None:
         """Kill every sandbox through the API, stop the service, then end whatever of ours
         is still running (by pid) and remove our namespaces and run dir."""
-        if self.proc is not None and self.proc.poll() is None:
+        if self.alive():
             try:
                 with self.client(timeout_s=60) as c:
                     for sb in c.get("/v2/sandboxes", params={"state": "running,paused"}).json():
