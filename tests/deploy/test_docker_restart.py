@@ -22,9 +22,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
+from tests.e2e import fleet as fleet_of
 from tests.e2e.conftest import E2EService, build_template, need_vm, use_sdk
 
 from . import chroot, dockerd
@@ -33,7 +33,6 @@ pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(5400)]
 
 DOCKERFILE = dockerd.REPO / "deploy" / "docker" / "Dockerfile.node"
 IMAGE = "aenv-node:test"
-PORT = 8000
 # linux/capability.h, in bit order: the names `docker --cap-drop` takes
 CAPS = ("CHOWN", "DAC_OVERRIDE", "DAC_READ_SEARCH", "FOWNER", "FSETID", "KILL", "SETGID",
         "SETUID", "SETPCAP", "LINUX_IMMUTABLE", "NET_BIND_SERVICE", "NET_BROADCAST",
@@ -156,20 +155,8 @@ def test_docker_restart_resumes_every_sandbox(node: DockerNode,
     from e2b import Sandbox
 
     use_sdk(node, monkeypatch)
-    boxes = [Sandbox.create(timeout=900) for _ in range(10)]
-    ids = [b.sandbox_id for b in boxes]
-    pids = {}
-    for i, b in enumerate(boxes):
-        b.files.write("/home/user/mine", f"sandbox {i}")
-        pids[b.sandbox_id] = b.commands.run("sleep 3600", background=True, timeout=0).pid
-    boxes[0].commands.run(f"cd /home/user && python3 -m http.server {PORT}", background=True,
-                          timeout=0)
-    url = f"{node.sandbox_url}/mine"
-    host = boxes[0].get_host(PORT)
-    for _ in range(100):  # the server is up
-        if httpx.get(url, headers={"Host": host}, timeout=10).status_code == 200:
-            break
-        time.sleep(0.2)
+    fleet = fleet_of.make(node, 10)
+    ids = fleet.ids
     before = node.qemu_pids()
     assert len(before) == 10, before
     processes = node.pids()
@@ -195,13 +182,7 @@ def test_docker_restart_resumes_every_sandbox(node: DockerNode,
     # the VMs from before died with the old container; ten new ones, nothing else
     now = node.qemu_pids()
     assert not set(before) & set(now) and len(now) == 10, (before, now)
-    for i, sid in enumerate(ids):
-        again = Sandbox.connect(sid, timeout=900)
-        assert again.files.read("/home/user/mine") == f"sandbox {i}"
-        assert again.commands.run(f"tr '\\0' ' ' < /proc/{pids[sid]}/cmdline").stdout.strip() \
-            == "sleep 3600"
-    r = httpx.get(url, headers={"Host": host}, timeout=60)
-    assert r.status_code == 200 and r.text == "sandbox 0"
+    fleet_of.check_resumed(fleet)
     for sid in ids:
         Sandbox.kill(sid)
 
@@ -211,14 +192,8 @@ def test_a_container_killed_mid_drain_loses_no_sandbox(
     """`docker kill` (SIGKILL: the container ends with its VMs) once the drain paused its
     first sandbox: after `docker start`, each sandbox runs (its pause was committed) or is
     paused with its disk (recovered), and has its file."""
-    from e2b import Sandbox
-
     use_sdk(node, monkeypatch)
-    boxes = [Sandbox.create(timeout=900) for _ in range(6)]
-    ids = [b.sandbox_id for b in boxes]
-    for i, b in enumerate(boxes):
-        b.files.write("/home/user/mine", f"box {i}")
-        b.commands.run("sync")
+    ids = fleet_of.with_files(6)
     mark = len(node.log(10_000_000))
     node.signal("TERM")
     deadline = time.monotonic() + 600
@@ -238,7 +213,4 @@ def test_a_container_killed_mid_drain_loses_no_sandbox(
         time.sleep(0.5)
     states = node.db_states()
     print(f"\nafter docker kill mid-drain: {sorted(states[sid] for sid in ids)}")
-    for i, sid in enumerate(ids):
-        again = Sandbox.connect(sid, timeout=900)  # resumes a paused one
-        assert again.files.read("/home/user/mine") == f"box {i}"
-        Sandbox.kill(sid)
+    fleet_of.check_files_and_kill(ids)

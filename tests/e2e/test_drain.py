@@ -19,14 +19,12 @@ import signal
 import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
+from . import fleet as fleet_of
 from .conftest import E2EService, private_service, use_sdk
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow]
-
-PORT = 8000
 
 
 @pytest.fixture(scope="module")
@@ -59,20 +57,8 @@ def test_a_drained_node_restarts_with_every_sandbox_running(
     from e2b import Sandbox
 
     use_sdk(draining, monkeypatch)
-    boxes = [Sandbox.create(timeout=900) for _ in range(10)]
-    ids = [b.sandbox_id for b in boxes]
-    pids = {}
-    for i, b in enumerate(boxes):
-        b.files.write("/home/user/mine", f"sandbox {i}")
-        pids[b.sandbox_id] = b.commands.run("sleep 3600", background=True, timeout=0).pid
-    boxes[0].commands.run(f"cd /home/user && python3 -m http.server {PORT}", background=True,
-                          timeout=0)
-    url = f"{draining.sandbox_url}/mine"
-    host = boxes[0].get_host(PORT)
-    for _ in range(100):  # the server is up
-        if httpx.get(url, headers={"Host": host}, timeout=10).status_code == 200:
-            break
-        time.sleep(0.2)
+    fleet = fleet_of.make(draining, 10)
+    ids = fleet.ids
 
     t0 = time.monotonic()
     assert draining.stop(timeout_s=600) == 0
@@ -90,28 +76,15 @@ def test_a_drained_node_restarts_with_every_sandbox_running(
     t1 = time.monotonic()
     _wait_states(draining, ids, {"running"})
     print(f"the next start resumed all 10 in {time.monotonic() - t1:.1f} s")
-    for i, sid in enumerate(ids):
-        again = Sandbox.connect(sid, timeout=900)
-        assert again.files.read("/home/user/mine") == f"sandbox {i}"
-        pid = pids[sid]
-        assert again.commands.run(f"tr '\\0' ' ' < /proc/{pid}/cmdline").stdout.strip() \
-            == "sleep 3600"
-    r = httpx.get(url, headers={"Host": host}, timeout=60)
-    assert r.status_code == 200 and r.text == "sandbox 0"
+    fleet_of.check_resumed(fleet)
     for sid in ids:
         Sandbox.kill(sid)
 
 
 def test_a_node_killed_mid_drain_loses_no_sandbox(
         draining: E2EService, monkeypatch: pytest.MonkeyPatch) -> None:
-    from e2b import Sandbox
-
     use_sdk(draining, monkeypatch)
-    boxes = [Sandbox.create(timeout=900) for _ in range(6)]
-    ids = [b.sandbox_id for b in boxes]
-    for i, b in enumerate(boxes):
-        b.files.write("/home/user/mine", f"box {i}")
-        b.commands.run("sync")
+    ids = fleet_of.with_files(6)
     proc = draining.proc
     assert proc is not None
     mark = len(draining.log(10_000_000))
@@ -126,7 +99,4 @@ def test_a_node_killed_mid_drain_loses_no_sandbox(
     _wait_states(draining, ids, {"running", "paused"})
     states = draining.db_states()
     print(f"\nafter a SIGKILL mid-drain: {sorted(states[sid] for sid in ids)}")
-    for i, sid in enumerate(ids):
-        again = Sandbox.connect(sid, timeout=900)  # resumes a paused one
-        assert again.files.read("/home/user/mine") == f"box {i}"
-        Sandbox.kill(sid)
+    fleet_of.check_files_and_kill(ids)
