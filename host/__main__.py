@@ -125,7 +125,9 @@ async def serve(cfg: Config) -> None:
             keep_paused_s=cfg.keep_paused_s, gc_interval_s=cfg.gc_interval_s,
             retain_killed_s=cfg.retain_killed_s, build_cache_ttl_s=cfg.build_cache_ttl_s,
             volumes_dir=cfg.volumes_dir)
-        await orch.start(ttl_interval_s=cfg.ttl_interval_s)
+        # in a cluster, drained sandboxes resume after the first heartbeat (node.py)
+        await orch.start(ttl_interval_s=cfg.ttl_interval_s,
+                         resume_drained=not cfg.cluster_redis)
         keys = ApiKeys.load_or_create(cfg.keys_path)
         extra_routes: list[Any] = []
         node_keys = None   # in a cluster: what the gateway, scheduler and neighbours send
@@ -193,8 +195,13 @@ async def serve(cfg: Config) -> None:
             log.info("shutting down")
             if stop.is_set() and cfg.drain_on_stop:
                 # the VMs die with this process (a container): pause them first, while the
-                # API still answers (starts refused, /health draining; drain.py)
+                # API still answers (starts refused, /health draining; drain.py); in a
+                # cluster, heartbeats before and after it (Heartbeat.now)
+                if member is not None:
+                    await member.heartbeat.now(draining=True)
                 await orch.drain()
+                if member is not None:
+                    await member.heartbeat.now()
             for s in servers:
                 s.should_exit = True
             waiter.cancel()

@@ -63,7 +63,8 @@ class Heartbeat:
                  report: Callable[[], Awaitable[NodeReport]],
                  interval_s: float = DEFAULT_INTERVAL_S, misses: int = DEFAULT_MISSES,
                  full_every: int = 30,
-                 disown: Callable[[str], Awaitable[object]] | None = None) -> None:
+                 disown: Callable[[str], Awaitable[object]] | None = None,
+                 joined: Callable[[], object] | None = None) -> None:
         if interval_s <= 0 or misses < 1:
             raise ValueError("interval_s > 0 and misses >= 1")
         self.registry = registry
@@ -74,6 +75,10 @@ class Heartbeat:
         # drops this node's copy of a paused sandbox another node took over
         # (orchestrator.forget); None: nothing to drop (tests)
         self.disown = disown
+        # called once, after the first heartbeat Redis accepted and the disowns it brought:
+        # what the node may only do knowing what the cluster gave to others while it was
+        # away (orchestrator.resume_drained); None: nothing (tests)
+        self.joined = joined
         self.interval_s = interval_s
         self.misses = misses
         self.full_every = max(1, full_every)
@@ -84,6 +89,8 @@ class Heartbeat:
         self._started_ms = int(time.time() * 1000)
         self._task: asyncio.Task[None] | None = None
         self._failing = False
+        # one heartbeat at a time: a change list is computed against the last one sent
+        self._beating = asyncio.Lock()
 
     @property
     def dead_after_s(self) -> float:
@@ -97,7 +104,28 @@ class Heartbeat:
         task, self._task = self._task, None
         await cancel_and_wait(task)
 
+    async def now(self, *, draining: bool | None = None) -> bool:
+        """One heartbeat now, not at the next interval (`draining`: set first): what the
+        cluster must see before the node goes, at a drain's start (place nothing here)
+        and end (its sandboxes paused, so another node may resume them from their
+        handoffs, not running on a node that is gone: lost). False, logged, when it
+        failed: the stop goes on."""
+        if draining is not None:
+            self.draining = draining
+        try:
+            async with asyncio.timeout(self.dead_after_s):
+                await self.beat()
+        except Exception as exc:  # noqa: BLE001 - Redis away: the stop must not wait on it
+            log.warning("heartbeat of node %s failed: %s", self.node_id,
+                        str(exc) or type(exc).__name__)
+            return False
+        return True
+
     async def beat(self) -> None:
+        async with self._beating:
+            await self._beat()
+
+    async def _beat(self) -> None:
         rep = await self.report()
         current = dict(rep.sandboxes)
         fields = {**rep.fields(), "address": self.address, "proxyAddress": self.proxy_address,
@@ -131,6 +159,8 @@ class Heartbeat:
                 await self.disown(sid)
         self._published = current
         self.beats += 1
+        if self.beats == 1 and self.joined is not None:
+            self.joined()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

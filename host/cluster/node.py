@@ -121,7 +121,8 @@ class ClusterMember:
                                      reserve_mib=cfg.memory_reserve_mib)
         beat = Heartbeat(Registry(store), node_id=node_id, address=api, proxy_address=proxy,
                          report=report, interval_s=cfg.heartbeat_s,
-                         misses=cfg.heartbeat_misses, disown=orch.forget)
+                         misses=cfg.heartbeat_misses, disown=orch.forget,
+                         joined=orch.resume_drained)
         if cfg.p2p and not node_key:
             raise ValueError("--p2p needs the node key its neighbours accept")
         peers = PeerFiles(Registry(store), node_id, node_key) if cfg.p2p and node_key else None

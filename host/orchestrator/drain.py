@@ -17,6 +17,13 @@ then the service exits. The next start resumes every drained sandbox in the back
 with the TTL it had left, and its first request through the proxy resumes it at once
 (guest_access.route), whatever its autoResume: it was not its user who paused it.
 
+In a cluster the node sends a heartbeat before the drain (the scheduler places nothing
+more here) and one after it, so the cluster index has the drained sandboxes paused: while
+the node is away a connect resumes one on another node from its handoff, where it would
+otherwise count as lost with its node. Back, the node resumes the rest only after its
+first heartbeat, which makes it forget the ones taken over (host/cluster/heartbeat.py's
+`joined`): resumed before, those would run twice.
+
 A crash mid-drain loses nothing committed: a sandbox whose pause was committed is paused
 (and resumed as above when marked, or by its user); one still running died with the
 container and recovery salvages its disk, as without a drain.

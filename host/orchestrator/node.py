@@ -163,8 +163,11 @@ class NodeOrchestrator:
 
     # ---- lifecycle of the orchestrator -------------------------------------------------
 
-    async def start(self, *, ttl_interval_s: float = 1.0, recover: bool = True) -> None:
-        """Recover the store against reality (recovery.py), then start the TTL loop."""
+    async def start(self, *, ttl_interval_s: float = 1.0, recover: bool = True,
+                    resume_drained: bool = True) -> None:
+        """Recover the store against reality (recovery.py), then start the TTL loop.
+        `resume_drained=False`: the caller calls `resume_drained()` later (a cluster
+        node, after its first heartbeat)."""
         if recover:
             await asyncio.to_thread(self.volumes.sweep)
             await run_recovery(self.store, self.runtime, self.envd, clock=self.clock)
@@ -173,12 +176,20 @@ class NodeOrchestrator:
         self._ttl = TtlLoop(self, interval_s=ttl_interval_s)
         self._ttl.start()
         self.collector.start()
-        # what the last stop's drain paused runs again (drain.py)
-        self.spawn(drain_.resume_drained(self._ctx,
-                                         concurrency=self._ctx.admission.policy.max_starts))
+        if resume_drained:
+            self.resume_drained()
         if self._pressure_policy is not None:
             self.pressure = PressureGuard(self, self._pressure_policy)
             self.pressure.start()
+
+    def resume_drained(self) -> None:
+        """Resume, in the background, what the last stop's drain paused (drain.py). In a
+        cluster, only once the node's first heartbeat was taken: another node may have
+        taken over some of those sandboxes while this one was away (their connects went
+        there, from the handoffs the drain left), and that heartbeat is what makes this
+        node forget them (heartbeat.py); resumed before it, each would run twice."""
+        self.spawn(drain_.resume_drained(self._ctx,
+                                         concurrency=self._ctx.admission.policy.max_starts))
 
     async def aclose(self, *, grace_s: float = 30.0) -> None:
         """Stop the TTL loop, let in-flight operations finish (up to `grace_s`), cancel the

@@ -191,6 +191,9 @@ class FakeOrchestrator:
         del self.sandboxes[sandbox_id]
         return True
 
+    def resume_drained(self) -> None:
+        self.calls.append(("resume_drained", ()))
+
     async def snapshot(self, sandbox_id: str, name: str | None) -> SnapshotInfo:
         self._get(sandbox_id)
         self._clock += 1

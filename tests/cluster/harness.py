@@ -265,7 +265,7 @@ class ClusterNode:
             store, runtime, domain=DOMAIN, envd=EnvdClient(transport=OpenEnvd().transport()),
             admission=AdmissionPolicy(max_sandboxes=self.max_sandboxes, reserve_mib=0),
             handoff=True)
-        await orch.start(ttl_interval_s=3600)
+        await orch.start(ttl_interval_s=3600, resume_drained=False)   # as host/__main__.py
         api = build_api_app(orch, ApiKeys([API_KEY]), domain=DOMAIN,
                             node_keys=NodeKeys([NODE_KEY]))
         proxy = build_proxy_app(orch, DOMAIN)
@@ -288,7 +288,8 @@ class ClusterNode:
                 proxy_address=self.proxy_url,
                 report=orchestrator_report(orch, max_sandboxes=self.max_sandboxes,
                                            machine=fixed_machine),
-                interval_s=HEARTBEAT_S, misses=MISSES, disown=orch.forget)
+                interval_s=HEARTBEAT_S, misses=MISSES, disown=orch.forget,
+                joined=orch.resume_drained)
             self.heartbeat.start()
             self._ready.set()
             await self._stop.wait()

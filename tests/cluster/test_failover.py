@@ -193,3 +193,45 @@ def test_draining_node_takes_no_new_sandboxes(cluster: Cluster) -> None:
         new = [create(c)["sandboxID"] for _ in range(4)]
         assert holder.node_id not in {where(cluster, c)[i] for i in new}
         assert c.get(f"/sandboxes/{first}").json()["state"] == "running"   # still served
+
+
+def test_a_drained_node_back_resumes_only_what_no_other_node_took(cluster: Cluster) -> None:
+    """A node drained at its stop (a container restart, an upgrade) leaves its sandboxes
+    paused with their handoffs; while it is away, a connect resumes one of them on another
+    node. Back, the node resumes the other by itself (drain.py), but not the one taken
+    over: that one runs once, where it was taken. (Resumed before the node's first
+    heartbeat, it ran on both.)"""
+    with api(cluster) as c:
+        ids = [create(c)["sandboxID"] for _ in range(6)]
+        placed = where(cluster, c)
+        victim = placed[ids[0]]
+        taken, kept = [i for i in ids if placed[i] == victim][:2]
+        node = cluster.node(victim)
+        assert node.heartbeat is not None
+        # what host/__main__.py does at a SIGTERM with --drain-on-stop
+        assert node.run(node.heartbeat.now(draining=True))
+        assert node_state(c, victim) == "draining"
+        report = node.run(node.orch.drain(), timeout=60)
+        assert {taken, kept} <= set(report.paused) and not report.failed
+        assert node.run(node.heartbeat.now())
+        node.stop()
+        wait_for("dead", lambda: node_state(c, victim) == "dead", DEAD_BOUND_S + 1.0)
+
+        r = c.post(f"/v2/sandboxes/{taken}/connect", json={"timeout": 120})
+        assert r.status_code == 201, r.text
+        elsewhere = where(cluster, c)[taken]
+        assert elsewhere != victim
+
+        node.start()
+        wait_for("ready", lambda: node_state(c, victim) == "ready", 5)
+        wait_for("forgotten", lambda: forgotten(node, taken), 5)
+        wait_for("resumed", lambda: node.run(node.orch.get(kept)).state.value == "running",
+                 10)
+        assert c.get(f"/sandboxes/{kept}").json()["state"] == "running"
+        assert c.get(f"/sandboxes/{taken}").json()["state"] == "running"
+        r = httpx.get(f"{cluster.url}/", headers={"E2b-Sandbox-Id": taken,
+                                                  "E2b-Sandbox-Port": str(USER_PORT)})
+        assert r.status_code == 200 and r.json()["node"] == elsewhere
+        r = httpx.get(f"{cluster.url}/", headers={"E2b-Sandbox-Id": kept,
+                                                  "E2b-Sandbox-Port": str(USER_PORT)})
+        assert r.status_code == 200 and r.json()["node"] == victim

@@ -199,3 +199,30 @@ async def test_heartbeat_survives_an_unreachable_redis() -> None:
     await beat.aclose()   # still running (retrying), and stops when asked
     assert beat.beats == 0
     await store.aclose()
+
+
+async def test_joined_once_and_now_never_raises(registry: Registry) -> None:
+    """`joined` runs once, after the first heartbeat Redis took; `now()` sends one at
+    once (draining first when asked) and, with Redis away, says so instead of raising:
+    a stopping node must not wait on the cluster."""
+    calls: list[str] = []
+
+    async def report() -> NodeReport:
+        return NodeReport(cpu_count=1, memory_mib=1, available_mib=1, sandboxes={"a": "paused"})
+
+    beat = Heartbeat(registry, node_id="n1", address="http://x:1", proxy_address="http://x:2",
+                     report=report, interval_s=10, joined=lambda: calls.append("joined"))
+    assert await beat.now(draining=True)
+    node = await registry.node("n1")
+    assert node is not None and node.state is NodeState.DRAINING
+    assert await beat.now() and beat.beats == 2 and calls == ["joined"]
+
+    away = ClusterStore.from_url("redis://127.0.0.1:1/0", timeout_s=0.2)
+    lost = Heartbeat(Registry(away), node_id="n", address="http://x:1",
+                     proxy_address="http://x:2", report=report, interval_s=0.1,
+                     joined=lambda: calls.append("never"))
+    try:
+        assert not await lost.now(draining=True)
+        assert calls == ["joined"] and lost.beats == 0
+    finally:
+        await away.aclose()
