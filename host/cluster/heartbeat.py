@@ -112,14 +112,10 @@ class Heartbeat:
         failed: the stop goes on."""
         if draining is not None:
             self.draining = draining
-        try:
-            async with asyncio.timeout(self.dead_after_s):
-                await self.beat()
-        except Exception as exc:  # noqa: BLE001 - Redis away: the stop must not wait on it
-            log.warning("heartbeat of node %s failed: %s", self.node_id,
-                        str(exc) or type(exc).__name__)
-            return False
-        return True
+        why = await self._attempt()
+        if why is not None:
+            log.warning("heartbeat of node %s failed: %s", self.node_id, why)
+        return why is None
 
     async def beat(self) -> None:
         async with self._beating:
@@ -166,20 +162,26 @@ class Heartbeat:
         loop = asyncio.get_running_loop()
         while True:
             began = loop.time()
-            try:
-                async with asyncio.timeout(self.dead_after_s):
-                    await self.beat()
-            except asyncio.CancelledError:
-                raise
-            except TimeoutError:
-                self._failed("timed out")
-            except Exception as exc:  # noqa: BLE001 - Redis or the report failed: retry
-                self._failed(str(exc) or type(exc).__name__)
+            why = await self._attempt()
+            if why is not None:
+                self._failed(why)
             else:
                 if self._failing:
                     log.info("heartbeat of node %s restored", self.node_id)
                 self._failing = False
             await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - began)))
+
+    async def _attempt(self) -> str | None:
+        """One heartbeat, bounded by the time the node counts as alive; why it failed,
+        or None."""
+        try:
+            async with asyncio.timeout(self.dead_after_s):
+                await self.beat()
+        except TimeoutError:
+            return "timed out"
+        except Exception as exc:  # noqa: BLE001 - Redis or the report failed: the caller retries or goes on
+            return str(exc) or type(exc).__name__
+        return None
 
     def _failed(self, why: str) -> None:
         if not self._failing:
