@@ -148,6 +148,12 @@ def report(r: dict[str, Any]) -> None:
     print(f"floor: skopeo copy to dir            {ms(r['floor_skopeo_s'])}")
     print(f"first build (pull+import+build)      {ms(r['first_build_s'])}   "
           f"{r['first_build_s'] / r['floor_skopeo_s']:.1f}x the floor")
+    boot_at = next((at for at, msg in r["first_build_stages"]
+                    if msg.startswith("Booting the build VM")), None)
+    if boot_at is not None:
+        print(f"  pull + import (until the build VM boots) {ms(boot_at)}   "
+              f"{boot_at / r['floor_skopeo_s']:.1f}x the floor; build VM "
+              f"{ms(r['first_build_s'] - boot_at)}")
     t = r["first_build_timings"]
     print("  build VM stages: " + ", ".join(f"{k} {v:.2f}s" for k, v in t.items()))
     for at, msg in r["first_build_stages"]:

@@ -186,8 +186,9 @@ class _Root:
 class Applier:
     """Applies the entries of one layer tar, in order, onto a root directory."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, max_bytes: int | None = None) -> None:
         self.root = _Root(target)
+        self.max_bytes, self.spent = max_bytes, 0
         self.privileged = os.geteuid() == 0
         # root of a user namespace (the host-side importer, host/images/confined.py) owns
         # files but may not make device nodes: those are skipped with a warning
@@ -247,7 +248,19 @@ class Applier:
             self.touched.add(path)
         return parent, self.root.open_real(parent)
 
+    def _spend(self, m: tarfile.TarInfo) -> None:
+        """Count what the entry takes on a filesystem (whole blocks); past `max_bytes` the
+        layer cannot fit the image it is for, refused before its data lands (a sparse
+        10 GiB file included: tar hands its holes back as zeros)."""
+        if self.max_bytes is None:
+            return
+        self.spent += -(-max(m.size if m.isreg() else 0, 1) // 4096) * 4096
+        if self.spent > self.max_bytes:
+            raise ApplyError(f"{m.name}: No space left on device (the layer needs more than "
+                             f"the image's {self.max_bytes >> 20} MiB)")
+
     def create(self, tar: tarfile.TarFile, m: tarfile.TarInfo, parts: list[str]) -> None:
+        self._spend(m)
         parent, pfd = self._parent(parts)
         name = parts[-1]
         path = parent + (name,)
@@ -555,14 +568,15 @@ class _Prefixed(io.RawIOBase):
         return len(data)
 
 
-def apply_layer(source: str | IO[bytes], target: str, *,
-                expect_diff_id: str | None = None) -> dict[str, Any]:
+def apply_layer(source: str | IO[bytes], target: str, *, expect_diff_id: str | None = None,
+                max_bytes: int | None = None) -> dict[str, Any]:
     """Apply the layer tar `source` (path, "-" or binary stream) onto `target`; returns
-    the summary (counts, diff_id, warnings). Raises ApplyError or DiffIdMismatch."""
+    the summary (counts, diff_id, warnings). Raises ApplyError or DiffIdMismatch; with
+    `max_bytes`, ApplyError once the entries take more (see Applier._spend)."""
     stream, raw = open_layer(source)
     hashing = _Hashing(stream)
     reader = io.BufferedReader(hashing, CHUNK)
-    applier = Applier(target)
+    applier = Applier(target, max_bytes)
     old_umask = os.umask(0o022)
     try:
         try:

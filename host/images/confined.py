@@ -1,6 +1,8 @@
 """Apply an OCI layer onto an ext4 image file on the host, confined (no VM, no privilege).
 
     python3 confined.py --image-fd N --go-fd M apply [--diff-id sha256:HEX]  (tar on stdin)
+    python3 confined.py --image-fd N --go-fd M --tree-fd T populate [--diff-id sha256:HEX]
+                        -- MKE2FS_OPTIONS...  (tar on stdin; N: a file of the image's size)
     python3 confined.py --image-fd N --go-fd M finish --workdir DIR   (our files: tar on stdin)
 
 Standalone (Python 3.11 stdlib, beside apply.py): the parent copies both into a directory
@@ -26,6 +28,12 @@ under it too) and, once the image is mounted, a second one while the layer is re
 mknod in a user namespace: apply.py skips them with a warning). Then the image is unmounted and
 fuse2fs's exit waited for, so every write has reached the file when this exits.
 
+`populate` (an image's first layer, over nothing but the blank ext4): a child under both
+filters applies the layer into an empty directory on the host's disk (given as an fd; only
+this uid can enter it), its bytes bounded by the image's size; then `mke2fs -d` writes the
+image's ext4 of that tree in one pass, about 3x faster than fuse2fs's round trip per
+operation. Both ways give the layers above the same filesystem to apply onto.
+
 Exit status: 0 done, 1 failed (invalid layer, I/O error, full disk: the message says),
 3 diff id mismatch.
 """
@@ -44,7 +52,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 try:  # run as a script beside apply.py (the helper); imported as host.images.confined
     from apply import (  # type: ignore[import-not-found,unused-ignore]
@@ -163,6 +171,13 @@ def deny_syscalls(names: tuple[str, ...], *, namespaces: bool = False,
         lib.seccomp_release(ctx)
 
 
+def _filters() -> int:
+    """How many seccomp filters this process runs under (the layer was read under)."""
+    with open("/proc/self/status", encoding="ascii") as status:
+        return next((int(line.split()[1]) for line in status
+                     if line.startswith("Seccomp_filters:")), 0)
+
+
 def _private_scratch() -> None:
     """Mounts of this namespace private; fresh tmpfs over the world-writable dirs."""
     _mount("none", "/", None, _MS_REC | _MS_PRIVATE, None)
@@ -209,6 +224,64 @@ def apply(image_fd: int, diff_id: str | None) -> dict[str, Any]:
     with mounted_image(image_fd) as root:
         summary: dict[str, Any] = apply_layer(sys.stdin.buffer, root, expect_diff_id=diff_id)
     return summary
+
+
+def populate(image_fd: int, tree_fd: int, diff_id: str | None, mkfs: list[str]
+             ) -> dict[str, Any]:
+    """The first layer of an image (nothing below it but the blank ext4): applied into the
+    empty directory `tree_fd` on the host's disk, then `mke2fs -d` makes the image's ext4 of
+    that tree at once (3x faster than fuse2fs here, where a FUSE round trip per operation
+    dominates). The layer is read by a child under DENIED_APPLYING (no exec, fork or mount)
+    and bounded by the image's size; mke2fs, started after it is gone, only reads the tree
+    (lstat/readlink: it never follows a symlink the layer made)."""
+    tree = f"/proc/self/fd/{tree_fd}"  # its parents are root's alone: reached by the fd
+    os.chmod(tree, 0o755)  # the root directory of the image, as the blank's
+    size = os.fstat(image_fd).st_size
+    out_r, out_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(out_r)
+        _apply_in_child(tree, diff_id, size, out_w)
+    os.close(out_w)
+    with os.fdopen(out_r, "rb") as answer:
+        text = answer.read()
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if status != 0:
+        raise _ChildFailed(status)
+    summary: dict[str, Any] = json.loads(text)
+    mke2fs = shutil.which("mke2fs") or "/usr/sbin/mke2fs"
+    proc = subprocess.run([mke2fs, "-q", "-F", "-t", "ext4", *mkfs, "-d", tree,
+                           f"/proc/self/fd/{image_fd}", f"{size // 1024}k"],
+                          pass_fds=(image_fd, tree_fd), stdin=subprocess.DEVNULL,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=False)
+    if proc.returncode != 0:
+        raise ConfinedError(f"mke2fs -d: {proc.stderr.decode(errors='replace')[-500:]}")
+    return summary
+
+
+def _apply_in_child(tree: str, diff_id: str | None, size: int, out_w: int) -> NoReturn:
+    """populate's child: the layer into `tree` under the second filter, its summary on
+    `out_w`; exits 0, 1 (failed: why on stderr) or 3 (diff id mismatch)."""
+    code = 1
+    try:
+        deny_syscalls(DENIED_APPLYING, processes=False)
+        summary = apply_layer(sys.stdin.buffer, tree, expect_diff_id=diff_id, max_bytes=size)
+        summary["seccomp_filters"] = _filters()
+        with os.fdopen(out_w, "wb") as out:
+            out.write(json.dumps(summary).encode())
+        code = 0
+    except DiffIdMismatch as exc:
+        print(f"{exc}", file=sys.stderr)
+        code = 3
+    except Exception as exc:  # noqa: BLE001 - said on stderr; the child never returns
+        print(f"{exc}", file=sys.stderr)
+    finally:
+        sys.stderr.flush()
+        os._exit(code)
+
+
+class _ChildFailed(Exception):
+    """The child applying the layer failed; it has said why on stderr."""
 
 
 def finish(image_fd: int, workdir: str) -> dict[str, Any]:
@@ -279,9 +352,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--started", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--image-fd", type=int, required=True)
     ap.add_argument("--go-fd", type=int, required=True)
+    ap.add_argument("--tree-fd", type=int, default=-1, help="populate's empty directory")
     sub = ap.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("apply")
     a.add_argument("--diff-id")
+    pp = sub.add_parser("populate")
+    pp.add_argument("--diff-id")
+    pp.add_argument("mkfs", nargs="*", help="mke2fs options (after --)")
     f = sub.add_parser("finish")
     f.add_argument("--workdir", default="/home/user")
     args = ap.parse_args(argv)
@@ -297,8 +374,16 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfinedError("prctl(PR_SET_NO_NEW_PRIVS) failed")
         _private_scratch()
         deny_syscalls(DENIED, namespaces=True)
-        summary = (apply(args.image_fd, args.diff_id) if args.cmd == "apply"
-                   else finish(args.image_fd, args.workdir))
+        if args.cmd == "apply":
+            summary = apply(args.image_fd, args.diff_id)
+        elif args.cmd == "populate":
+            if args.tree_fd < 0:
+                raise ConfinedError("populate needs --tree-fd")
+            summary = populate(args.image_fd, args.tree_fd, args.diff_id, args.mkfs)
+        else:
+            summary = finish(args.image_fd, args.workdir)
+    except _ChildFailed as exc:  # it said why on stderr
+        return 3 if exc.args[0] == 3 else 1
     except DiffIdMismatch as exc:
         print(f"{exc}", file=sys.stderr)
         return 3
@@ -307,9 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     with open("/proc/self/uid_map", encoding="ascii") as uid_map:  # who applied it
         summary["uid_map"] = " ".join(uid_map.read().split())
-    with open("/proc/self/status", encoding="ascii") as status:  # the filters it ran under
-        summary["seccomp_filters"] = next(
-            (int(line.split()[1]) for line in status if line.startswith("Seccomp_filters:")), 0)
+    summary.setdefault("seccomp_filters", _filters())  # populate's: its child's
     print(json.dumps(summary))
     return 0
 

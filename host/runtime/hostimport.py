@@ -7,13 +7,18 @@
     layer (host/storage/convert.py with a base: changed blocks, zeroed blocks as zeroes)
     -> our init and envd the same way (the helper's `finish`)
 
+The first layer of an image (only the blank below it) is `populate`d instead: applied into
+a directory, then `mke2fs -d` makes the ext4 of it with the blank's options (MKFS_OPTIONS),
+3x faster than through fuse2fs (Debian + python3 + git, 416 MiB: 6.3 s against 18 s).
+
 Each block layer reads exactly as the VM importer's would (the ext4 the layers below
 left, changed by this layer), so the cache keys of imports.py are unchanged. Why not a
 VM: under TCG the guest's Python applied a 300 MB layer in ~63 s plus a 12 s boot;
 why fuse2fs and not the host kernel's ext4: the image is written by a userspace library
 in a process that holds no privilege, so nothing in it reaches the host kernel's
-filesystem code; why not `mke2fs -d` (faster still): it makes a whole new filesystem,
-so layers shared by many images would stop sharing their blocks.
+filesystem code; why not `mke2fs -d` for every layer (faster): it makes a whole new
+filesystem, so layers shared by many images would stop sharing their blocks; the first
+layer's filesystem is new anyway, and the layers above apply onto it as onto any other.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import tarfile
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any, Self
 
@@ -48,6 +53,10 @@ HELPER_DIR = Path(__file__).resolve().parents[1] / "images"
 _OUR_FILES = ("usr/sbin/aenv-init", "usr/bin/envd", "etc/aenv/release")
 _HELPER_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 _ANSWER_LIMIT = 1 << 20  # the helper's stdout and stderr kept (it prints one JSON line)
+# How every imported image's ext4 is made (the blank, and a first layer's `mke2fs -d`):
+# one geometry, so the blocks of layers above read the same on either.
+MKFS_OPTIONS = ("-L", "aenv-root", "-m", "0", "-b", "4096", "-I", "256",
+                "-E", "lazy_itable_init=0,lazy_journal_init=0")
 
 
 class HostImporter:
@@ -85,7 +94,11 @@ class HostImporter:
             with open_layer(layer) as plain:  # zstd decompressed, the digest checked
                 shutil.copyfileobj(plain, stdin, 1 << 20)
 
-        summary = await self._step(["apply", "--diff-id", layer.diff_id], feed)
+        if len(self.layers) == 1:  # only the blank ext4 below: make the ext4 of the layer
+            summary = await self._step(["populate", "--diff-id", layer.diff_id, "--",
+                                        *MKFS_OPTIONS], feed, tree=True)
+        else:
+            summary = await self._step(["apply", "--diff-id", layer.diff_id], feed)
         if summary.get("warnings_total"):
             for w in summary.get("warnings", [])[:10]:
                 self.log("warn", f"layer {layer.digest[:19]}: {w}", "base")
@@ -122,25 +135,38 @@ class HostImporter:
         shutil.rmtree(out, ignore_errors=True)
         return buf.getvalue()
 
-    async def _step(self, args: list[str], feed: Callable[[IO[bytes]], None]
-                    ) -> dict[str, Any]:
+    async def _step(self, args: list[str], feed: Callable[[IO[bytes]], None], *,
+                    tree: bool = False) -> dict[str, Any]:
+        """The helper's `args` on a copy of the image so far (with `tree`: on a blank file
+        of its size, and a directory for the helper's tree, removed after)."""
         t = time.perf_counter()
-        await asyncio.to_thread(_sparse_copy, self.prev, self.cur)
-        summary = await asyncio.to_thread(self.helper.run, self.cur, args, feed)
+        if not tree:
+            await asyncio.to_thread(_sparse_copy, self.prev, self.cur)
+            summary = await asyncio.to_thread(self.helper.run, self.cur, args, feed)
+        else:
+            summary = await asyncio.to_thread(self.helper.run_on_tree, self.cur,
+                                              self.prev.stat().st_size, self.tmp / "tree",
+                                              args, feed)
         mib = summary.get("tar_bytes", 0) / 2**20
         secs = time.perf_counter() - t
         if mib:
             self.log("info", f"applied {mib:.0f} MiB in {secs:.1f}s ({mib / secs:.0f} MiB/s, "
-                     f"{summary.get('entries', 0)} entries)", "base")
+                     f"{summary.get('entries', 0)} entries, "
+                     f"{'a new ext4 by mke2fs -d' if tree else 'through fuse2fs'})", "base")
         return summary
 
     async def _seal(self) -> tuple[str, ...]:
         """The blocks where the applied copy differs from the raw before it: a block layer
         on top of the stack's; the copy becomes the raw before the next layer."""
         out = self.tmp / "layer.lsmt"
+        t = time.perf_counter()
         await asyncio.to_thread(convert_image, self.cur, out, base=self.prev)
+        t1 = time.perf_counter()
+        mib = out.stat().st_size / 2**20
         digest = await self.p.block.client.import_layer(out, upload=True)
         out.unlink(missing_ok=True)
+        self.log("info", f"block layer {digest[:19]}: {mib:.0f} MiB, the changed blocks in "
+                 f"{t1 - t:.1f}s, stored in {time.perf_counter() - t1:.1f}s", "base")
         os.replace(self.cur, self.prev)
         self.layers = (*self.layers, digest)
         return self.layers
@@ -167,11 +193,11 @@ class ConfinedHelper:
     def close(self) -> None:
         shutil.rmtree(self.scripts, ignore_errors=True)
 
-    def run(self, image: Path, args: list[str], feed: Callable[[IO[bytes]], None]
-            ) -> dict[str, Any]:
+    def run(self, image: Path, args: list[str], feed: Callable[[IO[bytes]], None], *,
+            pass_fds: tuple[int, ...] = ()) -> dict[str, Any]:
         """The helper's summary of `args` on `image` (fed by `feed`); BuildFailed with
         what it said if it failed."""
-        code, out, err = self._spawn(image, args, feed)
+        code, out, err = self._spawn(image, args, feed, pass_fds)
         if code == 3:
             raise BuildFailed(f"image import: {err.strip()[-300:]}", step="base")
         if code != 0:
@@ -188,8 +214,16 @@ class ConfinedHelper:
                               step="base") from None
         return summary
 
-    def _spawn(self, image: Path, args: list[str], feed: Callable[[IO[bytes]], None]
-               ) -> tuple[int, str, str]:
+    def run_on_tree(self, image: Path, size: int, tree: Path, args: list[str],
+                    feed: Callable[[IO[bytes]], None]) -> dict[str, Any]:
+        """`run` of `populate` ARGS: `image` made a sparse file of `size` bytes, `tree` an
+        empty directory of the helper's uid, removed after."""
+        with _helper_dir(tree) as fd:
+            _blank_file(image, size)
+            return self.run(image, ["--tree-fd", str(fd), *args], feed, pass_fds=(fd,))
+
+    def _spawn(self, image: Path, args: list[str], feed: Callable[[IO[bytes]], None],
+               pass_fds: tuple[int, ...]) -> tuple[int, str, str]:
         """Spawn the helper in new namespaces as UID_BASE, map its uids, let it go, feed
         its stdin; (exit code, stdout, stderr)."""
         fd = os.open(image, os.O_RDWR | os.O_CLOEXEC)
@@ -204,7 +238,7 @@ class ConfinedHelper:
             os.setresuid(UID_BASE, UID_BASE, UID_BASE)
 
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, pass_fds=(fd, go_r), cwd="/",
+                                stderr=subprocess.PIPE, pass_fds=(fd, go_r, *pass_fds), cwd="/",
                                 env={"PATH": _HELPER_PATH, "LANG": "C.UTF-8"},
                                 preexec_fn=as_helper)  # noqa: PLW1509 - before exec only
         os.close(go_r)
@@ -279,6 +313,29 @@ def _drain(stream: IO[bytes] | None, into: dict[str, bytes], key: str) -> thread
             buf = (buf + chunk)[-_ANSWER_LIMIT:]
         into[key] = buf
     return threading.Thread(target=run, daemon=True)
+
+
+@contextlib.contextmanager
+def _helper_dir(path: Path) -> Iterator[int]:
+    """An empty directory the helper's uid owns (an fd: its parents are root's alone),
+    removed with whatever the helper left in it."""
+    path.mkdir(mode=0o700)
+    try:
+        os.chown(path, UID_BASE, UID_BASE)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _blank_file(path: Path, size: int) -> None:
+    """A sparse file of `size` bytes for the helper's uid (mke2fs writes it whole)."""
+    with open(path, "wb") as f:
+        f.truncate(size)
+    os.chown(path, UID_BASE, UID_BASE)
 
 
 def _sparse_copy(src: Path, dest: Path) -> None:

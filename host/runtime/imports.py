@@ -27,7 +27,7 @@ from host.storage.convert import convert_image
 from host.vmm.image import GuestImage
 
 from .buildcache import read_entry, write_entry
-from .hostimport import HostImporter
+from .hostimport import MKFS_OPTIONS, HostImporter
 from .parts import NodeParts
 
 BLANK_MIB = 4096
@@ -53,8 +53,7 @@ async def blank_layer(p: NodeParts) -> str:
     with tempfile.TemporaryDirectory(dir=p.config.state_dir, prefix=".blank-") as tmp:
         img = Path(tmp) / "blank.ext4"
         proc = await asyncio.create_subprocess_exec(
-            "mkfs.ext4", "-q", "-F", "-L", "aenv-root", "-m", "0", "-b", "4096", "-I", "256",
-            "-E", "lazy_itable_init=0,lazy_journal_init=0", str(img), f"{BLANK_MIB}M",
+            "mkfs.ext4", "-q", "-F", *MKFS_OPTIONS, str(img), f"{BLANK_MIB}M",
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
         _, err = await proc.communicate()
         if proc.returncode != 0:

@@ -1,6 +1,6 @@
 """Templates from OCI images on real VMs: an image pushed into a registry on loopback
 (Debian's docker-registry) is pulled, each layer applied on the host (no VM: the confined
-helper, fuse2fs) into a block layer keyed by its chain id, init + envd added; a busybox-only image (no libc, no
+helper; the first layer by mke2fs -d, the next through fuse2fs) into a block layer keyed by its chain id, init + envd added; a busybox-only image (no libc, no
 init, no envd) becomes a working sandbox; images sharing a base layer share its block
 layer; bad references and credentials fail the build cleanly."""
 
@@ -47,6 +47,8 @@ async def test_busybox_image_becomes_a_template(runtime: NodeRuntime, registry: 
     assert ref.facts["guest"]["env"]["GREETING"] == "hello world"
     assert any("applying layer 1/1" in msg for _, msg, _ in logs)
     assert any(msg.startswith("applied ") and "MiB/s" in msg for _, msg, _ in logs), logs
+    # the first layer (only the blank ext4 below) becomes a new ext4 of its tree
+    assert any("a new ext4 by mke2fs -d" in msg for _, msg, _ in logs), logs
     # nothing of the import is left: its stack, its raw copies, the helper's scripts
     stacks = [i.name for i in await runtime.block.client.list()]
     assert build_stack("img-bb") + "-t" not in stacks
@@ -96,6 +98,7 @@ async def test_images_sharing_a_base_layer_share_its_block_layer(
     assert shared in after_one
     # app2 applied only its own layer (the busybox one was imported for app1 or earlier)
     assert any("1 of 2 layers to apply" in m for m in logs2), logs2
+    assert any("through fuse2fs" in m for m in logs2), logs2  # onto the shared layer
     new1 = sum(v for k, v in after_one.items() if k not in before)
     new2 = sum(v for k, v in after_two.items() if k not in after_one)
     print(f"\nshared busybox block layer: {after_one[shared]} bytes on disk, stored once; "
