@@ -1,13 +1,15 @@
 """Templates from OCI images: pull + import + build, against the floor, rebuilds, and
 sandbox creates from the new template against creates from the built-in one, in one run.
 
-    .venv/bin/python bench/bench_templates.py [--image debian|small] [--creates 5]
+    .venv/bin/python bench/bench_templates.py [--image debian|debian3|small] [--creates 5]
                                                [--out FILE.json]
 
 The image, pushed into a Debian `docker-registry` on 127.0.0.1 started here:
 - `debian` (default, what RL task images look like): Debian 12 debootstrap'd with python3,
   pytest and git (tests/deploy/chroot.py builds it once from the Debian mirror and caches
   it), one gzip layer of ~100 MB;
+- `debian3`: the same tree as three layers (the rest, /usr/lib/python3*, /usr/share), what
+  a Dockerfile's steps make: the layers above the first apply through fuse2fs;
 - `small`: a busybox layer and a layer of this host's Python standard library.
 Rows:
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import json
 import shutil
@@ -64,6 +67,28 @@ def debian_layer() -> bytes:
         return zstandard.ZstdDecompressor().stream_reader(f).read()
 
 
+def split_layers(tar: bytes) -> list[bytes]:
+    """The same tree as three layers, as a Dockerfile's RUN steps would add them: the rest,
+    then /usr/lib/python3*, then /usr/share (a hard link goes no lower than its target)."""
+    def route(name: str) -> int:
+        name = name.removeprefix("./")
+        return 1 if name.startswith("usr/lib/python3") else \
+            2 if name.startswith("usr/share/") else 0
+    bufs = [io.BytesIO() for _ in range(3)]
+    layer_of: dict[str, int] = {}
+    with contextlib.ExitStack() as stack:
+        outs = [stack.enter_context(tarfile.open(fileobj=b, mode="w",
+                                                 format=tarfile.PAX_FORMAT)) for b in bufs]
+        src = stack.enter_context(tarfile.open(fileobj=io.BytesIO(tar), mode="r|"))
+        for m in src:
+            i = route(m.name)
+            if m.islnk():
+                i = max(i, layer_of.get(m.linkname, 0))
+            layer_of[m.name] = i
+            outs[i].addfile(m, src.extractfile(m) if m.isreg() else None)
+    return [b.getvalue() for b in bufs]
+
+
 def ms(s: float) -> str:
     return f"{s * 1e3:8.0f} ms"
 
@@ -78,8 +103,9 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         vms_survive_service=False)).open()
     try:
         layout = OciLayout(work / "layout")
-        if args.image == "debian":
-            img = layout.image([debian_layer()], config={
+        if args.image in ("debian", "debian3"):
+            tree = debian_layer()
+            img = layout.image([tree] if args.image == "debian" else split_layers(tree), config={
                 "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
                 "WorkingDir": "/srv"})
         else:
@@ -173,7 +199,7 @@ def report(r: dict[str, Any]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--creates", type=int, default=5)
-    ap.add_argument("--image", choices=("debian", "small"), default="debian")
+    ap.add_argument("--image", choices=("debian", "debian3", "small"), default="debian")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     r = asyncio.run(amain(args))
