@@ -230,5 +230,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    heap.use_c_malloc()  # small objects from glibc too, trimmable (host/heap.py)
     sys.exit(main())

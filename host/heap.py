@@ -16,21 +16,12 @@ settings, made at start (`configure`, before any thread):
 
 And after work that freed much (a collection), `trim` hands the arenas' free pages back.
 No library does this; it is two libc calls.
-
-Python's own small-object allocator (pymalloc) keeps its 1 MiB arenas while one object
-lives in them: after 300 soak lifecycles the service's RSS still crept (+6 MiB over the
-last 200, ~30 KiB a lifecycle) with the traced heap flat. `use_c_malloc` re-executes the
-service with PYTHONMALLOC=malloc, so small objects come from glibc too, whose free pages
-inside the heap `trim` returns (malloc_trim releases them wherever they are). An
-operator's own PYTHONMALLOC is kept.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
-import sys
 from typing import Any
 
 M_MMAP_THRESHOLD = -3  # <malloc.h>
@@ -61,12 +52,3 @@ def trim() -> bool:
     if _libc is None:
         return False
     return bool(_libc.malloc_trim(0))
-
-
-def use_c_malloc() -> None:
-    """Re-execute this interpreter (same pid, same argv) with PYTHONMALLOC=malloc, unless
-    the variable is set (the operator's choice, or this is the re-executed one) or the C
-    library is not glibc. Call first thing in `__main__`: nothing has run yet."""
-    if _libc is None or "PYTHONMALLOC" in os.environ:
-        return
-    os.execve(sys.executable, sys.orig_argv, {**os.environ, "PYTHONMALLOC": "malloc"})
