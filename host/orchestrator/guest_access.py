@@ -24,7 +24,15 @@ async def metrics(ctx: Context, sandbox_id: str) -> Sequence[Metric]:
     placement = placement_of(rec)
     if rec.state not in LIVE or placement is None:
         return []
-    return [await ctx.envd.metrics(placement, rec.envd_token)]
+    try:
+        return [await ctx.envd.metrics(placement, rec.envd_token)]
+    except OperationFailed:
+        # the VM may have gone meanwhile (its timeout's pause, a kill): nothing to measure
+        # then, as for any sandbox not running; a running one that does not answer is an error
+        now = await ctx.db(ctx.store.get_sandbox, sandbox_id)
+        if now.state not in LIVE or placement_of(now) != placement:
+            return []
+        raise
 
 
 async def logs(ctx: Context, sandbox_id: str, start_ms: int | None,

@@ -609,6 +609,24 @@ async def test_route_gone_is_set_when_the_run_ends(orch, rt, clock):
     assert not orch._runs
 
 
+async def test_metrics_of_a_sandbox_paused_meanwhile_are_none_not_an_error(orch, envd):
+    sid = (await orch.create(CreateRequest())).sandbox_id
+    asked = orch._ctx.envd.metrics
+
+    async def paused_meanwhile(placement, token):  # its timeout's pause took the VM
+        await orch.pause(sid)
+        raise OperationFailed("envd /metrics failed: All connection attempts failed")
+
+    orch._ctx.envd.metrics = paused_meanwhile
+    assert await orch.metrics(sid) == []
+    # a running sandbox whose envd does not answer is still an error
+    orch._ctx.envd.metrics = asked
+    running = (await orch.create(CreateRequest())).sandbox_id
+    envd.fail_hosts.update(envd.tokens)
+    with pytest.raises(OperationFailed, match="answered 500"):
+        await orch.metrics(running)
+
+
 async def test_metrics_and_network(orch, rt):
     sid = (await orch.create(CreateRequest())).sandbox_id
     (m,) = await orch.metrics(sid)
