@@ -11,8 +11,8 @@ The first layer of an image (only the blank below it) is `populate`d instead: ap
 a directory, then `mke2fs -d` makes the ext4 of it with the blank's options (MKFS_OPTIONS),
 3x faster than through fuse2fs (Debian + python3 + git, 416 MiB: 6.3 s against 18 s).
 
-Each block layer reads exactly as the VM importer's would (the ext4 the layers below
-left, changed by this layer), so the cache keys of imports.py are unchanged. Why not a
+Each block layer reads as the ext4 the layers below left, changed by this layer (the
+first: a new ext4 of the same geometry), so the cache keys of imports.py are unchanged. Why not a
 VM: under TCG the guest's Python applied a 300 MB layer in ~63 s plus a 12 s boot;
 why fuse2fs and not the host kernel's ext4: the image is written by a userspace library
 in a process that holds no privilege, so nothing in it reaches the host kernel's
@@ -95,8 +95,8 @@ class HostImporter:
                 shutil.copyfileobj(plain, stdin, 1 << 20)
 
         if len(self.layers) == 1:  # only the blank ext4 below: make the ext4 of the layer
-            summary = await self._step(["populate", "--diff-id", layer.diff_id, "--",
-                                        *MKFS_OPTIONS], feed, tree=True)
+            summary = await self._step(["populate", "--diff-id", layer.diff_id], feed,
+                                       tree=True)
         else:
             summary = await self._step(["apply", "--diff-id", layer.diff_id], feed)
         if summary.get("warnings_total"):
@@ -216,11 +216,12 @@ class ConfinedHelper:
 
     def run_on_tree(self, image: Path, size: int, tree: Path, args: list[str],
                     feed: Callable[[IO[bytes]], None]) -> dict[str, Any]:
-        """`run` of `populate` ARGS: `image` made a sparse file of `size` bytes, `tree` an
-        empty directory of the helper's uid, removed after."""
+        """`run` of `populate` ARGS with the blank's mke2fs options: `image` made a sparse
+        file of `size` bytes, `tree` an empty directory of the helper's uid, removed after."""
         with _helper_dir(tree) as fd:
             _blank_file(image, size)
-            return self.run(image, ["--tree-fd", str(fd), *args], feed, pass_fds=(fd,))
+            return self.run(image, ["--tree-fd", str(fd), *args, "--", *MKFS_OPTIONS], feed,
+                            pass_fds=(fd,))
 
     def _spawn(self, image: Path, args: list[str], feed: Callable[[IO[bytes]], None],
                pass_fds: tuple[int, ...]) -> tuple[int, str, str]:

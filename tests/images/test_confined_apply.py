@@ -59,8 +59,7 @@ def _apply(helper: ConfinedHelper, img: Path, mode: str, feed, *args: str) -> di
     if mode == "apply":
         return helper.run(img, ["apply", *args], feed)
     tree = img.parent / "tree"
-    summary = helper.run_on_tree(img, img.stat().st_size, tree,
-                                 ["populate", *args, "--", *MKFS_OPTIONS], feed)
+    summary = helper.run_on_tree(img, img.stat().st_size, tree, ["populate", *args], feed)
     assert not tree.exists()  # the helper's tree goes with it
     return summary
 
