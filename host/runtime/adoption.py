@@ -110,8 +110,7 @@ async def reap_orphans(p: NodeParts, known: set[str]) -> list[str]:
     live = set(p.sandboxes) | p.busy
     building = {build_stack(t) for t in p.building}
     vms_dir: Path = p.config.vms_dir
-    stale = {d.name for d in vms_dir.iterdir()} if vms_dir.is_dir() else set()
-    stale |= set((await asyncio.to_thread(mx.vmm.leftovers, vms_dir)).values())
+    stale = await asyncio.to_thread(mx.vmm.leftover_names, vms_dir)
     def building_part(name: str) -> bool:  # a build's VM, or its import's stack (-t)
         return name in building or name[:-2] in building
 

@@ -112,5 +112,10 @@ class RuntimeConfig:
         return self.run_dir / "vms"
 
     @property
+    def vm_logs_dir(self) -> Path:
+        """`<sandbox id>/serial.log` of each QEMU VM: on disk (the run dir is often tmpfs)."""
+        return self.state_dir / "vmlogs"
+
+    @property
     def storage_run_dir(self) -> Path:
         return self.run_dir / "storage"

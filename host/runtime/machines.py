@@ -62,7 +62,7 @@ def make_driver(cfg: RuntimeConfig) -> VmmDriver:
                           "qemu": cfg.qemu, "firecracker": cfg.firecracker,
                           "jailer": cfg.jailer, "jailer_uid": cfg.jailer_uid,
                           "jailer_gid": cfg.jailer_gid, "ksm": cfg.ksm, "jail": cfg.jail,
-                          "log_dir": cfg.state_dir / "vmlogs"}
+                          "log_dir": cfg.vm_logs_dir}
     try:
         return pick_driver(None if cfg.vmm == "auto" else cfg.vmm, **kw)
     except VmmError as exc:
@@ -293,7 +293,9 @@ class Machines:
                 await self.vmm.kill_pid(pid, work)
             except VmmError as exc:
                 log.error("leftover VM of %s: %s", sid, exc)
-        shutil.rmtree(work, ignore_errors=True)
+        # a VM that died on its own left no pid to kill but its jail's cgroup, its work dir
+        # and its serial log (whose old owner a jailed VM of the same id could not reopen)
+        await self.vmm.discard(work)
         if not keep_stack:
             await self.drop_stack(f"sbx-{sid}")
         if self.mode == "netns" and self.nm is not None:

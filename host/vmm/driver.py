@@ -392,8 +392,16 @@ class VmmDriver(Protocol):
 
     async def kill_pid(self, pid: int, work_dir: Path) -> None:
         """Kill a leftover VMM process (one `leftovers` found, or the pid recorded in
-        `work_dir/pid`) if it is this driver's process for `work_dir`; then remove
+        `work_dir/pid`) if it is this driver's process for `work_dir`; then `discard`
         `work_dir`."""
+
+    async def discard(self, work_dir: Path) -> None:
+        """Remove what a VM whose process is gone left on the host: its jail (cgroup,
+        devices), `work_dir` and its logs elsewhere. Idempotent."""
+
+    def leftover_names(self, run_dir: Path) -> set[str]:
+        """Names of the VMs of which something is left under `run_dir` (a work dir) or
+        with this driver (logs), whatever their processes: `discard`'s candidates."""
 
     async def adopt(self, spec: VmSpec, facts: dict[str, Any], *,
                     timeouts: BootTimeouts | None = None) -> Vm | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Self
@@ -253,6 +254,12 @@ class FakeDriver:
 
     async def kill_pid(self, pid: int, work_dir: Path) -> None:
         self.calls.append(("kill_pid", str(pid)))
+
+    async def discard(self, work_dir: Path) -> None:
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+    def leftover_names(self, run_dir: Path) -> set[str]:
+        return {d.name for d in run_dir.iterdir()} if run_dir.is_dir() else set()
 
     async def adopt(self, spec: VmSpec, facts: dict[str, Any], *,
                     timeouts: BootTimeouts | None = None) -> FakeVm | None:

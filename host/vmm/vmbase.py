@@ -80,6 +80,15 @@ class DriverBase(Generic[VmT]):
         vm = self._new_vm(spec, timeouts)
         return vm if await vm._adopt(facts) else None
 
+    def leftovers(self, run_dir: Path) -> dict[int, str]:
+        raise NotImplementedError
+
+    def leftover_names(self, run_dir: Path) -> set[str]:
+        names = set(self.leftovers(run_dir).values())
+        if run_dir.is_dir():
+            names |= {d.name for d in run_dir.iterdir()}
+        return names
+
     async def aclose(self) -> None:
         errors: list[BaseException] = []
         for vm in reversed(self.vms):

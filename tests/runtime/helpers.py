@@ -69,6 +69,7 @@ async def assert_gone(rt: NodeRuntime, sid: str) -> None:
     namespace (once a pause's teardown of them, which a start of `sid` waits for, ended)."""
     assert sid not in rt.sandboxes
     assert not (rt.config.vms_dir / sid).exists()
+    assert not (rt.config.vm_logs_dir / sid).exists()
     ps = (await asyncio.to_thread(
         subprocess.run, ["pgrep", "-f", str(rt.config.vms_dir / sid) + "/"],
         capture_output=True, text=True, check=False)).stdout

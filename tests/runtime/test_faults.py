@@ -3,6 +3,8 @@ adoption after a (simulated) host-service restart, and reaping of orphans."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 from typing import Any
@@ -13,6 +15,7 @@ import host.vmm.qemu.memory as node_mod  # where the QEMU driver calls memsnap
 from host.contract import SnapshotRef
 from host.orchestrator.model import NetworkConfig
 from host.runtime import NodeRuntime, NodeRuntimeError, SnapshotCorruptError
+from host.vmm.jail.cgroup import Cgroup
 from host.vmm.procscan import pid_alive
 
 from .helpers import assert_gone, background, run, write
@@ -127,3 +130,46 @@ async def test_adopt_after_restart_and_reap(runtime: NodeRuntime, template: Snap
         await other.aclose()
         await runtime.kill(sid)
         await runtime.kill(orphan)
+
+
+async def test_a_vm_dead_while_unwatched_is_reaped_whole_and_its_id_starts_again(
+        runtime: NodeRuntime, template: SnapshotRef, tmp_path: Any) -> None:
+    """A VM that died while no service watched it (a container's VMs die with it) and left
+    no pid to kill: reaping removes its cgroup, work dir and serial log (the log was kept
+    and a later VM of that id, under another uid, could not reopen it: QEMU "Permission
+    denied"). A start over a crash's leftover log of another uid clears it, following
+    none of its links."""
+    sid = "dead1"
+    await runtime.start(sid, template, NET)
+    work, logs = runtime.config.vms_dir / sid, runtime.config.vm_logs_dir / sid
+    try:
+        facts = await runtime.detach(sid)
+        version, parent, name = json.loads((work / "jail.json").read_text())["cgroup"]
+        cgroup = Cgroup(parent, name, version=int(version))
+        assert any(d.exists() for d in cgroup.dirs().values())
+        pid = int(facts["pid"])
+        os.kill(pid, signal.SIGKILL)
+        while pid_alive(pid):
+            await asyncio.sleep(0.05)
+        (work / "pid").unlink()  # the service died before recording it
+        assert (logs / "serial.log").exists()
+        reaped = await runtime.reap_orphans(known=set(runtime.sandboxes))
+        assert sid in reaped
+        assert not work.exists() and not logs.exists()
+        assert not any(d.exists() for d in cgroup.dirs().values())
+
+        # a crash's leftover: a log of another uid, and a link a hostile VMM planted
+        target = tmp_path / "hosts"
+        target.write_text("keep me")
+        logs.mkdir(parents=True, mode=0o700)
+        (logs / "serial.log").write_text("an earlier VM\n")
+        os.chown(logs / "serial.log", 65533, 65533)
+        (logs / "serial.log.1").symlink_to(target)
+        p = await runtime.start(sid, template, NET)
+        assert (await run(p, "echo up")).strip() == "up"
+        assert (logs / "serial.log").stat().st_uid != 65533
+        assert "an earlier VM" not in (logs / "serial.log").read_text(errors="replace")
+        assert target.read_text() == "keep me" and target.stat().st_uid == 0
+    finally:
+        await runtime.kill(sid)
+    await assert_gone(runtime, sid)

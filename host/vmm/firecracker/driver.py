@@ -139,6 +139,9 @@ class FirecrackerDriver(DriverBase["FirecrackerVm"]):
                 gone = await procs.terminate(procs.AdoptedProcess(pid, started), grace_s=2.0)
                 if not gone:
                     raise VmmError(f"Firecracker pid {pid} survived SIGKILL")
+        await self.discard(work_dir)
+
+    async def discard(self, work_dir: Path) -> None:
         await release_jail(work_dir)
         for dev in recorded_devices(work_dir):
             await self.block.detach(dev)

@@ -17,9 +17,11 @@ import contextlib
 import errno
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import procscan
 from ..errors import VmmError
 
 log = logging.getLogger(__name__)
@@ -160,22 +162,36 @@ class Cgroup:
             return None
         return None if not text or text == "max" else int(text)
 
-    def remove(self) -> None:
-        """Delete the directories (rmdir: the kernel refuses while a process is inside)."""
+    def remove(self, *, settle_s: float = 2.0) -> None:
+        """Delete the directories (rmdir: the kernel refuses while a process is inside).
+        A process that died but is not reaped yet (a zombie stays in a v1 cgroup until its
+        parent, or init, waits for it) is waited for up to `settle_s`; a live one is not."""
+        deadline = time.monotonic() + settle_s
         for d in self.dirs().values():
-            try:
-                d.rmdir()
-                # the parent too once it is empty: it sits in the service's own cgroup,
-                # which its owner (systemd, a container, a test) must be able to remove
-                with contextlib.suppress(OSError):
-                    d.parent.rmdir()
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                if exc.errno == errno.EBUSY:
-                    log.warning("cgroup %s still has processes %s", d, self.procs())
-                else:
-                    log.warning("cannot remove cgroup %s: %s", d, exc)
+            while not self._rmdir(d):
+                pids = self.procs()
+                if any(procscan.pid_alive(p) for p in pids) or time.monotonic() > deadline:
+                    log.warning("cgroup %s still has processes %s", d, pids)
+                    break
+                time.sleep(0.02)
+
+    @staticmethod
+    def _rmdir(d: Path) -> bool:
+        """False while the kernel says the cgroup is busy."""
+        try:
+            d.rmdir()
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            if exc.errno == errno.EBUSY:
+                return False
+            log.warning("cannot remove cgroup %s: %s", d, exc)
+            return True
+        # the parent too once it is empty: it sits in the service's own cgroup, which its
+        # owner (systemd, a container, a test) must be able to remove
+        with contextlib.suppress(OSError):
+            d.parent.rmdir()
+        return True
 
 
 def _optional(path: Path, value: str) -> None:

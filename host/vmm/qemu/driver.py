@@ -147,10 +147,19 @@ class QemuDriver(DriverBase["QemuVm"]):
                 gone = await procs.terminate(procs.AdoptedProcess(pid, started), grace_s=2.0)
                 if not gone:
                     raise VmmError(f"QEMU pid {pid} survived SIGKILL")
+        await self.discard(work_dir)
+
+    async def discard(self, work_dir: Path) -> None:
         await asyncio.to_thread(forget_jail, work_dir)
         await asyncio.to_thread(shutil.rmtree, work_dir, True)
         if self.log_dir is not None:
             await asyncio.to_thread(shutil.rmtree, self.log_dir / work_dir.name, True)
+
+    def leftover_names(self, run_dir: Path) -> set[str]:
+        names = super().leftover_names(run_dir)
+        if self.log_dir is not None and self.log_dir.is_dir():
+            names |= {d.name for d in self.log_dir.iterdir()}
+        return names
 
 
 @contextlib.asynccontextmanager

@@ -160,7 +160,11 @@ class QemuVm(VmBase):
         taken between our pick and QEMU's bind."""
         net = self._spec.network
         assert self.accel is not None
-        self.serial_log.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if self._driver.log_dir is not None:
+            # a crashed VM of this name may have left its logs: another uid's files, written
+            # by a VMM a guest may have taken over (never chown or follow what it left)
+            shutil.rmtree(self.serial_log.parent, ignore_errors=True)
+            self.serial_log.parent.mkdir(parents=True, mode=0o700)
         readonly_ram = await self._private_ram()
         self._jail = self._driver.new_jail(self._spec.name)
         if self._jail is not None:
