@@ -139,8 +139,7 @@ async def resolve_template(ctx: Context, template_id: str) -> SnapshotRecord:
             if found is not None:
                 return found
         raise SnapshotNotFound(template_id)
-    lock = ctx.template_locks.setdefault(tid, asyncio.Lock())
-    async with lock:
+    async with ctx.template_locks.hold(tid):
         with contextlib.suppress(SnapshotNotFound):
             return await ctx.db(ctx.store.get_snapshot, tid)
         log.info("building template %r (first use)", tid)
@@ -152,8 +151,7 @@ async def rebuild_stale_default(ctx: Context, stale: SnapshotRecord) -> Snapshot
     longer runs (an upgrade changed QEMU, its flags or the guest's command line): build
     it again, once even when many creates find it stale at the same time. Sandboxes
     paused on the old one keep their own snapshots (they resume with a reboot)."""
-    lock = ctx.template_locks.setdefault(stale.id, asyncio.Lock())
-    async with lock:
+    async with ctx.template_locks.hold(stale.id):
         current = await ctx.db(ctx.store.get_snapshot, stale.id)
         if current.spec != stale.spec:  # another create rebuilt it meanwhile
             return current

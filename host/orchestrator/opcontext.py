@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from host.contract import MachineSpec, NetworkConfig, SandboxRuntime, SnapshotRef
+from host.keyedlocks import KeyedLocks
 from host.metrics import Metrics
 from host.volumes import Volumes
 
@@ -96,11 +97,11 @@ class Context:
     # when the proxy last routed a request to each sandbox (its coldness, pressure.py)
     activity: dict[str, float] = dataclasses.field(default_factory=dict)
     # lifecycle.py's: one lock per template built on first use, in-flight idempotent creates
-    template_locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
+    template_locks: KeyedLocks = dataclasses.field(default_factory=KeyedLocks)
     idempotent: dict[str, asyncio.Task[SandboxInfo]] = dataclasses.field(default_factory=dict)
     # builds.py's: the log of each running build (by build id), one queue per template
     build_logs: dict[str, BuildLogBuffer] = dataclasses.field(default_factory=dict)
-    build_queues: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
+    build_queues: KeyedLocks = dataclasses.field(default_factory=KeyedLocks)
 
     async def shielded(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run an operation as an owned task; the caller's cancellation does not stop it."""

@@ -253,6 +253,7 @@ async def test_builds_of_one_template_queue_others_run_at_once(orch, rt):
         assert (await wait_build(orch, r.template_id, r.build_id)).status == "ready"
     tags = {t.tag: t.build_id for t in await orch.list_tags("q")}
     assert tags == {"default": a.build_id, "v2": b.build_id}
+    assert len(orch._ctx.build_queues) == 0  # no queue kept for a template with none waiting
 
 
 # ---- recovery ------------------------------------------------------------------------

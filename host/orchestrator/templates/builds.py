@@ -194,11 +194,10 @@ async def _run(ctx: Context, build: BuildRecord, spec: BuildSpec, buffer: BuildL
     async def write(first_seq: int, entries: list[LogRecord]) -> None:
         await ctx.db(ctx.templates.append_logs, build.id, first_seq, entries)
 
-    queue = ctx.build_queues.setdefault(build.template_id, asyncio.Lock())
     try:
-        if queue.locked():
+        if ctx.build_queues.busy(build.template_id):
             buffer("info", "Waiting for the previous build of this template to finish", None)
-        async with queue:
+        async with ctx.build_queues.hold(build.template_id):
             flusher = asyncio.get_running_loop().create_task(
                 buffer.flush_every(write, LOG_FLUSH_S))
             try:

@@ -46,8 +46,7 @@ async def ensure(ctx: Context, ref: str, cache: Path) -> None:
     recipe = recipe_for(ref)
     if recipe is None:
         return
-    lock = ctx.template_locks.setdefault(f"builtin:{recipe.alias}", asyncio.Lock())
-    async with lock:
+    async with ctx.template_locks.hold(f"builtin:{recipe.alias}"):
         found = await templates.lookup(ctx, recipe.alias)
         if found is not None:
             tmpl, _ = found
