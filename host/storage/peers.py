@@ -31,6 +31,7 @@ from .repository import Repository, _hex
 log = logging.getLogger(__name__)
 
 TIMEOUT_S = 5.0
+_TOLD_MAX = 4096  # (layer, neighbour) pairs whose first read was logged
 
 
 class PeerLayers:
@@ -87,6 +88,8 @@ class PeerLayers:
             with self._lock:
                 self.peer_bytes += len(data)
                 first = (hexd, str(peer.get("node"))) not in self._told
+                if len(self._told) >= _TOLD_MAX:  # months of layers: say one again, not grow
+                    self._told.clear()
                 self._told.add((hexd, str(peer.get("node"))))
             if first:
                 log.info("layer %s: reading chunks from neighbour %s", digest, peer.get("node"))
