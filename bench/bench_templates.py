@@ -11,6 +11,11 @@ The image, pushed into a Debian `docker-registry` on 127.0.0.1 started here:
 - `debian3`: the same tree as three layers (the rest, /usr/lib/python3*, /usr/share), what
   a Dockerfile's steps make: the layers above the first apply through fuse2fs;
 - `small`: a busybox layer and a layer of this host's Python standard library.
+Its tar entries' mtimes (`--mtimes`): `docker` (default) truncated to the second with no
+atime/ctime, as Docker's and BuildKit's layer writers (moby's and containerd's archive
+packages) write every layer; `exact`: as GNU tar wrote them in the chroot, to the ns
+(an image's first layer with sub-second mtimes goes through a tree, not straight into
+`mke2fs -d -`: host/images/streamed.py).
 Rows:
 
 - floor: `skopeo copy docker://... dir:` of the same image (download + digest checks only)
@@ -67,6 +72,20 @@ def debian_layer() -> bytes:
         return zstandard.ZstdDecompressor().stream_reader(f).read()
 
 
+def docker_like(tar: bytes) -> bytes:
+    """`tar` as Docker and BuildKit write a layer: PAX, mtimes truncated to the second, no
+    atime or ctime (for reproducible digests)."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=io.BytesIO(tar), mode="r:") as src, \
+            tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as dst:
+        for m in src:
+            m.mtime = int(m.mtime)
+            m.pax_headers = {k: v for k, v in m.pax_headers.items()
+                             if k not in ("mtime", "atime", "ctime")}
+            dst.addfile(m, src.extractfile(m) if m.isreg() else None)
+    return out.getvalue()
+
+
 def split_layers(tar: bytes) -> list[bytes]:
     """The same tree as three layers, as a Dockerfile's RUN steps would add them: the rest,
     then /usr/lib/python3*, then /usr/share (a hard link goes no lower than its target)."""
@@ -105,6 +124,8 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         layout = OciLayout(work / "layout")
         if args.image in ("debian", "debian3"):
             tree = debian_layer()
+            if args.mtimes == "docker":
+                tree = docker_like(tree)
             img = layout.image([tree] if args.image == "debian" else split_layers(tree), config={
                 "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
                 "WorkingDir": "/srv"})
@@ -112,6 +133,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             img = layout.image([busybox_layer(), stdlib_layer()],
                                config={"Env": ["PATH=/bin"], "WorkingDir": "/srv"})
         res["image"] = args.image
+        res["mtimes"] = args.mtimes
         res["layers"] = len(img.layer_digests)
         push(layout.tag("app", img.manifest), f"{reg.host}/bench/app:1")
         ref = f"{reg.host}/bench/app:1"
@@ -170,7 +192,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(r: dict[str, Any]) -> None:
     print(f"image: {r['image']}, {r['layers']} layers, {r['image_bytes'] / 2**20:.1f} MiB "
-          "compressed")
+          f"compressed, mtimes {r.get('mtimes', 'exact')}")
     print(f"floor: skopeo copy to dir            {ms(r['floor_skopeo_s'])}")
     print(f"first build (pull+import+build)      {ms(r['first_build_s'])}   "
           f"{r['first_build_s'] / r['floor_skopeo_s']:.1f}x the floor")
@@ -200,6 +222,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--creates", type=int, default=5)
     ap.add_argument("--image", choices=("debian", "debian3", "small"), default="debian")
+    ap.add_argument("--mtimes", choices=("docker", "exact"), default="docker")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     r = asyncio.run(amain(args))

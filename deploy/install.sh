@@ -45,11 +45,13 @@ KEEP=(.venv out build)   # kept in $PREFIX when the code is replaced (venv, --bu
 PKG_COMMON=(python3 python3-venv ca-certificates)
 # what the node runs: VMMs and disk tools, netns + nftables, OCI pulls and imports (fuse2fs,
 # libseccomp2 for the import helper's filters)
-PKG_NODE=(qemu-system-x86 qemu-utils e2fsprogs fuse2fs libseccomp2 iproute2 nftables kmod
-          procps attr cpio xz-utils zstd skopeo)
-# from bookworm-backports (QEMU 10): the VM jail runs QEMU unprivileged, which needs 8.2+
-# to map a shared memory base without opening it for writing; bookworm's own is 7.2
-PKG_BACKPORTS=(qemu-system-x86 qemu-utils)
+PKG_NODE=(qemu-system-x86 qemu-utils e2fsprogs fuse2fs libseccomp2 libarchive13 iproute2
+          nftables kmod procps attr cpio xz-utils zstd skopeo)
+# from bookworm-backports: QEMU 10 (the VM jail runs QEMU unprivileged, which needs 8.2+ to
+# map a shared memory base without opening it for writing; bookworm's own is 7.2) and
+# e2fsprogs 1.47.2 (`mke2fs -d -` reads a tar: an image's first layer streams into its
+# ext4; with bookworm's 1.47.0 it goes through a tree, slower)
+PKG_BACKPORTS=(qemu-system-x86 qemu-utils e2fsprogs fuse2fs)
 # --build: the inputs of scripts/setup.sh's kernel, envd and rootfs steps, and `make web`
 PKG_BUILD=(make linux-source-6.12 build-essential patch flex bison bc libelf-dev libssl-dev dwarves
            debootstrap erofs-utils python3.11-venv python3.11-dev patchelf scons libfuse3-3
@@ -139,6 +141,12 @@ for p in "${want[@]}"; do
   [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" = "install ok installed" ] ||
     missing+=("$p")
 done
+# e2fsprogs is on every Debian: older than 1.47.1 it is upgraded from backports
+if [[ " ${want[*]} " == *" e2fsprogs "* ]] &&
+   dpkg --compare-versions "$(dpkg-query -W -f='${Version}' e2fsprogs 2>/dev/null || echo 0)" lt 1.47.1 &&
+   [[ " ${missing[*]} " != *" e2fsprogs "* ]]; then
+  missing+=(e2fsprogs fuse2fs)
+fi
 if [ "${#missing[@]}" -gt 0 ]; then
   changed "apt-get install ${missing[*]}"
   if [ "$start" = 0 ] && [ ! -e /usr/sbin/policy-rc.d ] && [ "$dry_run" = 0 ]; then
@@ -154,7 +162,7 @@ if [ "${#missing[@]}" -gt 0 ]; then
   if [ "${#backports[@]}" -gt 0 ] &&
      ! grep -rqs bookworm-backports /etc/apt/sources.list /etc/apt/sources.list.d/; then
     uri=$(awk '/^URIs:/ && !found { print $2; found = 1 }' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
-    changed "add bookworm-backports (${uri:-http://deb.debian.org/debian}) for QEMU 10"
+    changed "add bookworm-backports (${uri:-http://deb.debian.org/debian}) for QEMU 10 and e2fsprogs 1.47.2"
     [ "$dry_run" = 1 ] || printf 'Types: deb\nURIs: %s\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
       "${uri:-http://deb.debian.org/debian}" >/etc/apt/sources.list.d/aenv-backports.sources
   fi

@@ -9,6 +9,7 @@ APT_PACKAGES=(
   qemu-utils                            # qemu-io / qemu-img / qemu-storage-daemon
   debootstrap e2fsprogs erofs-utils     # rootfs layers
   fuse2fs libseccomp2                   # OCI layers applied on the host (host/runtime/hostimport.py; its seccomp filters)
+  libarchive13                          # ... an image's first layer read by mke2fs -d - itself (e2fsprogs loads it)
   libfuse3-3                            # volume mounts: bundled into the frozen envd (envd/volumes)
   linux-source-6.12 build-essential patch flex bison bc libelf-dev libssl-dev dwarves  # guest kernel
   python3.11-venv python3.11-dev patchelf scons  # frozen envd (PyInstaller + staticx, Debian python)
@@ -40,24 +41,33 @@ if [ "${#missing[@]}" -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}"
 fi
 
-# QEMU 10 from bookworm-backports (same Debian mirror): the VM jail runs QEMU unprivileged,
-# which needs `memory-backend-file,readonly=on,rom=off` (8.2+) to map a shared base memory
-# file copy-on-write without opening it for writing; bookworm's own QEMU is 7.2.
+# From bookworm-backports (same Debian mirror): QEMU 10, since the VM jail runs QEMU
+# unprivileged, which needs `memory-backend-file,readonly=on,rom=off` (8.2+) to map a shared
+# base memory file copy-on-write without opening it for writing (bookworm's own QEMU is
+# 7.2); e2fsprogs 1.47.2, whose `mke2fs -d -` reads a tar (1.47.1+): an image's first layer
+# streams into its ext4 (host/images/streamed.py; bookworm's 1.47.0 goes through a tree).
 QEMU_MIN_MAJOR=10
-BACKPORTS_PACKAGES=(qemu-system-x86 qemu-utils)
+BACKPORTS_PACKAGES=(qemu-system-x86 qemu-utils e2fsprogs fuse2fs)
 # (the readers below take the first match but read to the end: one that exits early, like
 # `| head -1`, can SIGPIPE the writer, which pipefail turns into a failed setup)
 qemu_major() {
   qemu-system-x86_64 --version 2>/dev/null |
     awk 'match($0, /version [0-9]+\./) && !found { print substr($0, RSTART + 8, RLENGTH - 9); found = 1 }'
 }
-if [ "$(qemu_major || true)" != "" ] && [ "$(qemu_major)" -ge "$QEMU_MIN_MAJOR" ]; then
+mke2fs_reads_tar() {  # 1.47.1 or later
+  mke2fs -V 2>&1 | awk 'match($0, /^mke2fs [0-9]+\.[0-9]+\.[0-9]+/) && !found {
+    split(substr($0, 8, RLENGTH - 7), v, "."); found = 1
+    ok = (v[1] > 1 || (v[1] == 1 && (v[2] > 47 || (v[2] == 47 && v[3] >= 1)))) }
+    END { exit ok ? 0 : 1 }'
+}
+if [ "$(qemu_major || true)" != "" ] && [ "$(qemu_major)" -ge "$QEMU_MIN_MAJOR" ] &&
+   mke2fs_reads_tar; then
   :
 else
   src=/etc/apt/sources.list.d/aenv-backports.sources
   if ! grep -rqs "bookworm-backports" /etc/apt/sources.list /etc/apt/sources.list.d/; then
     uri=$(awk '/^URIs:/ && !found { print $2; found = 1 }' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
-    echo "setup: adding bookworm-backports (${uri:-http://deb.debian.org/debian}) for QEMU $QEMU_MIN_MAJOR"
+    echo "setup: adding bookworm-backports (${uri:-http://deb.debian.org/debian}) for QEMU $QEMU_MIN_MAJOR and e2fsprogs 1.47.2"
     printf 'Types: deb\nURIs: %s\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
       "${uri:-http://deb.debian.org/debian}" > "$src"
   fi

@@ -68,8 +68,8 @@ class LayerTar:
         self.tar.addfile(ti)
         return self
 
-    def hardlink(self, name: str, target: str) -> LayerTar:
-        ti = self._info(name, tarfile.LNKTYPE, mode=0o644, uid=0, gid=0, mtime=None,
+    def hardlink(self, name: str, target: str, *, mode: int = 0o644) -> LayerTar:
+        ti = self._info(name, tarfile.LNKTYPE, mode=mode, uid=0, gid=0, mtime=None,
                         xattrs=None)
         ti.linkname = target
         self.tar.addfile(ti)
