@@ -63,7 +63,7 @@ _KEPT_XATTR = "security.capability"  # the one xattr mke2fs -d - copies
 _FIXUP_BYTES = 16 << 20  # xattr values written afterwards, at most (they pass through /tmp)
 _KINDS = (("files", tarfile.TarInfo.isreg), ("dirs", tarfile.TarInfo.isdir),
           ("symlinks", tarfile.TarInfo.issym), ("hardlinks", tarfile.TarInfo.islnk),
-          ("devices", tarfile.TarInfo.isdev))
+          ("fifos", tarfile.TarInfo.isfifo), ("devices", tarfile.TarInfo.isdev))
 
 
 class NotPlain(Exception):
@@ -115,8 +115,7 @@ class Plain:
                 raise NotPlain(f"{m.name!r} links to {m.linkname!r}, not an earlier file")
             if meta != _meta(m) or xattrs:
                 raise NotPlain(f"{m.name!r}: owner, mode or mtime differs from its file's")
-        if m.issparse() or not (m.isreg() or m.isdir() or m.issym() or m.islnk()
-                                or m.isdev() or m.isfifo()):
+        if m.issparse() or not any(test(m) for _, test in _KINDS):
             raise NotPlain(f"{m.name!r} is of tar type {m.type!r}")
         # as apply.py's Applier._spend: past the image's size the tree's way says so
         self.spent += -(-max(m.size if m.isreg() else 0, 1) // 4096) * 4096
@@ -130,7 +129,7 @@ class Plain:
         elif m.isreg():
             self.files[path] = _meta(m)
             self.counts["bytes"] += m.size
-        kind = next((k for k, test in _KINDS if test(m)), "fifos")
+        kind = next(k for k, test in _KINDS if test(m))
         self.counts[kind] += 1
 
     def _fixup(self, m: tarfile.TarInfo, parts: list[str], xattrs: dict[str, bytes]) -> None:

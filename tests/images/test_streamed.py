@@ -108,7 +108,8 @@ def _debian_like() -> LayerTar:
             .file("etc/empty", b"")
             .file("etc/caf\u00e9", b"unicode name\n")
             .dir("tmp", mode=0o1777)
-            .node("etc/fifo", tarfile.FIFOTYPE, mode=0o600))
+            .node("etc/fifo", tarfile.FIFOTYPE, mode=0o600)
+            .dir("dev").node("dev/null", tarfile.CHRTYPE, 1, 3))
 
 
 def test_a_plain_layer_streams_and_makes_what_the_tree_makes(helper: ConfinedHelper,
@@ -120,8 +121,12 @@ def test_a_plain_layer_streams_and_makes_what_the_tree_makes(helper: ConfinedHel
     assert summary["diff_id"] == tree_summary["diff_id"]
     assert summary["tar_bytes"] == len(layer)
     assert (summary["files"], summary["hardlinks"], summary["symlinks"]) == (7, 1, 2)
+    assert summary["devices"] == 1
     assert summary["seccomp_filters"] == 2  # read under DENIED and DENIED_APPLYING
     got, want = _tree(streamed), _tree(tree)
+    # a device node, as Docker makes it; the tree's way cannot (root of a user namespace)
+    assert got.pop("/dev/null")[0] == oct(0o20666) and "/dev/null" not in want
+    assert "device node skipped" in str(tree_summary["warnings"])
     assert got == want
     assert "security.capability (20)" in got["/usr/bin/ping"][7]
     assert got["/usr/bin/passwd"][0] == oct(0o104755) and got["/usr/bin/passwd"][4] == "2"
