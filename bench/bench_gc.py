@@ -10,9 +10,11 @@ Every --build-every lifecycles (30) also a template build through the SDK's Temp
 The anchor is the warm-up state (--warm-up lifecycles and one build, collected): a leak
 shows as growth over it. RSS is also sampled every 10 lifecycles: a leak climbs steadily,
 the heap's high-water mark levels off. `--repo oss` puts the repository in a real moto S3 server process and
-counts its objects per kind too.
+counts its objects per kind too. `--collect-every K` also collects every K lifecycles (after
+that lifecycle's sample), as the node's collector does every --gc-interval in service: the
+steady state, where what a collection frees is reused by the lifecycles after it.
 
-    .venv/bin/python bench/bench_gc.py [-n 30] [--repo posix|oss]
+    .venv/bin/python bench/bench_gc.py [-n 30] [--repo posix|oss] [--collect-every K]
 """
 
 from __future__ import annotations
@@ -177,6 +179,8 @@ def main() -> int:
     ap.add_argument("--repo", choices=("posix", "oss"), default="posix")
     ap.add_argument("--warm-up", type=int, default=5,
                     help="lifecycles before the anchor (the heap's first growth is there)")
+    ap.add_argument("--collect-every", type=int, default=0,
+                    help="a collection every this many lifecycles too (0: only at the end)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     args.json = args.json or REPO / f"out/bench/gc-{args.repo}.json"
@@ -236,13 +240,17 @@ def main() -> int:
                     print(f"  {i}/{args.n} lifecycles, {time.monotonic() - t0:.0f} s; state "
                           f"dir {usage(svc.state)['state dir'][1] / 2**20:.0f} MiB before "
                           f"collection", flush=True)
+                if args.collect_every and i % args.collect_every == 0 and i < args.n:
+                    soak.collect()
             grown = measure()
             report = soak.collect()
             after = measure()
             svc_after = proc_stats(svc.proc.pid)
             bs_after = proc_stats(bs_pid) if bs_pid else (0, 0)
             print(f"\n{args.n} lifecycles (fork {args.fork}) and {builds} template builds in "
-                  f"{time.monotonic() - t0:.0f} s (TCG), repository {args.repo}; collection "
+                  f"{time.monotonic() - t0:.0f} s (TCG), repository {args.repo}, collections "
+                  f"{f'every {args.collect_every} and ' if args.collect_every else ''}at the "
+                  f"end; last collection "
                   f"{report['seconds']:.2f} s, records {report['records']}")
             print(f"  {'kind':18} {'warm-up':>16} {'before gc':>16} {'after gc':>16} "
                   f"{'after/warm-up':>14}")
@@ -259,6 +267,7 @@ def main() -> int:
                   + " ".join(f"{n}:{a // 1024}/{b // 1024}" for n, a, b in rss))
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps({"bench": "gc", "n": args.n, "repo": args.repo,
+                                             "collect_every": args.collect_every,
                                              "fork": args.fork, "builds": builds,
                                              "warm_up": before, "before_gc": grown,
                                              "after_gc": after, "report": report,

@@ -54,9 +54,9 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 try:  # run as a script beside apply.py (the helper); imported as host.images.confined
     import streamed  # type: ignore[import-not-found,unused-ignore]
@@ -245,18 +245,10 @@ def populate(image_fd: int, tree_fd: int, diff_id: str | None, mkfs: list[str]
     tree = f"/proc/self/fd/{tree_fd}"  # its parents are root's alone: reached by the fd
     os.chmod(tree, 0o755)  # the root directory of the image, as the blank's
     size = os.fstat(image_fd).st_size
-    out_r, out_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(out_r)
-        _apply_in_child(tree, diff_id, size, out_w)
-    os.close(out_w)
-    with os.fdopen(out_r, "rb") as answer:
-        text = answer.read()
-    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    status, summary = _in_child(lambda: apply_layer(sys.stdin.buffer, tree,
+                                                    expect_diff_id=diff_id, max_bytes=size))
     if status != 0:
         raise _ChildFailed(status)
-    summary: dict[str, Any] = json.loads(text)
     mke2fs = shutil.which("mke2fs") or "/usr/sbin/mke2fs"
     proc = subprocess.run([mke2fs, "-q", "-F", "-t", "ext4", *mkfs, "-d", tree,
                            f"/proc/self/fd/{image_fd}", f"{size // 1024}k"],
@@ -277,16 +269,9 @@ def populate_streamed(image_fd: int, diff_id: str | None, mkfs: list[str]) -> di
     image = f"/proc/self/fd/{image_fd}"
     mke2fs, sink, err_file = streamed.start_mke2fs(mkfs, image, size // 1024, (image_fd,))
     with err_file:
-        out_r, out_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(out_r)
-            _stream_in_child(sink, size, out_w)
-        os.close(out_w)
-        os.close(sink)  # the child's alone: mke2fs sees the tar end when the child closes it
-        with os.fdopen(out_r, "rb") as answer:
-            text = answer.read()
-        status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        # the sink is the child's alone: mke2fs sees the tar end when the child closes it
+        status, summary = _in_child(lambda: streamed.stream(sys.stdin.buffer, sink, size),
+                                    parent_closes=sink)
         if status != 0:
             mke2fs.kill()
         code = mke2fs.wait()
@@ -296,7 +281,6 @@ def populate_streamed(image_fd: int, diff_id: str | None, mkfs: list[str]) -> di
             err_file.seek(0)
             said = err_file.read(64 << 10).decode(errors="replace").strip()
             raise NotPlain(f"mke2fs -d - refused it: {said[-300:]}")
-    summary: dict[str, Any] = json.loads(text)
     if diff_id is not None and summary["diff_id"] != diff_id:
         raise DiffIdMismatch(f"layer diff id is {summary['diff_id']}, expected {diff_id}")
     if fixups := summary.pop("fixup_list"):
@@ -304,46 +288,37 @@ def populate_streamed(image_fd: int, diff_id: str | None, mkfs: list[str]) -> di
     return summary
 
 
-def _stream_in_child(sink: int, size: int, out_w: int) -> NoReturn:
-    """populate_streamed's child: the tar on stdin into `sink` under the second filter,
-    the summary on `out_w`; exits 0, 1 (invalid: why on stderr) or 4 (not plain)."""
-    code = 1
-    try:
-        deny_syscalls(DENIED_APPLYING, processes=False)
-        summary = streamed.stream(sys.stdin.buffer, sink, size)
-        summary["seccomp_filters"] = _filters()
-        with os.fdopen(out_w, "wb") as out:
-            out.write(json.dumps(summary).encode())
-        code = 0
-    except NotPlain as exc:
-        print(f"{exc}", file=sys.stderr)
-        code = 4
-    except Exception as exc:  # noqa: BLE001 - said on stderr; the child never returns
-        print(f"{exc}", file=sys.stderr)
-    finally:
-        sys.stderr.flush()
-        os._exit(code)
-
-
-def _apply_in_child(tree: str, diff_id: str | None, size: int, out_w: int) -> NoReturn:
-    """populate's child: the layer into `tree` under the second filter, its summary on
-    `out_w`; exits 0, 1 (failed: why on stderr) or 3 (diff id mismatch)."""
-    code = 1
-    try:
-        deny_syscalls(DENIED_APPLYING, processes=False)
-        summary = apply_layer(sys.stdin.buffer, tree, expect_diff_id=diff_id, max_bytes=size)
-        summary["seccomp_filters"] = _filters()
-        with os.fdopen(out_w, "wb") as out:
-            out.write(json.dumps(summary).encode())
-        code = 0
-    except DiffIdMismatch as exc:
-        print(f"{exc}", file=sys.stderr)
-        code = 3
-    except Exception as exc:  # noqa: BLE001 - said on stderr; the child never returns
-        print(f"{exc}", file=sys.stderr)
-    finally:
-        sys.stderr.flush()
-        os._exit(code)
+def _in_child(work: Callable[[], dict[str, Any]], *, parent_closes: int = -1
+              ) -> tuple[int, dict[str, Any]]:
+    """`work` (reading the layer) in a child under the second filter (no exec, fork or
+    mount); (its exit status, its summary). The child exits 0, 1 (failed), 3 (diff id
+    mismatch) or 4 (not for `--streamed`), having said why on stderr."""
+    out_r, out_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(out_r)
+        code = 1
+        try:
+            deny_syscalls(DENIED_APPLYING, processes=False)
+            summary = work()
+            summary["seccomp_filters"] = _filters()
+            with os.fdopen(out_w, "wb") as out:
+                out.write(json.dumps(summary).encode())
+            code = 0
+        except BaseException as exc:  # noqa: BLE001 - said on stderr; the child never returns
+            print(f"{exc}", file=sys.stderr)
+            code = 3 if isinstance(exc, DiffIdMismatch) else 4 if isinstance(exc, NotPlain) \
+                else 1
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(out_w)
+    if parent_closes >= 0:
+        os.close(parent_closes)
+    with os.fdopen(out_r, "rb") as answer:
+        text = answer.read()
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    return status, json.loads(text) if status == 0 else {}
 
 
 class _ChildFailed(Exception):

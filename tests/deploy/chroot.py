@@ -50,9 +50,12 @@ def debian_mirror() -> str:
     return "http://deb.debian.org/debian"
 
 
-def root_key(packages: Sequence[str]) -> str:
-    spec = {"suite": SUITE, "mirror": debian_mirror(), "recipe": RECIPE_VERSION,
-            "packages": sorted({*BASE_PACKAGES, *packages})}
+def root_key(packages: Sequence[str], backports: Sequence[str] = ()) -> str:
+    spec: dict[str, object] = {"suite": SUITE, "mirror": debian_mirror(),
+                               "recipe": RECIPE_VERSION,
+                               "packages": sorted({*BASE_PACKAGES, *packages})}
+    if backports:
+        spec["backports"] = sorted(backports)
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -134,9 +137,11 @@ def _sources(mirror: str) -> str:
             "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n")
 
 
-def build_tarball(packages: Sequence[str]) -> Path:
-    """The cached root tarball with `packages` installed (built now if missing)."""
-    d = cache_dir() / root_key(packages)
+def build_tarball(packages: Sequence[str], backports: Sequence[str] = ()) -> Path:
+    """The cached root tarball with `packages` installed, those of `backports` from
+    bookworm-backports (as deploy/install.sh installs them; its sources stay), built now
+    if missing."""
+    d = cache_dir() / root_key(packages, backports)
     tarball = d / "root.tar.zst"
     if tarball.is_file():
         return tarball
@@ -161,6 +166,14 @@ def build_tarball(packages: Sequence[str]) -> Path:
                 in_root(root, ["apt-get", "-q", "update"])
                 in_root(root, ["apt-get", "-q", "install", "-y", "--no-install-recommends",
                                *packages], timeout=3600)
+                if backports:
+                    (root / "etc/apt/sources.list.d/backports.sources").write_text(
+                        f"Types: deb\nURIs: {mirror}\nSuites: {SUITE}-backports\n"
+                        "Components: main\n"
+                        "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n")
+                    in_root(root, ["apt-get", "-q", "update"])
+                    in_root(root, ["apt-get", "-q", "install", "-y", "--no-install-recommends",
+                                   "-t", f"{SUITE}-backports", *backports], timeout=3600)
                 in_root(root, ["apt-get", "clean"])
             policy.unlink()
             for lists in (root / "var/lib/apt/lists").glob("*_*"):

@@ -69,7 +69,13 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
     """A fresh root after one run of install.sh; removed afterwards (nothing left mounted)."""
     packages = subprocess.run([str(DEPLOY / "install.sh"), "--list-packages", "--role", "all"],
                               capture_output=True, text=True, check=True).stdout.split()
-    tarball = chroot.build_tarball(packages)
+    # what install.sh takes from bookworm-backports (QEMU 10, e2fsprogs 1.47.2)
+    script = (f"eval \"$(grep '^PKG_BACKPORTS=' {DEPLOY / 'install.sh'})\"; "
+              "echo \"${PKG_BACKPORTS[*]}\"")
+    backports = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
+                               check=True).stdout.split()
+    assert {"qemu-system-x86", "e2fsprogs"} <= set(backports)
+    tarball = chroot.build_tarball(packages, [p for p in backports if p in packages])
     root = tmp_path_factory.mktemp("deploy") / "root"
     try:
         chroot.unpack(tarball, root)
