@@ -254,7 +254,7 @@ class Applier:
         10 GiB file included: tar hands its holes back as zeros)."""
         if self.max_bytes is None:
             return
-        self.spent += -(-max(m.size if m.isreg() else 0, 1) // 4096) * 4096
+        self.spent += entry_bytes(m)
         if self.spent > self.max_bytes:
             raise ApplyError(f"{m.name}: No space left on device (the layer needs more than "
                              f"the image's {self.max_bytes >> 20} MiB)")
@@ -486,6 +486,18 @@ class Applier:
             os.close(fd)
 
 
+def entry_bytes(m: tarfile.TarInfo) -> int:
+    """What an entry takes on a filesystem, at least: its data in whole 4 KiB blocks, or
+    one block (an inode's worth) for an entry without data."""
+    return -(-max(m.size if m.isreg() else 0, 1) // 4096) * 4096
+
+
+def check_diff_id(diff_id: str, expected: str | None) -> None:
+    """DiffIdMismatch unless the layer hashed to `expected` (when one is given)."""
+    if expected is not None and diff_id != expected:
+        raise DiffIdMismatch(f"layer diff id is {diff_id}, expected {expected}")
+
+
 def _in_user_namespace() -> bool:
     """Whether this process runs in a user namespace other than the host's."""
     try:
@@ -598,8 +610,7 @@ def apply_layer(source: str | IO[bytes], target: str, *, expect_diff_id: str | N
     summary: dict[str, Any] = {"diff_id": diff_id, "tar_bytes": hashing.size,
                                **applier.counts, "warnings": applier.warnings,
                                "warnings_total": applier.warnings_total}
-    if expect_diff_id is not None and diff_id != expect_diff_id:
-        raise DiffIdMismatch(f"layer diff id is {diff_id}, expected {expect_diff_id}")
+    check_diff_id(diff_id, expect_diff_id)
     return summary
 
 

@@ -270,19 +270,17 @@ def populate_streamed(image_fd: int, diff_id: str | None, mkfs: list[str]) -> di
     mke2fs, sink, err_file = streamed.start_mke2fs(mkfs, image, size // 1024, (image_fd,))
     with err_file:
         # the sink is the child's alone: mke2fs sees the tar end when the child closes it
-        status, summary = _in_child(lambda: streamed.stream(sys.stdin.buffer, sink, size),
-                                    parent_closes=sink)
+        status, summary = _in_child(
+            lambda: streamed.stream(sys.stdin.buffer, sink, size, expect_diff_id=diff_id),
+            parent_closes=sink)
         if status != 0:
             mke2fs.kill()
-        code = mke2fs.wait()
-        if status != 0:
+            mke2fs.wait()
             raise _ChildFailed(status)
-        if code != 0:
+        if mke2fs.wait() != 0:
             err_file.seek(0)
             said = err_file.read(64 << 10).decode(errors="replace").strip()
             raise NotPlain(f"mke2fs -d - refused it: {said[-300:]}")
-    if diff_id is not None and summary["diff_id"] != diff_id:
-        raise DiffIdMismatch(f"layer diff id is {summary['diff_id']}, expected {diff_id}")
     if fixups := summary.pop("fixup_list"):
         streamed.run_fixups(image, fixups, (image_fd,))
     return summary

@@ -22,7 +22,6 @@ What Debian, Ubuntu and Docker- or BuildKit-built layers carry streams.
 from __future__ import annotations
 
 import base64
-import decimal
 import fcntl
 import io
 import os
@@ -39,8 +38,11 @@ try:  # run as a script beside apply.py (the helper); imported as host.images.st
         WHITEOUT,
         ApplyError,
         _Hashing,
+        _times,
         _xattrs_of,
+        check_diff_id,
         clean_name,
+        entry_bytes,
         open_layer,
     )
 except ImportError:
@@ -49,8 +51,11 @@ except ImportError:
         WHITEOUT,
         ApplyError,
         _Hashing,
+        _times,
         _xattrs_of,
+        check_diff_id,
         clean_name,
+        entry_bytes,
         open_layer,
     )
 
@@ -118,7 +123,7 @@ class Plain:
         if m.issparse() or not any(test(m) for _, test in _KINDS):
             raise NotPlain(f"{m.name!r} is of tar type {m.type!r}")
         # as apply.py's Applier._spend: past the image's size the tree's way says so
-        self.spent += -(-max(m.size if m.isreg() else 0, 1) // 4096) * 4096
+        self.spent += entry_bytes(m)
         if self.spent > self.max_bytes:
             raise NotPlain(f"{m.name!r}: the layer needs more than the image's size")
         if not m.islnk():
@@ -134,10 +139,7 @@ class Plain:
 
     def _fixup(self, m: tarfile.TarInfo, parts: list[str], xattrs: dict[str, bytes]) -> None:
         """What debugfs writes after mke2fs: the mtime's nanoseconds, the other xattrs."""
-        try:
-            ns = int((decimal.Decimal(m.pax_headers.get("mtime", "0")) % 1).scaleb(9))
-        except decimal.InvalidOperation:
-            raise NotPlain(f"{m.name!r} has the mtime {m.pax_headers['mtime']!r}") from None
+        ns = _times(m)[1] % 1_000_000_000  # (mke2fs keeps the whole seconds, floored)
         rest = {k: v for k, v in xattrs.items() if k != _KEPT_XATTR}
         if "system.posix_acl_access" in rest:
             rest["system.posix_acl_access"] = _acl_chmod(rest["system.posix_acl_access"],
@@ -216,10 +218,11 @@ def start_mke2fs(mkfs: list[str], image: str, size_k: int, pass_fds: tuple[int, 
     return proc, w, err_file
 
 
-def stream(source: IO[bytes], sink: int, max_bytes: int) -> dict[str, Any]:
+def stream(source: IO[bytes], sink: int, max_bytes: int, *,
+           expect_diff_id: str | None = None) -> dict[str, Any]:
     """The tar on `source` (plain or gzip) written to `sink` (closed after), each entry
-    checked; the summary (diff_id, counts, fixup_list). NotPlain, or ApplyError for an
-    invalid tar."""
+    checked; the summary (diff_id, counts, fixup_list). NotPlain, DiffIdMismatch, or
+    ApplyError for an invalid tar."""
     tee = _Tee(open_layer(source)[0], sink)
     check = Plain(max_bytes)
     try:
@@ -234,6 +237,7 @@ def stream(source: IO[bytes], sink: int, max_bytes: int) -> dict[str, Any]:
         raise ApplyError(f"invalid layer tar: {exc}") from exc
     finally:
         tee.close_sink()
+    check_diff_id("sha256:" + tee.sha.hexdigest(), expect_diff_id)
     return {"diff_id": "sha256:" + tee.sha.hexdigest(), "tar_bytes": tee.size,
             **check.counts, "fixup_list": check.fixups, "warnings": [], "warnings_total": 0,
             "streamed": True}

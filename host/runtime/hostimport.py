@@ -105,7 +105,7 @@ class HostImporter:
         if len(self.layers) > 1:
             summary = await self._step(["apply", *args], feed)
         else:  # only the blank below: a new ext4 of the layer
-            summary = await self._step(["populate", *args], feed, first=True)
+            summary = await self._step(args, feed, first=True)
             if why := summary.get("not_streamed"):
                 self.log("info", f"layer {layer.digest[:19]} went through a tree: {why}",
                          "base")
@@ -147,8 +147,8 @@ class HostImporter:
 
     async def _step(self, args: list[str], feed: Callable[[IO[bytes]], None], *,
                     first: bool = False) -> dict[str, Any]:
-        """The helper's `args` on a copy of the image so far (`first`: `populate` on a
-        blank file of its size)."""
+        """The helper's `args` on a copy of the image so far (`first`: `populate` with
+        options `args` on a blank file of its size)."""
         t = time.perf_counter()
         if not first:
             await asyncio.to_thread(_sparse_copy, self.prev, self.cur)
@@ -247,15 +247,15 @@ class ConfinedHelper:
     def populate(self, image: Path, size: int, tree: Path, args: list[str],
                  feed: Callable[[IO[bytes]], None], *,
                  streamed: bool | None = None) -> dict[str, Any]:
-        """`run` of `populate` ARGS (a first layer) with the blank's mke2fs options on
-        `image`, made a sparse file of `size` bytes: streamed into mke2fs where this host's
+        """`run` of `populate` ARGS (a first layer; ARGS its options) with the blank's
+        mke2fs options on `image`, made a sparse file of `size` bytes: streamed into mke2fs where this host's
         reads a tar (`streamed` None) and the layer allows (else `not_streamed` in the
         summary says why), otherwise through `tree`, an empty directory of the helper's
         uid, removed after. `feed` may be called twice."""
         if streamed if streamed is not None else mke2fs_reads_tar():
             _blank_file(image, size)
             try:
-                return self.run(image, [*args[:1], "--streamed", *args[1:], "--",
+                return self.run(image, ["populate", "--streamed", *args, "--",
                                         *MKFS_OPTIONS], feed)
             except NotStreamable as exc:
                 why = str(exc)
@@ -263,8 +263,8 @@ class ConfinedHelper:
             why = ""
         with _helper_dir(tree) as fd:
             _blank_file(image, size)
-            summary = self.run(image, ["--tree-fd", str(fd), *args, "--", *MKFS_OPTIONS],
-                               feed, pass_fds=(fd,))
+            summary = self.run(image, ["--tree-fd", str(fd), "populate", *args, "--",
+                                       *MKFS_OPTIONS], feed, pass_fds=(fd,))
         return {**summary, "not_streamed": why} if why else summary
 
     def _spawn(self, image: Path, args: list[str], feed: Callable[[IO[bytes]], None],

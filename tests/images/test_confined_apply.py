@@ -69,7 +69,7 @@ def _apply(helper: ConfinedHelper, img: Path, mode: str, feed, *args: str) -> di
     if mode == "apply":
         return helper.run(img, ["apply", *args], feed)
     tree = img.parent / "tree"
-    summary = helper.populate(img, img.stat().st_size, tree, ["populate", *args], feed,
+    summary = helper.populate(img, img.stat().st_size, tree, list(args), feed,
                               streamed=mode == "streamed")
     assert not tree.exists()  # the helper's tree goes with it
     assert bool(summary.get("streamed")) == (mode == "streamed"

@@ -48,8 +48,7 @@ def _populate(helper: ConfinedHelper, tmp_path: Path, layer: bytes, *, streamed:
         stdin.write(compress(layer, "gzip"))
 
     summary = helper.populate(img, img.stat().st_size, tmp_path / f"{name}-tree",
-                              ["populate", "--diff-id",
-                               "sha256:" + hashlib.sha256(layer).hexdigest()],
+                              ["--diff-id", "sha256:" + hashlib.sha256(layer).hexdigest()],
                               feed, streamed=streamed)
     return img, summary
 
@@ -222,8 +221,7 @@ def test_a_bad_tar_or_diff_id_fails_clearly_when_streamed(helper: ConfinedHelper
     img.write_bytes(b"")
     os.chown(img, UID_BASE, UID_BASE)
     with pytest.raises(BuildFailed, match="diff id"):
-        helper.populate(img, 64 << 20, tmp_path / "t", ["populate", "--diff-id",
-                                                        "sha256:" + "0" * 64],
+        helper.populate(img, 64 << 20, tmp_path / "t", ["--diff-id", "sha256:" + "0" * 64],
                         lambda stdin: stdin.write(layer), streamed=True)
 
 
