@@ -1,6 +1,7 @@
 """OCI images as template sources: pull into a content-addressed cache, read layers and
 chain ids (`pull`), and apply a layer tar onto a root directory (`apply.py`, a standalone
-stdlib-only script: `APPLY_SCRIPT` is its path; `confined.py` runs it on the host, confined).
+stdlib-only script with its modules `layertar.py` and `rootdir.py`: `APPLY_SCRIPTS`;
+`confined.py` runs it on the host, confined).
 """
 
 from __future__ import annotations
@@ -24,9 +25,13 @@ from .registry import Credentials, RegistryConfig, Source, is_insecure, resolve_
 
 APPLY_SCRIPT = Path(__file__).with_name("apply.py")
 """The layer applier: `python3 apply.py [--diff-id sha256:...] LAYER.tar[.gz]|- TARGET_DIR`."""
+APPLY_SCRIPTS = tuple(APPLY_SCRIPT.with_name(name)
+                      for name in ("apply.py", "layertar.py", "rootdir.py"))
+"""apply.py and the standalone modules it imports beside it: copied together."""
 
 __all__ = [
     "APPLY_SCRIPT",
+    "APPLY_SCRIPTS",
     "Credentials",
     "Image",
     "ImageConfig",

@@ -3,9 +3,10 @@
 
     python3 apply.py [--diff-id sha256:HEX] LAYER TARGET_DIR
 
-Standalone (Python 3.11 stdlib only): run by host/images/confined.py (the host-side
-importer's confined helper, as root of a user namespace); tests import it. LAYER: a plain or gzip tar (found from its first bytes) or `-` for stdin; the
-host decompresses zstd layers first (`host.images.open_layer`).
+Standalone (Python 3.11 stdlib, with layertar.py and rootdir.py beside it): run by
+host/images/confined.py (the host-side importer's confined helper, as root of a user
+namespace); tests import it. LAYER: a plain or gzip tar (found from its first bytes) or
+`-` for stdin; the host decompresses zstd layers first (`host.images.open_layer`).
 
 Semantics (OCI image spec, "Applying Changesets"; what containerd does): `.wh.NAME`
 deletes NAME below (never created itself); `.wh..wh..opq` hides what the layers below put
@@ -26,11 +27,8 @@ Exit status: 0 applied, 1 invalid layer or I/O error, 2 usage, 3 diff id mismatc
 from __future__ import annotations
 
 import argparse
-import base64
-import decimal
 import errno
 import gzip
-import hashlib
 import io
 import json
 import os
@@ -39,155 +37,51 @@ import stat
 import sys
 import tarfile
 import zlib
-from collections import OrderedDict
 from typing import IO, Any
-from urllib.parse import unquote
 
-GZIP_MAGIC = b"\x1f\x8b"
-ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-WHITEOUT = ".wh."
-OPAQUE = ".wh..wh..opq"
-AUFS_META = ".wh..wh."
-MAX_SYMLINKS = 40
-FD_CACHE = 128
-CHUNK = 1 << 20
+try:  # run as a script beside layertar.py and rootdir.py (the helper)
+    from layertar import (  # type: ignore[import-not-found,unused-ignore]
+        AUFS_META,
+        CHUNK,
+        OPAQUE,
+        WHITEOUT,
+        ApplyError,
+        DiffIdMismatch,
+        Hashing,
+        check_diff_id,
+        clean_name,
+        entry_bytes,
+        entry_times,
+        entry_xattrs,
+        open_layer,
+    )
+    from rootdir import Root, RPath  # type: ignore[import-not-found,unused-ignore]
+except ImportError:
+    from host.images.layertar import (
+        AUFS_META,
+        CHUNK,
+        OPAQUE,
+        WHITEOUT,
+        ApplyError,
+        DiffIdMismatch,
+        Hashing,
+        check_diff_id,
+        clean_name,
+        entry_bytes,
+        entry_times,
+        entry_xattrs,
+        open_layer,
+    )
+    from host.images.rootdir import Root, RPath
+
 MAX_WARNINGS = 50
-
-RPath = tuple[str, ...]  # a resolved path below the root: real directories, then a name
-
-
-class ApplyError(Exception):
-    """The layer cannot be applied (invalid entry, missing link target, I/O error)."""
-
-
-class DiffIdMismatch(ApplyError):
-    """The uncompressed tar does not hash to the expected diff id."""
-
-
-class _Hashing(io.RawIOBase):
-    """Passes reads through, hashing every byte."""
-
-    def __init__(self, f: IO[bytes]) -> None:
-        self._f = f
-        self.sha = hashlib.sha256()
-        self.size = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        data = self._f.read(len(buffer))
-        n = len(data)
-        buffer[:n] = data
-        self.sha.update(data)
-        self.size += n
-        return n
-
-
-def clean_name(name: str) -> tuple[list[str], bool]:
-    """Components of an archive name relative to the root, and whether it tried to
-    leave the root (an absolute name or a `..` above the top) and was neutralised."""
-    parts: list[str] = []
-    escaped = name.startswith("/")
-    for part in name.split("/"):
-        if part in ("", "."):
-            continue
-        if part == "..":
-            if parts:
-                parts.pop()
-            else:
-                escaped = True
-            continue
-        parts.append(part)
-    return parts, escaped
-
-
-class _Root:
-    """TARGET_DIR opened once; resolves paths inside it as a chroot would."""
-
-    def __init__(self, target: str) -> None:
-        self.fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        self._dirs: OrderedDict[RPath, int] = OrderedDict()
-
-    def close(self) -> None:
-        self.forget()
-        os.close(self.fd)
-
-    def forget(self) -> None:
-        """Drop cached directory fds (after anything was removed)."""
-        for fd in self._dirs.values():
-            os.close(fd)
-        self._dirs.clear()
-
-    def _fd(self, path: RPath) -> int:
-        """A cached fd of the real directory `path` (every component a real directory)."""
-        if not path:
-            return self.fd
-        fd = self._dirs.get(path)
-        if fd is not None:
-            self._dirs.move_to_end(path)
-            return fd
-        parent = self._fd(path[:-1])
-        fd = os.open(path[-1], os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     dir_fd=parent)
-        self._dirs[path] = fd
-        if len(self._dirs) > FD_CACHE:
-            _, old = self._dirs.popitem(last=False)
-            os.close(old)
-        return fd
-
-    def open_real(self, path: RPath) -> int:
-        """A new fd (the caller closes it) of the real directory `path`."""
-        return os.dup(self._fd(path))
-
-    def resolve_dir(self, parts: list[str], *, create: bool,
-                    made: list[RPath] | None = None) -> RPath | None:
-        """The real path of directory `parts`, following symlinks inside the root.
-        Missing components are made (0755) when `create`, else None is returned; a
-        component that is not a directory raises ApplyError."""
-        real: list[str] = []
-        todo = list(parts)
-        links = 0
-        while todo:
-            comp = todo.pop(0)
-            if comp in ("", "."):
-                continue
-            if comp == "..":
-                if real:
-                    real.pop()
-                continue
-            dirfd = self._fd(tuple(real))
-            try:
-                st = os.stat(comp, dir_fd=dirfd, follow_symlinks=False)
-            except FileNotFoundError:
-                if not create:
-                    return None
-                os.mkdir(comp, 0o755, dir_fd=dirfd)
-                real.append(comp)
-                if made is not None:
-                    made.append(tuple(real))
-                continue
-            if stat.S_ISLNK(st.st_mode):
-                links += 1
-                if links > MAX_SYMLINKS:
-                    raise ApplyError(f"too many levels of symbolic links in {'/'.join(parts)}")
-                target = os.readlink(comp, dir_fd=dirfd)
-                if target.startswith("/"):
-                    real = []
-                todo = target.split("/") + todo
-                continue
-            if not stat.S_ISDIR(st.st_mode):
-                raise ApplyError(f"{'/'.join(parts)}: {'/'.join(real + [comp])} is not a "
-                                 "directory")
-            real.append(comp)
-        return tuple(real)
 
 
 class Applier:
     """Applies the entries of one layer tar, in order, onto a root directory."""
 
     def __init__(self, target: str, max_bytes: int | None = None) -> None:
-        self.root = _Root(target)
+        self.root = Root(target)
         self.max_bytes, self.spent = max_bytes, 0
         self.privileged = os.geteuid() == 0
         # root of a user namespace (the host-side importer, host/images/confined.py) owns
@@ -333,7 +227,7 @@ class Applier:
             self._chown(fd, None, m)
             self._xattrs(fd, None, m)
             os.fchmod(fd, m.mode & 0o7777)
-            os.utime(fd, ns=_times(m))
+            os.utime(fd, ns=entry_times(m))
         finally:
             os.close(fd)
 
@@ -392,7 +286,7 @@ class Applier:
         self._xattrs(pfd, name, m)
         if chmod:  # the node was just made here by mknod, so it is not a symlink
             os.chmod(name, m.mode & 0o7777, dir_fd=pfd)
-        os.utime(name, ns=_times(m), dir_fd=pfd, follow_symlinks=False)
+        os.utime(name, ns=entry_times(m), dir_fd=pfd, follow_symlinks=False)
 
     def _chown(self, fd: int, name: str | None, m: tarfile.TarInfo) -> None:
         if not self.privileged:
@@ -405,7 +299,7 @@ class Applier:
             os.chown(name, m.uid, m.gid, dir_fd=fd, follow_symlinks=False)
 
     def _xattrs(self, fd: int, name: str | None, m: tarfile.TarInfo) -> None:
-        attrs = _xattrs_of(m)
+        attrs = entry_xattrs(m)
         if not attrs:
             return
         # an fd for files and directories; for nodes opened through /proc/self/fd so the
@@ -433,7 +327,7 @@ class Applier:
                 continue  # removed or replaced later in this layer
             try:
                 os.fchmod(fd, m.mode & 0o7777)
-                os.utime(fd, ns=_times(m))
+                os.utime(fd, ns=entry_times(m))
             finally:
                 os.close(fd)
 
@@ -486,18 +380,6 @@ class Applier:
             os.close(fd)
 
 
-def entry_bytes(m: tarfile.TarInfo) -> int:
-    """What an entry takes on a filesystem, at least: its data in whole 4 KiB blocks, or
-    one block (an inode's worth) for an entry without data."""
-    return -(-max(m.size if m.isreg() else 0, 1) // 4096) * 4096
-
-
-def check_diff_id(diff_id: str, expected: str | None) -> None:
-    """DiffIdMismatch unless the layer hashed to `expected` (when one is given)."""
-    if expected is not None and diff_id != expected:
-        raise DiffIdMismatch(f"layer diff id is {diff_id}, expected {expected}")
-
-
 def _in_user_namespace() -> bool:
     """Whether this process runs in a user namespace other than the host's."""
     try:
@@ -507,86 +389,13 @@ def _in_user_namespace() -> bool:
         return False
 
 
-def _times(m: tarfile.TarInfo) -> tuple[int, int]:
-    """(atime, mtime) in ns, exact from PAX decimal strings (a float loses the ns)."""
-    mtime = _ns(m.pax_headers.get("mtime"), m.mtime)
-    atime = m.pax_headers.get("atime")
-    return (_ns(atime, m.mtime) if atime else mtime), mtime
-
-
-def _ns(text: str | None, fallback: float) -> int:
-    if text:
-        try:
-            return int(decimal.Decimal(text).scaleb(9))
-        except (decimal.InvalidOperation, ValueError):
-            pass
-    return int(decimal.Decimal(repr(float(fallback))).scaleb(9))
-
-
-def _xattrs_of(m: tarfile.TarInfo) -> dict[str, bytes]:
-    out: dict[str, bytes] = {}
-    for key, value in m.pax_headers.items():
-        if key.startswith("SCHILY.xattr."):
-            # tarfile decoded the value as UTF-8 with surrogateescape: undo it exactly
-            out[key[len("SCHILY.xattr."):]] = value.encode("utf-8", "surrogateescape")
-        elif key.startswith("LIBARCHIVE.xattr."):
-            try:
-                out[unquote(key[len("LIBARCHIVE.xattr."):])] = base64.b64decode(
-                    value + "=" * (-len(value) % 4))
-            except ValueError:
-                continue
-    return out
-
-
-def open_layer(source: str | IO[bytes]) -> tuple[IO[bytes], IO[bytes]]:
-    """(decompressed stream, raw stream to close) of a plain or gzip tar; ApplyError for
-    zstd or unknown formats."""
-    if isinstance(source, str):
-        raw: IO[bytes] = sys.stdin.buffer if source == "-" else open(source, "rb")  # noqa: SIM115
-    else:
-        raw = source
-    head = b""
-    while len(head) < 4:  # a pipe may deliver fewer bytes per read
-        more = raw.read(4 - len(head))
-        if not more:
-            break
-        head += more
-    stream = io.BufferedReader(_Prefixed(head, raw), CHUNK)
-    if head.startswith(GZIP_MAGIC):
-        return gzip.GzipFile(fileobj=stream, mode="rb"), raw  # type: ignore[return-value]
-    if head == ZSTD_MAGIC:
-        raise ApplyError("zstd-compressed layer: the host must decompress it first")
-    return stream, raw
-
-
-class _Prefixed(io.RawIOBase):
-    """`head` (already read from `f`), then the rest of `f`."""
-
-    def __init__(self, head: bytes, f: IO[bytes]) -> None:
-        self._head = head
-        self._f = f
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        if self._head:
-            n = min(len(buffer), len(self._head))
-            buffer[:n] = self._head[:n]
-            self._head = self._head[n:]
-            return n
-        data = self._f.read(len(buffer))
-        buffer[:len(data)] = data
-        return len(data)
-
-
 def apply_layer(source: str | IO[bytes], target: str, *, expect_diff_id: str | None = None,
                 max_bytes: int | None = None) -> dict[str, Any]:
     """Apply the layer tar `source` (path, "-" or binary stream) onto `target`; returns
     the summary (counts, diff_id, warnings). Raises ApplyError or DiffIdMismatch; with
     `max_bytes`, ApplyError once the entries take more (see Applier._spend)."""
     stream, raw = open_layer(source)
-    hashing = _Hashing(stream)
+    hashing = Hashing(stream)
     reader = io.BufferedReader(hashing, CHUNK)
     applier = Applier(target, max_bytes)
     old_umask = os.umask(0o022)

@@ -60,17 +60,19 @@ from typing import Any
 
 try:  # run as a script beside apply.py (the helper); imported as host.images.confined
     import streamed  # type: ignore[import-not-found,unused-ignore]
-    from apply import (  # type: ignore[import-not-found,unused-ignore]
+    from apply import apply_layer  # type: ignore[import-not-found,unused-ignore]
+    from layertar import (  # type: ignore[import-not-found,unused-ignore]
         ApplyError,
         DiffIdMismatch,
-        _Root,
-        apply_layer,
         clean_name,
     )
+    from rootdir import Root  # type: ignore[import-not-found,unused-ignore]
     from streamed import NotPlain  # type: ignore[import-not-found,unused-ignore]
 except ImportError:
     from host.images import streamed
-    from host.images.apply import ApplyError, DiffIdMismatch, _Root, apply_layer, clean_name
+    from host.images.apply import apply_layer
+    from host.images.layertar import ApplyError, DiffIdMismatch, clean_name
+    from host.images.rootdir import Root
     from host.images.streamed import NotPlain
 
 TARGET = "/tmp/aenv-root"
@@ -331,7 +333,7 @@ def finish(image_fd: int, workdir: str) -> dict[str, Any]:
     import tarfile
     with mounted_image(image_fd) as target, \
             tarfile.open(fileobj=sys.stdin.buffer, mode="r|") as tar:
-        root = _Root(target)
+        root = Root(target)
         try:
             _finish(root, target, tar, workdir)
         finally:
@@ -339,7 +341,7 @@ def finish(image_fd: int, workdir: str) -> dict[str, Any]:
     return {"finished": True}
 
 
-def _finish(root: _Root, target: str, tar: Any, workdir: str) -> None:
+def _finish(root: Root, target: str, tar: Any, workdir: str) -> None:
     def directory(rel: str) -> str:
         real = root.resolve_dir(clean_name(rel)[0], create=True)
         return os.path.join(target, *(real or ()))

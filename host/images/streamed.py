@@ -32,30 +32,30 @@ import tempfile
 import zlib
 from typing import IO, Any
 
-try:  # run as a script beside apply.py (the helper); imported as host.images.streamed
-    from apply import (  # type: ignore[import-not-found,unused-ignore]
+try:  # run as a script beside layertar.py (the helper); imported as host.images.streamed
+    from layertar import (  # type: ignore[import-not-found,unused-ignore]
         CHUNK,
         WHITEOUT,
         ApplyError,
-        _Hashing,
-        _times,
-        _xattrs_of,
+        Hashing,
         check_diff_id,
         clean_name,
         entry_bytes,
+        entry_times,
+        entry_xattrs,
         open_layer,
     )
 except ImportError:
-    from host.images.apply import (
+    from host.images.layertar import (
         CHUNK,
         WHITEOUT,
         ApplyError,
-        _Hashing,
-        _times,
-        _xattrs_of,
+        Hashing,
         check_diff_id,
         clean_name,
         entry_bytes,
+        entry_times,
+        entry_xattrs,
         open_layer,
     )
 
@@ -95,7 +95,7 @@ class Plain:
         parts, escaped = clean_name(m.name)
         if escaped or ".." in m.name.split("/"):
             raise NotPlain(f"{m.name!r} climbs")
-        xattrs = _xattrs_of(m)
+        xattrs = entry_xattrs(m)
         keys = {k for k in m.pax_headers
                 if not k.startswith(("SCHILY.xattr.", "LIBARCHIVE.xattr."))}
         if extra := keys - _PAX_KEYS:
@@ -139,7 +139,7 @@ class Plain:
 
     def _fixup(self, m: tarfile.TarInfo, parts: list[str], xattrs: dict[str, bytes]) -> None:
         """What debugfs writes after mke2fs: the mtime's nanoseconds, the other xattrs."""
-        ns = _times(m)[1] % 1_000_000_000  # (mke2fs keeps the whole seconds, floored)
+        ns = entry_times(m)[1] % 1_000_000_000  # (mke2fs keeps the whole seconds, floored)
         rest = {k: v for k, v in xattrs.items() if k != _KEPT_XATTR}
         if "system.posix_acl_access" in rest:
             rest["system.posix_acl_access"] = _acl_chmod(rest["system.posix_acl_access"],
@@ -176,7 +176,7 @@ def _meta(m: tarfile.TarInfo) -> tuple[int, int, int, float]:
     return m.mode & 0o7777, m.uid, m.gid, m.mtime
 
 
-class _Tee(_Hashing):
+class _Tee(Hashing):
     """Hashes what is read (the diff id) and writes it on to `sink` (mke2fs's stdin) as
     long as mke2fs reads: once it has stopped (its tar ended, or it failed), the rest is
     only hashed; its exit status tells which."""

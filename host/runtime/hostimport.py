@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import IO, Any, Self
 
 from host.contract import BuildFailed, BuildLog, GuestDefaults
-from host.images import Layer, open_layer
+from host.images import APPLY_SCRIPTS, Layer, open_layer
 from host.images.errors import ImageCorrupt
 from host.storage.convert import convert_image
 from host.vmm.image import GuestImage
@@ -213,9 +213,9 @@ class ConfinedHelper:
                                   f"{package} (deploy/install.sh and make setup do)",
                                   step="base")
         self.scripts = Path(tempfile.mkdtemp(prefix="aenv-confined-"))
-        for script in ("confined.py", "apply.py", "streamed.py"):
-            shutil.copyfile(HELPER_DIR / script, self.scripts / script)
-            (self.scripts / script).chmod(0o644)
+        for script in (HELPER_DIR / "confined.py", HELPER_DIR / "streamed.py", *APPLY_SCRIPTS):
+            shutil.copyfile(script, self.scripts / script.name)
+            (self.scripts / script.name).chmod(0o644)
         self.scripts.chmod(0o755)
 
     def close(self) -> None:

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from host.images import APPLY_SCRIPT
-from host.images.apply import ApplyError, DiffIdMismatch, apply_layer, clean_name
+from host.images import APPLY_SCRIPT, APPLY_SCRIPTS
+from host.images.apply import apply_layer
+from host.images.layertar import ApplyError, DiffIdMismatch, clean_name
 
 from .ocibuild import LayerTar, compress
 
@@ -376,9 +377,10 @@ def test_script_runs_standalone_from_a_file_and_stdin(root: Path, tmp_path: Path
     diff_id = "sha256:" + hashlib.sha256(layer).hexdigest()
     gz = tmp_path / "layer.tar.gz"
     gz.write_bytes(compress(layer, "gzip"))
-    script = tmp_path / "apply.py"   # copied alone, as into the guest
-    script.write_bytes(APPLY_SCRIPT.read_bytes())
-    run = subprocess.run([_python3(), "-I", str(script), "--diff-id", diff_id, str(gz),
+    for module in APPLY_SCRIPTS:   # copied alone with its modules, as into the helper
+        (tmp_path / module.name).write_bytes(module.read_bytes())
+    script = tmp_path / "apply.py"
+    run = subprocess.run([_python3(), "-E", "-s", str(script), "--diff-id", diff_id, str(gz),
                           str(root)], capture_output=True, text=True, timeout=60, check=False)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["diff_id"] == diff_id
@@ -386,7 +388,7 @@ def test_script_runs_standalone_from_a_file_and_stdin(root: Path, tmp_path: Path
 
     second = tmp_path / "root2"
     second.mkdir()
-    piped = subprocess.run([_python3(), "-I", str(script), "-", str(second)], input=layer,
+    piped = subprocess.run([_python3(), "-E", "-s", str(script), "-", str(second)], input=layer,
                            capture_output=True, timeout=60, check=False)
     assert piped.returncode == 0, piped.stderr
     assert json.loads(piped.stdout)["diff_id"] == diff_id
@@ -396,26 +398,30 @@ def test_script_runs_standalone_from_a_file_and_stdin(root: Path, tmp_path: Path
 def test_script_exit_codes(root: Path, tmp_path: Path) -> None:
     layer = tmp_path / "l.tar"
     layer.write_bytes(LayerTar().file("a").bytes())
-    mismatch = subprocess.run([_python3(), "-I", str(APPLY_SCRIPT), "--diff-id",
+    mismatch = subprocess.run([_python3(), "-E", "-s", str(APPLY_SCRIPT), "--diff-id",
                                "sha256:" + "1" * 64, str(layer), str(root)],
                               capture_output=True, text=True, timeout=60, check=False)
     assert mismatch.returncode == 3 and "expected sha256:111" in mismatch.stderr
     bad = tmp_path / "bad.tar"
     bad.write_bytes(b"garbage" * 200)
-    invalid = subprocess.run([_python3(), "-I", str(APPLY_SCRIPT), str(bad), str(root)],
+    invalid = subprocess.run([_python3(), "-E", "-s", str(APPLY_SCRIPT), str(bad), str(root)],
                              capture_output=True, text=True, timeout=60, check=False)
     assert invalid.returncode == 1 and "invalid layer tar" in invalid.stderr
-    usage = subprocess.run([_python3(), "-I", str(APPLY_SCRIPT)], capture_output=True,
+    usage = subprocess.run([_python3(), "-E", "-s", str(APPLY_SCRIPT)], capture_output=True,
                            timeout=60, check=False)
     assert usage.returncode == 2
 
 
-def test_script_imports_only_the_standard_library() -> None:
+@pytest.mark.parametrize("module", APPLY_SCRIPTS, ids=lambda p: p.name)
+def test_script_imports_only_the_standard_library(module: Path) -> None:
+    """Beside the stdlib only its sibling modules (the `host` package is the fallback of an
+    import, not used where it runs standalone: the test above runs the copies alone)."""
     import ast
 
-    tree_ = ast.parse(APPLY_SCRIPT.read_text())
+    tree_ = ast.parse(module.read_text())
     names = {alias.name.split(".")[0] for node in ast.walk(tree_)
              if isinstance(node, ast.Import) for alias in node.names}
     names |= {str(node.module).split(".")[0] for node in ast.walk(tree_)
               if isinstance(node, ast.ImportFrom) and node.level == 0}
-    assert names <= set(sys.stdlib_module_names) | {"__future__"}, names
+    siblings = {p.stem for p in APPLY_SCRIPTS}
+    assert names <= set(sys.stdlib_module_names) | {"__future__", "host"} | siblings, names
