@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import errno
 import json
 import os
 import shutil
@@ -68,12 +67,26 @@ try:  # run as a script beside apply.py (the helper); imported as host.images.co
     )
     from rootdir import Root  # type: ignore[import-not-found,unused-ignore]
     from streamed import NotPlain  # type: ignore[import-not-found,unused-ignore]
+    from syscallfilter import (  # type: ignore[import-not-found,unused-ignore]
+        DENIED,
+        DENIED_APPLYING,
+        SeccompError,
+        deny_syscalls,
+        filters,
+    )
 except ImportError:
     from host.images import streamed
     from host.images.apply import apply_layer
     from host.images.layertar import ApplyError, DiffIdMismatch, clean_name
     from host.images.rootdir import Root
     from host.images.streamed import NotPlain
+    from host.images.syscallfilter import (
+        DENIED,
+        DENIED_APPLYING,
+        SeccompError,
+        deny_syscalls,
+        filters,
+    )
 
 TARGET = "/tmp/aenv-root"
 _MS_REC, _MS_PRIVATE = 0x4000, 0x40000
@@ -100,92 +113,6 @@ def _mount(source: str, target: str, fstype: str | None, flags: int, data: str |
 def _umount(target: str) -> None:
     if _libc().umount2(target.encode(), _MNT_DETACH) != 0:
         raise ConfinedError(f"umount {target}: {os.strerror(ctypes.get_errno())}")
-
-
-# seccomp, through libseccomp's C API: the stdlib has no binding and this helper runs with
-# the system python3 alone; libseccomp2 is on every Debian host (systemd links it), and it
-# writes the BPF (the arch check, x32 refused) that a hand-made filter would get wrong.
-_SCMP_ACT_ALLOW = 0x7FFF0000
-_SCMP_CMP_MASKED_EQ = 7
-_CLONE_THREAD = 0x00010000
-_CLONE_NEW = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000,
-              0x40000000)  # NS, CGROUP, UTS, IPC, USER, PID, NET: no namespace of its own
-# Kernel surface nothing here needs, refused from the start (fuse2fs included): debugging
-# other processes, BPF, io_uring, keys, modules, namespaces, handles, host clocks, ...
-DENIED = ("ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd", "bpf",
-          "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter",
-          "io_uring_register", "keyctl", "add_key", "request_key", "kexec_load",
-          "kexec_file_load", "init_module", "finit_module", "delete_module", "unshare",
-          "setns", "open_by_handle_at", "name_to_handle_at", "iopl", "ioperm", "swapon",
-          "swapoff", "reboot", "acct", "quotactl", "syslog", "settimeofday", "clock_settime",
-          "clock_adjtime", "adjtimex", "fanotify_init", "lookup_dcookie", "vhangup", "uselib",
-          "pivot_root", "chroot")
-# ...and once the image is mounted, while the layer is read: no more mounts, no new
-# program (nothing past this point runs one), no new process (`processes=False`)
-DENIED_APPLYING = ("mount", "move_mount", "open_tree", "fsopen", "fsconfig", "fsmount",
-                   "fspick", "mount_setattr", "execve", "execveat", "fork", "vfork")
-
-
-class _ScmpArg(ctypes.Structure):
-    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64),
-                ("datum_b", ctypes.c_uint64)]
-
-
-def deny_syscalls(names: tuple[str, ...], *, namespaces: bool = False,
-                  processes: bool = True) -> None:
-    """Load a seccomp filter refusing `names` with EPERM on this process and every child it
-    starts from now on; with `namespaces`, clone3 too (ENOSYS: the C library falls back to
-    clone, whose flags a filter can read) and clone asking for a namespace; without
-    `processes`, clone of anything but a thread (the C library's fork is a clone). Filters
-    stack: a later one only refuses more."""
-    try:
-        lib = ctypes.CDLL("libseccomp.so.2", use_errno=True)
-    except OSError as exc:
-        raise ConfinedError(f"libseccomp missing ({exc}): apt-get install libseccomp2") from exc
-    lib.seccomp_init.restype = ctypes.c_void_p
-    lib.seccomp_init.argtypes = [ctypes.c_uint32]
-    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int,
-                                           ctypes.c_uint, ctypes.POINTER(_ScmpArg)]
-    lib.seccomp_load.argtypes = [ctypes.c_void_p]
-    lib.seccomp_release.argtypes = [ctypes.c_void_p]
-    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
-
-    def errno_action(err: int) -> int:
-        return 0x00050000 | (err & 0xFFFF)
-
-    ctx = lib.seccomp_init(_SCMP_ACT_ALLOW)
-    if not ctx:
-        raise ConfinedError("seccomp_init failed")
-    try:
-        rules: list[tuple[str, int, list[_ScmpArg]]] = [
-            (name, errno_action(errno.EPERM), []) for name in names]
-        if namespaces:
-            rules.append(("clone3", errno_action(errno.ENOSYS), []))
-            rules += [("clone", errno_action(errno.EPERM),
-                       [_ScmpArg(0, _SCMP_CMP_MASKED_EQ, flag, flag)]) for flag in _CLONE_NEW]
-        if not processes:
-            rules.append(("clone", errno_action(errno.EPERM),
-                          [_ScmpArg(0, _SCMP_CMP_MASKED_EQ, _CLONE_THREAD, 0)]))
-        for name, action, args in rules:
-            nr = lib.seccomp_syscall_resolve_name(name.encode())
-            if nr < 0:
-                continue  # not a syscall of this kernel's arch
-            arr = (_ScmpArg * max(1, len(args)))(*args)
-            rc = lib.seccomp_rule_add_array(ctx, action, nr, len(args), arr)
-            if rc != 0:
-                raise ConfinedError(f"seccomp rule for {name}: {os.strerror(-rc)}")
-        rc = lib.seccomp_load(ctx)
-        if rc != 0:
-            raise ConfinedError(f"seccomp_load: {os.strerror(-rc)}")
-    finally:
-        lib.seccomp_release(ctx)
-
-
-def _filters() -> int:
-    """How many seccomp filters this process runs under (the layer was read under)."""
-    with open("/proc/self/status", encoding="ascii") as status:
-        return next((int(line.split()[1]) for line in status
-                     if line.startswith("Seccomp_filters:")), 0)
 
 
 def _private_scratch() -> None:
@@ -301,7 +228,7 @@ def _in_child(work: Callable[[], dict[str, Any]], *, parent_closes: int = -1
         try:
             deny_syscalls(DENIED_APPLYING, processes=False)
             summary = work()
-            summary["seccomp_filters"] = _filters()
+            summary["seccomp_filters"] = filters()
             with os.fdopen(out_w, "wb") as out:
                 out.write(json.dumps(summary).encode())
             code = 0
@@ -434,12 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     except NotPlain as exc:
         print(f"{exc}", file=sys.stderr)
         return 4
-    except (ApplyError, ConfinedError, OSError) as exc:
+    except (ApplyError, ConfinedError, SeccompError, OSError) as exc:
         print(f"{exc}", file=sys.stderr)
         return 1
     with open("/proc/self/uid_map", encoding="ascii") as uid_map:  # who applied it
         summary["uid_map"] = " ".join(uid_map.read().split())
-    summary.setdefault("seccomp_filters", _filters())  # populate's: its child's
+    summary.setdefault("seccomp_filters", filters())  # populate's: its child's
     print(json.dumps(summary))
     return 0
 

@@ -57,6 +57,8 @@ from .parts import NodeParts
 UID_BASE = 3_900_000_000
 UID_COUNT = 65536
 HELPER_DIR = Path(__file__).resolve().parents[1] / "images"
+# the helper's standalone scripts, copied together (apply.py's own: APPLY_SCRIPTS)
+HELPER_SCRIPTS = ("confined.py", "streamed.py", "syscallfilter.py")
 _OUR_FILES = ("usr/sbin/aenv-init", "usr/bin/envd", "etc/aenv/release")
 _HELPER_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 _ANSWER_LIMIT = 1 << 20  # the helper's stdout and stderr kept (it prints one JSON line)
@@ -213,7 +215,7 @@ class ConfinedHelper:
                                   f"{package} (deploy/install.sh and make setup do)",
                                   step="base")
         self.scripts = Path(tempfile.mkdtemp(prefix="aenv-confined-"))
-        for script in (HELPER_DIR / "confined.py", HELPER_DIR / "streamed.py", *APPLY_SCRIPTS):
+        for script in (*(HELPER_DIR / name for name in HELPER_SCRIPTS), *APPLY_SCRIPTS):
             shutil.copyfile(script, self.scripts / script.name)
             (self.scripts / script.name).chmod(0o644)
         self.scripts.chmod(0o755)

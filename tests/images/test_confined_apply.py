@@ -203,7 +203,7 @@ def test_a_host_without_fuse2fs_is_told_what_to_install(monkeypatch: pytest.Monk
 # root here, without the filters every call below would succeed.
 SECCOMP_PROBE = r"""
 import ctypes, errno, json, os, sys
-from host.images import confined
+from host.images import syscallfilter
 libc = ctypes.CDLL(None, use_errno=True)
 def call(fn, *args):
     rc = fn(*args)
@@ -243,9 +243,9 @@ def probe():
 stage = sys.argv[2]
 if stage != "none":
     libc.prctl(38, 1, 0, 0, 0)
-    confined.deny_syscalls(confined.DENIED, namespaces=True)
+    syscallfilter.deny_syscalls(syscallfilter.DENIED, namespaces=True)
 if stage == "applying":
-    confined.deny_syscalls(confined.DENIED_APPLYING, processes=False)
+    syscallfilter.deny_syscalls(syscallfilter.DENIED_APPLYING, processes=False)
 print(json.dumps(probe()))
 """
 
