@@ -45,6 +45,9 @@ from .parts import NodeParts, build_stack
 log_ = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600.0
+# the build VM's init grows its root filesystem to the device (rootfs/init/init.c)
+GROWFS_FLAG = "aenv.growfs"
+GROWFS_STATUS = "/run/aenv/growfs"
 DEFAULT_READY_WITH_START = "sleep 20"  # E2B's default when a start command has none
 # What the SDKs send as `fromImage` when no source was chosen (`Template()` alone, or
 # `from_base_image()`): E2B's base image, whose role our built-in image plays.
@@ -209,14 +212,15 @@ class _Build:
         self.mem_root.mkdir(parents=True)
         net, (network, host, port, _fwd) = await mx.make_net(self.stack, NetworkPolicy())
         self.net_made = True
-        cmdline = (src.cmdline + (f" {net.kernel_cmdline()}" if net is not None else "")).strip()
+        grow = await self._create_stack(layers)
+        cmdline = (src.cmdline + (f" {net.kernel_cmdline()}" if net is not None else "")
+                   + (f" {GROWFS_FLAG}" if grow else "")).strip()
         m: dict[str, Any] = {
             "version": VERSION, "kind": "template", "snapshot_id": spec.snapshot_id,
             "machine": dataclasses.asdict(spec.machine), "network_mode": mx.mode,
             "image": src.image, "kernel": src.kernel, "cmdline": cmdline,
             "base_cmdline": src.cmdline,
         }
-        grow = await self._create_stack(layers)
         scratch = self.mem_root / "scratch.mem"
         vspec = mx.spec(m, name=self.stack, memory=MemoryBacking(path=scratch, shared=True),
                         stack=self.stack, network=network)
@@ -260,25 +264,36 @@ class _Build:
         return True
 
     async def _grow_filesystem(self) -> None:
-        """Grow the mounted root filesystem to the (bigger) device: the kernel's online
-        resize (EXT4_IOC_RESIZE_FS on /; resize2fs itself fails on a root mounted as
-        /dev/root: "Device or resource busy"). Needs python3 in the guest."""
+        """The root filesystem grown to the (bigger) device: our init does it at boot when
+        the command line says GROWFS_FLAG (rootfs/init/init.c) and leaves its outcome in
+        GROWFS_STATUS; an init older than that (a template built before, as a base) left
+        none: the kernel's online resize from python3 in the guest, as it did then
+        (EXT4_IOC_RESIZE_FS on /; resize2fs itself fails on a root mounted as /dev/root:
+        "Device or resource busy")."""
         assert self.shell is not None
         # the last lines only: the guest may print without end
         out: collections.deque[str] = collections.deque(maxlen=3)
-        script = ("python3 -c 'import fcntl,os,struct; "
-                  "n=int(open(\"/sys/block/vda/size\").read())*512//os.statvfs(\"/\").f_frsize; "
-                  "fd=os.open(\"/\",os.O_RDONLY); "
-                  "fcntl.ioctl(fd,0x40086610,struct.pack(\"Q\",n))'")
-        code = await self.shell.run(script, user="root",
+        code = await self.shell.run(f"cat {GROWFS_STATUS}", user="root",
                                     on_output=lambda _s, line: out.append(line))
-        if code != 0 and self.spec.min_free_disk_mb:
-            raise BuildFailed("growing the disk for minFreeDiskMb failed: "
-                              + " | ".join(out), step="base")
-        self.log("info" if code == 0 else "warn",
-                 f"disk grown to {self.disk_mib} MiB" if code == 0 else
-                 "the image cannot grow its filesystem (no python3): disk size unchanged",
-                 "base")
+        status = " ".join(out).strip()
+        if code != 0 or not status:
+            out.clear()
+            script = ("python3 -c 'import fcntl,os,struct; "
+                      "n=int(open(\"/sys/block/vda/size\").read())*512//os.statvfs(\"/\").f_frsize; "
+                      "fd=os.open(\"/\",os.O_RDONLY); "
+                      "fcntl.ioctl(fd,0x40086610,struct.pack(\"Q\",n))'")
+            code = await self.shell.run(script, user="root",
+                                        on_output=lambda _s, line: out.append(line))
+            status = "grown" if code == 0 else (" | ".join(out)
+                                                 or "the image has no python3 to grow it")
+        if not status.startswith("grown"):
+            if self.spec.min_free_disk_mb:
+                raise BuildFailed(f"growing the disk for minFreeDiskMb failed: {status}",
+                                  step="base")
+            self.log("warn", f"the image's filesystem was not grown ({status}): disk size "
+                     "unchanged", "base")
+            return
+        self.log("info", f"disk grown to {self.disk_mib} MiB", "base")
 
     async def _check_free_disk(self) -> None:
         need = self.spec.min_free_disk_mb

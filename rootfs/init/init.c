@@ -11,6 +11,7 @@
  *    (10.0.2.15/24, gw 10.0.2.2, dns 10.0.2.3) when the interface exists.
  *  - starts /usr/bin/envd as root (ENVD_SET_CLOCK=1), output on the console,
  *    restarts it with backoff when it dies; aenv.envd=PATH overrides the binary
+ *  - aenv.growfs: grows the root ext4 to its device (status in /run/aenv/growfs)
  *  - reaps orphans
  *  - SIGTERM/SIGINT/SIGPWR (or a write to /run/aenv/shutdown): sync, stop all processes,
  *    unmount, remount / read-only, power off. SIGUSR1: the same, then reboot.
@@ -45,6 +46,8 @@
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/sysmacros.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -53,6 +56,8 @@
 #define ENVD_DEFAULT "/usr/bin/envd"
 #define SHUTDOWN_FIFO "/run/aenv/shutdown"
 #define ENVD_TMPDIR "/var/lib/aenv-envd"
+#define GROWFS_STATUS "/run/aenv/growfs"
+#define EXT4_IOC_RESIZE_FS _IOW('f', 16, unsigned long long)
 
 static char cmdline[4096];
 
@@ -151,6 +156,40 @@ static void setup_tmp(void) {
     mkdir("/var", 0755);
     mkdir("/var/lib", 0755);  /* not in every imported image */
     mkdir(ENVD_TMPDIR, 0700);
+}
+
+/* aenv.growfs: the root filesystem grown to its (bigger) device before anything runs: the
+   kernel's online resize (EXT4_IOC_RESIZE_FS; resize2fs cannot: / is busy), here rather
+   than by a program in the guest (an image may have none, and starting one costs seconds
+   under emulation). The outcome goes to GROWFS_STATUS ("grown BLOCKS" or "failed: ...")
+   for the host to read. */
+static void grow_root(void) {
+    if (!has_flag("aenv.growfs")) return;
+    char status[160] = "failed: ";
+    struct stat st;
+    struct statvfs sv;
+    int fd = open("/", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0 || fstat(fd, &st) < 0 || fstatvfs(fd, &sv) < 0 || sv.f_frsize == 0) {
+        snprintf(status + 8, sizeof status - 8, "stat /: %s", strerror(errno));
+    } else {
+        char path[64], buf[32] = "";
+        snprintf(path, sizeof path, "/sys/dev/block/%u:%u/size", major(st.st_dev), minor(st.st_dev));
+        int sfd = open(path, O_RDONLY | O_CLOEXEC);
+        ssize_t n = sfd >= 0 ? read(sfd, buf, sizeof buf - 1) : -1;
+        if (sfd >= 0) close(sfd);
+        unsigned long long sectors = n > 0 ? strtoull(buf, NULL, 10) : 0;
+        unsigned long long blocks = sectors * 512 / sv.f_frsize;
+        if (sectors == 0)
+            snprintf(status + 8, sizeof status - 8, "size of %s unknown", path);
+        else if (ioctl(fd, EXT4_IOC_RESIZE_FS, &blocks) < 0)
+            snprintf(status + 8, sizeof status - 8, "resize to %llu blocks: %s", blocks, strerror(errno));
+        else
+            snprintf(status, sizeof status, "grown %llu", blocks);
+    }
+    if (fd >= 0) close(fd);
+    say("growfs: %s", status);
+    strncat(status, "\n", sizeof status - strlen(status) - 1);
+    write_file(GROWFS_STATUS, status);
 }
 
 static void setup_hostname(void) {
@@ -356,6 +395,7 @@ int main(int argc, char **argv) {
         close(fd);
     }
     say("starting");
+    grow_root();
     setup_tmp();
     reboot(RB_DISABLE_CAD); /* Ctrl-Alt-Del becomes SIGINT to us */
     setup_hostname();

@@ -49,6 +49,8 @@ async def test_busybox_image_becomes_a_template(runtime: NodeRuntime, registry: 
     assert any(msg.startswith("applied ") and "MiB/s" in msg for _, msg, _ in logs), logs
     # the first layer (only the blank ext4 below) becomes a new ext4 of its tree
     assert any("a new ext4 by mke2fs -d" in msg for _, msg, _ in logs), logs
+    # grown to the machine's disk by our init at boot: busybox has no python3 to do it
+    assert ("info", f"disk grown to {MACHINE.disk_mb} MiB", "base") in logs, logs
     # nothing of the import is left: its stack, its raw copies, the helper's scripts
     stacks = [i.name for i in await runtime.block.client.list()]
     assert build_stack("img-bb") + "-t" not in stacks
@@ -60,8 +62,9 @@ async def test_busybox_image_becomes_a_template(runtime: NodeRuntime, registry: 
     p = await runtime.start(sid, ref, NetworkConfig())
     try:
         out = await run(p, "cat /srv/greeting.txt; ls /lib 2>/dev/null | wc -l; "
-                           "readlink /bin/sh; id -u user")
-        greeting, libs, sh, user = out.strip().split("\n")
+                           "readlink /bin/sh; id -u user; df -Pm / | tail -1")
+        greeting, libs, sh, user, df = out.strip().split("\n")
+        assert int(df.split()[1]) > MACHINE.disk_mb * 0.9, df  # the whole disk, less ext4's own
         assert greeting == "hello world"
         assert libs.strip() == "0" and sh.endswith("busybox")  # no libc: busybox alone
         assert user == "1000"  # added for E2B's default user (the orchestrator's /init)
