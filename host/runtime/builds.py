@@ -230,7 +230,9 @@ class _Build:
         self.timings.update(boot)
         self.shell = GuestShell(host, port)
         if grow:
+            t = time.perf_counter()
             await self._grow_filesystem()
+            self.timings["grow_s"] = time.perf_counter() - t
         n = len(spec.steps)
         for i in range(first, n):
             step = spec.steps[i]

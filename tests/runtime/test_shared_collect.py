@@ -13,7 +13,7 @@ import shutil
 import subprocess
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import boto3
@@ -45,6 +45,14 @@ async def shared(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterato
     boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
         Bucket=bucket)
     yield f"oss://{bucket}/aenv?endpoint={endpoint}&region=us-east-1"
+
+
+@pytest.fixture(autouse=True)
+def _run_dirs() -> Iterator[None]:
+    """The nodes' run dirs (short /tmp paths: unix sockets live there) go with the test."""
+    yield
+    for d in Path("/tmp").glob(f"agc-*-{os.getpid()}"):
+        shutil.rmtree(d, ignore_errors=True)
 
 
 async def _node(root: Path, name: str, repo: str) -> NodeParts:
