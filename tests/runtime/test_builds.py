@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from host.contract import BuildFailed, BuildSpec, BuildStep, MachineSpec, NetworkConfig, SnapshotRef
-from host.runtime import NodeRuntime
+from host.runtime import NodeRuntime, builds
 from host.runtime.parts import build_stack
 
 from .helpers import assert_gone, netns_names, run
@@ -200,6 +200,27 @@ async def test_min_free_disk_grows_the_template_disk(runtime: NodeRuntime,
     finally:
         await runtime.kill("bt-dsk")
     await runtime.delete_snapshot("bt-disk")
+
+
+async def test_an_init_that_does_not_grow_the_disk_leaves_it_to_python3(
+        runtime: NodeRuntime, template: SnapshotRef, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A base built with an init older than `aenv.growfs` (here: a flag name no init knows)
+    leaves no status file: the build grows the filesystem from python3 in the guest."""
+    monkeypatch.setattr(builds, "GROWFS_FLAG", "aenv.no-such-flag")
+    logs: list[tuple[str, str, str | None]] = []
+    spec = BuildSpec(snapshot_id="bt-oldinit", machine=MachineSpec(memory_mb=256),
+                     from_snapshot=template.snapshot_id, min_free_disk_mb=5000,
+                     steps=(BuildStep("RUN", ("touch /home/user/y",)),))
+    ref = await runtime.build(spec, lambda lvl, msg, step: logs.append((lvl, msg, step)))
+    grown_mib = ref.facts["disk"]["virtual_size"] >> 20
+    assert ("info", f"disk grown to {grown_mib} MiB", "base") in logs, logs
+    p = await runtime.start("bt-old", ref, NetworkConfig())
+    try:
+        assert "aenv.no-such-flag" in (await run(p, "cat /proc/cmdline"))  # not ours: no status
+        assert int((await run(p, "df -Pm / | tail -1")).split()[3]) >= 5000
+    finally:
+        await runtime.kill("bt-old")
+    await runtime.delete_snapshot("bt-oldinit")
 
 
 async def test_two_builds_at_once(runtime: NodeRuntime, template: SnapshotRef) -> None:
