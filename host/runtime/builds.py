@@ -268,18 +268,17 @@ class _Build:
     async def _grow_filesystem(self) -> None:
         """The root filesystem grown to the (bigger) device: our init does it at boot when
         the command line says GROWFS_FLAG (rootfs/init/init.c) and leaves its outcome in
-        GROWFS_STATUS; an init older than that (a template built before, as a base) left
-        none: the kernel's online resize from python3 in the guest, as it did then
-        (EXT4_IOC_RESIZE_FS on /; resize2fs itself fails on a root mounted as /dev/root:
-        "Device or resource busy")."""
+        GROWFS_STATUS (read through envd's files API: no program needed); an init older
+        than that (a template built before, as a base) left none: the kernel's online
+        resize from python3 in the guest, as it did then (EXT4_IOC_RESIZE_FS on /;
+        resize2fs itself fails on a root mounted as /dev/root: "Device or resource
+        busy")."""
         assert self.shell is not None
-        # the last lines only: the guest may print without end
-        out: collections.deque[str] = collections.deque(maxlen=3)
-        code = await self.shell.run(f"cat {GROWFS_STATUS}", user="root",
-                                    on_output=lambda _s, line: out.append(line))
-        status = " ".join(out).strip()
-        if code != 0 or not status:
-            out.clear()
+        said = await self.shell.read_file(GROWFS_STATUS, limit=4096)
+        status = said.decode(errors="replace").strip() if said is not None else ""
+        if not status:
+            # the last lines only: the guest may print without end
+            out: collections.deque[str] = collections.deque(maxlen=3)
             script = ("python3 -c 'import fcntl,os,struct; "
                       "n=int(open(\"/sys/block/vda/size\").read())*512//os.statvfs(\"/\").f_frsize; "
                       "fd=os.open(\"/\",os.O_RDONLY); "

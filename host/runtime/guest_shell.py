@@ -187,6 +187,25 @@ class GuestShell:
             raise GuestCommandError(f"uploading {local.name}: envd answered "
                                     f"{resp.status_code}: {resp.text[:200]}")
 
+    async def read_file(self, guest_path: str, *, user: str = "root",
+                        limit: int = 64 << 10) -> bytes | None:
+        """A small guest file's bytes (envd's GET /files: no process, no shell needed),
+        None when it does not exist; more than `limit` bytes is an error."""
+        try:
+            resp = await guestio.request(
+                self._http, "GET", f"{self.base}/files", limit=limit, what="/files",
+                params={"path": guest_path, "username": user})
+        except httpx.HTTPError as exc:
+            raise GuestCommandError(f"reading {guest_path} failed: {exc}") from exc
+        except guestio.GuestAnswerError as exc:
+            raise GuestCommandError(f"reading {guest_path}: {exc}") from exc
+        if resp.status_code == 404:
+            return None
+        if resp.status_code >= 300:
+            raise GuestCommandError(f"reading {guest_path}: envd answered "
+                                    f"{resp.status_code}: {resp.text[:200]}")
+        return resp.content
+
     async def wait_until(self, cmd: str, *, user: str, env: dict[str, str],
                          cwd: str | None, timeout_s: float, interval_s: float = 0.5,
                          on_fail: Callable[[int], None] | None = None) -> bool:
