@@ -237,8 +237,9 @@ def stream(source: IO[bytes], sink: int, max_bytes: int, *,
         raise ApplyError(f"invalid layer tar: {exc}") from exc
     finally:
         tee.close_sink()
-    check_diff_id("sha256:" + tee.sha.hexdigest(), expect_diff_id)
-    return {"diff_id": "sha256:" + tee.sha.hexdigest(), "tar_bytes": tee.size,
+    diff_id = "sha256:" + tee.sha.hexdigest()
+    check_diff_id(diff_id, expect_diff_id)
+    return {"diff_id": diff_id, "tar_bytes": tee.size,
             **check.counts, "fixup_list": check.fixups, "warnings": [], "warnings_total": 0,
             "streamed": True}
 

@@ -172,39 +172,38 @@ class GuestShell:
                 while chunk := await asyncio.to_thread(f.read, 1 << 20):
                     yield chunk
 
-        try:
-            resp = await guestio.request(
-                self._http, "POST", f"{self.base}/files", limit=guestio.MAX_ANSWER_BYTES,
-                what="/files", params={"path": guest_path, "username": user},
-                content=chunks(), timeout=600.0,
-                headers={"Content-Type": "application/octet-stream",
-                         "Content-Length": str(local.stat().st_size)})
-        except httpx.HTTPError as exc:
-            raise GuestCommandError(f"uploading {local.name} failed: {exc}") from exc
-        except guestio.GuestAnswerError as exc:
-            raise GuestCommandError(f"uploading {local.name}: {exc}") from exc
-        if resp.status_code >= 300:
-            raise GuestCommandError(f"uploading {local.name}: envd answered "
-                                    f"{resp.status_code}: {resp.text[:200]}")
+        await self._files("POST", f"uploading {local.name}", guest_path, user,
+                          limit=guestio.MAX_ANSWER_BYTES, content=chunks(), timeout=600.0,
+                          headers={"Content-Type": "application/octet-stream",
+                                   "Content-Length": str(local.stat().st_size)})
 
     async def read_file(self, guest_path: str, *, user: str = "root",
                         limit: int = 64 << 10) -> bytes | None:
         """A small guest file's bytes (envd's GET /files: no process, no shell needed),
         None when it does not exist; more than `limit` bytes is an error."""
+        resp = await self._files("GET", f"reading {guest_path}", guest_path, user,
+                                 limit=limit, missing_ok=True)
+        return None if resp is None else resp.content
+
+    async def _files(self, method: str, doing: str, guest_path: str, user: str, *,
+                     limit: int, missing_ok: bool = False,
+                     **kwargs: Any) -> guestio.Answer | None:
+        """envd's /files for `guest_path` as `user`, its failures as GuestCommandError
+        saying what was being done; None for a 404 when `missing_ok`."""
         try:
             resp = await guestio.request(
-                self._http, "GET", f"{self.base}/files", limit=limit, what="/files",
-                params={"path": guest_path, "username": user})
+                self._http, method, f"{self.base}/files", limit=limit, what="/files",
+                params={"path": guest_path, "username": user}, **kwargs)
         except httpx.HTTPError as exc:
-            raise GuestCommandError(f"reading {guest_path} failed: {exc}") from exc
+            raise GuestCommandError(f"{doing} failed: {exc}") from exc
         except guestio.GuestAnswerError as exc:
-            raise GuestCommandError(f"reading {guest_path}: {exc}") from exc
-        if resp.status_code == 404:
+            raise GuestCommandError(f"{doing}: {exc}") from exc
+        if missing_ok and resp.status_code == 404:
             return None
         if resp.status_code >= 300:
-            raise GuestCommandError(f"reading {guest_path}: envd answered "
+            raise GuestCommandError(f"{doing}: envd answered "
                                     f"{resp.status_code}: {resp.text[:200]}")
-        return resp.content
+        return resp
 
     async def wait_until(self, cmd: str, *, user: str, env: dict[str, str],
                          cwd: str | None, timeout_s: float, interval_s: float = 0.5,

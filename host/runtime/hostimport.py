@@ -250,10 +250,10 @@ class ConfinedHelper:
                  feed: Callable[[IO[bytes]], None], *,
                  streamed: bool | None = None) -> dict[str, Any]:
         """`run` of `populate` ARGS (a first layer; ARGS its options) with the blank's
-        mke2fs options on `image`, made a sparse file of `size` bytes: streamed into mke2fs where this host's
-        reads a tar (`streamed` None) and the layer allows (else `not_streamed` in the
-        summary says why), otherwise through `tree`, an empty directory of the helper's
-        uid, removed after. `feed` may be called twice."""
+        mke2fs options on `image`, made a sparse file of `size` bytes: streamed into
+        mke2fs where this host's reads a tar (`streamed` None) and the layer allows (else
+        `not_streamed` in the summary says why), otherwise through `tree`, an empty
+        directory of the helper's uid, removed after. `feed` may be called twice."""
         if streamed if streamed is not None else mke2fs_reads_tar():
             _blank_file(image, size)
             try:

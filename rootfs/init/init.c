@@ -165,12 +165,13 @@ static void setup_tmp(void) {
    for the host to read. */
 static void grow_root(void) {
     if (!has_flag("aenv.growfs")) return;
-    char status[160] = "failed: ";
+    char status[160], why[140] = "";
+    unsigned long long blocks = 0;
     struct stat st;
     struct statvfs sv;
     int fd = open("/", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0 || fstat(fd, &st) < 0 || fstatvfs(fd, &sv) < 0 || sv.f_frsize == 0) {
-        snprintf(status + 8, sizeof status - 8, "stat /: %s", strerror(errno));
+        snprintf(why, sizeof why, "stat /: %s", strerror(errno));
     } else {
         char path[64], buf[32] = "";
         snprintf(path, sizeof path, "/sys/dev/block/%u:%u/size", major(st.st_dev), minor(st.st_dev));
@@ -178,15 +179,15 @@ static void grow_root(void) {
         ssize_t n = sfd >= 0 ? read(sfd, buf, sizeof buf - 1) : -1;
         if (sfd >= 0) close(sfd);
         unsigned long long sectors = n > 0 ? strtoull(buf, NULL, 10) : 0;
-        unsigned long long blocks = sectors * 512 / sv.f_frsize;
+        blocks = sectors * 512 / sv.f_frsize;
         if (sectors == 0)
-            snprintf(status + 8, sizeof status - 8, "size of %s unknown", path);
+            snprintf(why, sizeof why, "size of %s unknown", path);
         else if (ioctl(fd, EXT4_IOC_RESIZE_FS, &blocks) < 0)
-            snprintf(status + 8, sizeof status - 8, "resize to %llu blocks: %s", blocks, strerror(errno));
-        else
-            snprintf(status, sizeof status, "grown %llu", blocks);
+            snprintf(why, sizeof why, "resize to %llu blocks: %s", blocks, strerror(errno));
     }
     if (fd >= 0) close(fd);
+    if (why[0]) snprintf(status, sizeof status, "failed: %s", why);
+    else snprintf(status, sizeof status, "grown %llu", blocks);
     say("growfs: %s", status);
     strncat(status, "\n", sizeof status - strlen(status) - 1);
     write_file(GROWFS_STATUS, status);
