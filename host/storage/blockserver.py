@@ -6,15 +6,13 @@
 Sockets: DIR/nbd.sock (all exports; the export name is the stack name; root's only),
 DIR/x/<stack>/nbd.sock (that stack's export alone, for the VM that runs on it: the VM's jail
 exposes this directory and nothing else of the block server, so a VMM cannot ask for
-another sandbox's disk) and DIR/control.sock (JSON control API, see control.py). State dir:
+another sandbox's disk) and DIR/control.sock (JSON control API: controlserver.py, and
+control.py's clients). The state dir (statedir.py) holds layers, uppers and stack manifests.
 
-    layers/<hex>.lsmt        sealed layers made or imported on this node
-    uppers/<id>/             writable uppers (data.lsmt + index.lsmt journal)
-    stacks/<name>.json       stack manifests {layers, upper, virtual_size}, written atomically
-
-Layers are looked up locally first, then in the repository: a posix_fs repository is read
-in place, an oss one lazily through the chunk cache. The server recovers every stack from
-its manifest at start (uppers replay their journals), including a seal cut by a crash.
+Layers are looked up locally first, then in the repository (openlayers.py): a posix_fs
+repository is read in place, an oss one lazily through the chunk cache. The server recovers
+every stack from its manifest at start (uppers replay their journals), including a seal cut
+by a crash.
 """
 
 from __future__ import annotations
@@ -23,38 +21,36 @@ import argparse
 import asyncio
 import builtins
 import contextlib
-import json
 import logging
 import os
 import re
 import shutil
 import signal
-import uuid
-from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from host import heap
 
-from .blob import Blob, FileBlob
 from .cache import ChunkCache
-from .collect import Swept, counted, sweep_layers
+from .collect import Swept, sweep_layers
 from .compact import write_merged
-from .control import CONTROL_SOCKET, NBD_SOCKET, StackInfo, error_reply, own_socket
+from .control import CONTROL_SOCKET, NBD_SOCKET, StackInfo, own_socket
+from .controlserver import ControlServer
 from .convert import write_raw
 from .errors import LayerNotFoundError, StackExistsError, StackNotFoundError, StorageError
 from .export import StackExport
 from .index import SegmentIndex
-from .lsmt import SealedLayer, Upper, digest_of_file
+from .lsmt import SealedLayer, Upper
 from .nbd import NbdServer
+from .openlayers import OpenLayers
 from .peers import PeerLayers
-from .repository import Repository, _hex, open_repository
+from .repository import Repository, open_repository
 from .stack import Stack, merge_layers
+from .statedir import StateDir
 
 log = logging.getLogger(__name__)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-SEALED_MARKER = "sealed-as"
 
 
 class BlockServer:
@@ -63,21 +59,21 @@ class BlockServer:
     def __init__(self, *, socket_dir: str | os.PathLike[str], state_dir: str | os.PathLike[str],
                  repository: Repository | None = None, cache: ChunkCache | None = None) -> None:
         self.socket_dir = Path(socket_dir)
-        self.state_dir = Path(state_dir)
+        self.state = StateDir(state_dir)
         self.repository = repository
         self.cache = cache
         self.nbd_socket = self.socket_dir / NBD_SOCKET
         self.control_socket = self.socket_dir / CONTROL_SOCKET
-        self._layers: dict[str, SealedLayer] = {}
+        self.layers = OpenLayers(self.state, repository, cache)
         self._stacks: dict[str, StackExport] = {}
         self._ops_lock = asyncio.Lock()  # control operations run one at a time
-        self._reading: Counter[str] = Counter()  # layers a compaction copies, kept open
-        self._nbd = NbdServer(self.nbd_socket, self._lookup, lambda: sorted(self._stacks))
+        self._nbd = NbdServer(self.nbd_socket, self._stacks.get, lambda: sorted(self._stacks))
         self._own: dict[str, NbdServer] = {}  # stack -> the server of its own socket
-        self._control: asyncio.Server | None = None
+        self._control = ControlServer(self, self.control_socket)
 
-    def _lookup(self, name: str) -> StackExport | None:
-        return self._stacks.get(name)
+    @property
+    def state_dir(self) -> Path:
+        return self.state.root
 
     async def _serve_own(self, name: str) -> None:
         """Listen on the stack's own socket. Its directory is kept across restarts (a
@@ -89,7 +85,7 @@ class BlockServer:
         def lookup(export: str) -> StackExport | None:
             return self._stacks.get(export) if export == name else None
 
-        def names() -> list[str]:
+        def names() -> builtins.list[str]:
             return [name] if name in self._stacks else []
 
         server = NbdServer(path, lookup, names)
@@ -99,26 +95,17 @@ class BlockServer:
 
     # --- lifecycle ---
     async def start(self) -> None:
-        for sub in ("layers", "uppers", "stacks"):
-            (self.state_dir / sub).mkdir(parents=True, exist_ok=True)
+        self.state.prepare()
         self.socket_dir.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(self._recover)
         await self._nbd.start()
         for name in sorted(self._stacks):
             await self._serve_own(name)
-        with contextlib.suppress(FileNotFoundError):
-            self.control_socket.unlink()
-        self._control = await asyncio.start_unix_server(self._handle_control,
-                                                        str(self.control_socket), limit=1 << 24)
+        await self._control.start()
 
     async def aclose(self) -> None:
         """Stop accepting, drop NBD connections, flush and close every stack."""
-        if self._control is not None:
-            self._control.close()
-            await self._control.wait_closed()
-            self._control = None
-            with contextlib.suppress(FileNotFoundError):
-                self.control_socket.unlink()
+        await self._control.aclose()
         await self._nbd.aclose()
         for server in self._own.values():
             await server.aclose()
@@ -129,9 +116,7 @@ class BlockServer:
                 exp.stack.flush()
             exp.stack.close()
         self._stacks.clear()
-        for layer in self._layers.values():
-            layer.close()
-        self._layers.clear()
+        self.layers.close_all()
 
     async def __aenter__(self) -> BlockServer:  # noqa: PYI034
         await self.start()
@@ -140,86 +125,24 @@ class BlockServer:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    # --- layers ---
-    def _layer_path(self, digest: str) -> Path:
-        return self.state_dir / "layers" / f"{_hex(digest)}.lsmt"
-
-    def _open_layer(self, digest: str) -> SealedLayer:
-        """The layer with `digest`, opened once and shared by every stack (may block)."""
-        if digest in self._layers:
-            return self._layers[digest]
-        blob: Blob
-        local = self._layer_path(digest)
-        if local.exists():
-            blob = FileBlob(local)
-        elif self.repository is None:
-            raise LayerNotFoundError(f"layer {digest} not on this node and no repository")
-        elif (path := self.repository.local_path(digest)) is not None:
-            blob = FileBlob(path)
-        elif self.cache is not None:
-            blob = self.cache.blob(self.repository, digest)
-        else:
-            raise LayerNotFoundError(f"layer {digest}: remote repository needs a cache dir")
-        try:
-            layer = SealedLayer.open(blob, digest=digest, name=f"layer {digest}")
-        except BaseException:
-            blob.close()
-            raise
-        self._layers[digest] = layer
-        return layer
-
     def _release_unused_layers(self) -> None:
-        used = {layer.digest for e in self._stacks.values() for layer in e.stack.layers}
-        used |= set(self._reading)
-        for digest in [d for d in self._layers if d not in used]:
-            self._layers.pop(digest).close()
-
-    def _placer(self, upper_dir: Path):  # type: ignore[no-untyped-def]
-        def place(digest: str, data_file: Path) -> Path:
-            # the marker lets recovery finish a seal cut between this rename and the
-            # manifest update that follows it
-            marker = upper_dir / SEALED_MARKER
-            marker.write_text(digest)
-            _fsync(marker)
-            dst = self._layer_path(digest)
-            os.replace(data_file, dst)
-            _fsync_dir(dst.parent)
-            return dst
-
-        return place
-
-    # --- stack manifests ---
-    def _save(self, exp: StackExport) -> None:
-        path = self.state_dir / "stacks" / f"{exp.name}.json"
-        tmp = path.with_suffix(".tmp")
-        doc = {"name": exp.name, "layers": exp.stack.layer_digests, "upper": exp.upper_id,
-               "virtual_size": exp.size}
-        with open(tmp, "w") as f:
-            json.dump(doc, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-
-    def _new_upper(self, name: str, virtual_size: int, parent_uuid: str) -> tuple[str, Upper]:
-        upper_id = f"{name}-{uuid.uuid4().hex[:12]}"
-        return upper_id, Upper.create(self.state_dir / "uppers" / upper_id, virtual_size,
-                                      parent_uuid=parent_uuid)
+        self.layers.release_unused({d for e in self._stacks.values()
+                                    for d in e.stack.layer_digests})
 
     def _recover(self) -> None:
-        for path in sorted((self.state_dir / "stacks").glob("*.json")):
-            doc = json.loads(path.read_text())
+        """Every stack back from its manifest (uppers replay their journals), a seal cut
+        after its rename finished."""
+        for doc in self.state.manifests():
             name = doc["name"]
             try:
-                layers = [self._open_layer(d) for d in doc["layers"]]
-                udir = self.state_dir / "uppers" / doc["upper"]
-                marker = udir / SEALED_MARKER
-                if marker.exists():  # a seal was cut after its rename: finish it
-                    layers.append(self._open_layer(marker.read_text().strip()))
-                    upper_id, upper = self._new_upper(name, int(doc["virtual_size"]),
-                                                      layers[-1].uuid)
+                layers = [self.layers.open(d) for d in doc["layers"]]
+                udir = self.state.upper_dir(doc["upper"])
+                if (sealed := self.state.sealed_as(udir)) is not None:
+                    layers.append(self.layers.open(sealed))
+                    upper_id, upper = self.state.new_upper(name, int(doc["virtual_size"]),
+                                                           layers[-1].uuid)
                     exp = StackExport(Stack(name, layers, upper), upper_id)
-                    self._save(exp)
+                    self.state.save(exp)
                     shutil.rmtree(udir, ignore_errors=True)
                 else:
                     exp = StackExport(Stack(name, layers, Upper.open(udir)), doc["upper"])
@@ -228,13 +151,8 @@ class BlockServer:
             except StorageError:
                 log.exception("cannot recover stack %s; leaving its files in place", name)
                 return  # keep every upper dir: a broken stack's upper must not be collected
-        # uppers no manifest names were left by a crash between creating an upper and
-        # recording it (create, clone, seal): nothing refers to them
-        live = {e.upper_id for e in self._stacks.values()}
-        for udir in (self.state_dir / "uppers").iterdir():
-            if udir.name not in live:
-                log.info("removing orphan upper %s", udir.name)
-                shutil.rmtree(udir, ignore_errors=True)
+        for gone in self.state.remove_orphan_uppers({e.upper_id for e in self._stacks.values()}):
+            log.info("removed orphan upper %s", gone)
 
     # --- operations (control API) ---
     def _get(self, name: str) -> StackExport:
@@ -249,11 +167,17 @@ class BlockServer:
         if name in self._stacks:
             raise StackExistsError(f"stack {name!r} exists")
 
-    async def create(self, name: str, layers: list[str], *,
+    async def _add(self, exp: StackExport) -> StackInfo:
+        await asyncio.to_thread(self.state.save, exp)
+        self._stacks[exp.name] = exp
+        await self._serve_own(exp.name)
+        return exp.info(self.nbd_socket)
+
+    async def create(self, name: str, layers: Sequence[str] = (), *,
                      virtual_size: int | None = None) -> StackInfo:
         async with self._ops_lock:
             self._check_new(name)
-            opened = [await asyncio.to_thread(self._open_layer, d) for d in layers]
+            opened = [await asyncio.to_thread(self.layers.open, d) for d in layers]
             if virtual_size is None:
                 if not opened:
                     raise ValueError("a stack without layers needs virtual_size")
@@ -261,35 +185,29 @@ class BlockServer:
             if virtual_size <= 0 or virtual_size % 512:
                 raise ValueError(f"virtual_size {virtual_size} must be a positive multiple of 512")
             parent = opened[-1].uuid if opened else ""
-            upper_id, upper = await asyncio.to_thread(self._new_upper, name, virtual_size, parent)
-            exp = StackExport(Stack(name, opened, upper), upper_id)
-            await asyncio.to_thread(self._save, exp)
-            self._stacks[name] = exp
-            await self._serve_own(name)
-            return exp.info(self.nbd_socket)
+            upper_id, upper = await asyncio.to_thread(self.state.new_upper, name, virtual_size,
+                                                      parent)
+            return await self._add(StackExport(Stack(name, opened, upper), upper_id))
 
     async def _seal_locked(self, exp: StackExport, user_tag: str) -> str:
         await exp.adopt_prehash()
         old_dir = exp.stack.upper.dir
-        new_id = f"{exp.name}-{uuid.uuid4().hex[:12]}"
+        new_id = self.state.new_upper_id(exp.name)
 
         def work() -> SealedLayer:
-            layer = exp.stack.seal(self._placer(old_dir), self.state_dir / "uppers" / new_id,
+            layer = exp.stack.seal(self.state.placer(old_dir), self.state.upper_dir(new_id),
                                    user_tag=user_tag.encode())
             exp.upper_id = new_id
-            self._save(exp)
+            self.state.save(exp)
             shutil.rmtree(old_dir, ignore_errors=True)
             return layer
 
         layer = await asyncio.to_thread(work)
-        assert layer.digest is not None
-        if layer.digest in self._layers:  # identical content already open: share it
-            layer.close()
-            exp.stack.layers[-1] = self._layers[layer.digest]
-            exp.stack.blobs[len(exp.stack.layers) - 1] = self._layers[layer.digest].blob
-        else:
-            self._layers[layer.digest] = layer
-        return layer.digest
+        shared = self.layers.adopt(layer)
+        if shared is not layer:  # identical content already open: the stack shares it
+            exp.stack.layers[-1] = shared
+            exp.stack.blobs[len(exp.stack.layers) - 1] = shared.blob
+        return str(shared.digest)
 
     async def seal(self, name: str, *, upload: bool = True, user_tag: str = "") -> str:
         """Seal the upper into a new layer; an unchanged disk (empty upper) seals nothing
@@ -314,14 +232,13 @@ class BlockServer:
                 if len(src.stack.upper.index):
                     digest = await self._seal_locked(src, "")
                 parent = src.stack.layers[-1].uuid if src.stack.layers else ""
-                upper_id, upper = await asyncio.to_thread(self._new_upper, name, src.size, parent)
+                upper_id, upper = await asyncio.to_thread(self.state.new_upper, name, src.size,
+                                                          parent)
                 exp = StackExport(src.stack.fork(name, upper), upper_id)
-            await asyncio.to_thread(self._save, exp)
-            self._stacks[name] = exp
-            await self._serve_own(name)
+            info = await self._add(exp)
         if upload and digest:
             await self.push(digest)
-        return exp.info(self.nbd_socket)
+        return info
 
     async def delete(self, name: str) -> None:
         async with self._ops_lock:
@@ -335,7 +252,7 @@ class BlockServer:
             await exp.aclose_prehash()
             async with exp.lock:
                 exp.stack.close()
-                (self.state_dir / "stacks" / f"{name}.json").unlink(missing_ok=True)
+                self.state.forget(name)
                 await asyncio.to_thread(shutil.rmtree, exp.stack.upper.dir, True)
             self._release_unused_layers()
 
@@ -349,24 +266,12 @@ class BlockServer:
     async def info(self, name: str) -> StackInfo:
         return self._get(name).info(self.nbd_socket)
 
-    async def list(self) -> list[StackInfo]:
+    async def list(self) -> builtins.list[StackInfo]:
         return [self._stacks[n].info(self.nbd_socket) for n in sorted(self._stacks)]
 
     async def import_layer(self, path: str, *, upload: bool = True) -> str:
         """Validate a sealed layer file, copy it into layers/, optionally upload it."""
-
-        def work() -> str:
-            SealedLayer.open_path(path).close()
-            digest = digest_of_file(path)
-            dst = self._layer_path(digest)
-            if not dst.exists():
-                tmp = dst.with_suffix(".tmp")
-                shutil.copyfile(path, tmp)
-                _fsync(tmp)
-                os.replace(tmp, dst)
-            return digest
-
-        digest = await asyncio.to_thread(work)
+        digest = await asyncio.to_thread(self.state.import_file, path)
         if upload:
             await self.push(digest)
         return digest
@@ -390,17 +295,15 @@ class BlockServer:
         run = before[start:]
         if start < 0 or len(run) < 2:
             return {"digest": None, "merged": 0, "layers": len(before)}
-        tmp = self.state_dir / "layers" / f"compact-{uuid.uuid4().hex}.tmp"
+        tmp = self.state.merge_target()
 
         def work() -> tuple[str, SealedLayer, SegmentIndex]:
             digest = write_merged(run, tmp)
-            dst = self._layer_path(digest)
-            os.replace(tmp, dst)
-            _fsync_dir(dst.parent)
+            dst = self.state.install_merged(tmp, digest)
             layer = SealedLayer.open_path(dst, digest=digest)
             return digest, layer, merge_layers([*before[:start], layer])
 
-        with counted(self._reading, [str(x.digest) for x in run]):
+        with self.layers.reading([str(x.digest) for x in run]):
             try:
                 digest, layer, below = await asyncio.to_thread(work)
             finally:
@@ -415,15 +318,12 @@ class BlockServer:
                 layer.close()  # deleted, or recreated: the merged file is collected later
                 log.info("stack %s changed during its compaction; not swapped", name)
                 return {"digest": None, "merged": 0, "layers": len(now)}
-            if digest in self._layers:  # identical content already open: share it
-                layer.close()
-                layer = self._layers[digest]
-            self._layers[digest] = layer
+            layer = self.layers.adopt(layer)
             layers = [*before[:start], layer, *now[len(before):]]  # pauses meanwhile stay on top
             if len(now) > len(before):
                 below = await asyncio.to_thread(merge_layers, layers)
             await exp.rebase(layers, below)
-            await asyncio.to_thread(self._save, exp)
+            await asyncio.to_thread(self.state.save, exp)
         log.info("stack %s: layers %d-%d merged into %s", name, start, len(before) - 1, digest)
         return {"digest": digest, "merged": len(run), "layers": len(exp.stack.layers)}
 
@@ -440,7 +340,7 @@ class BlockServer:
             raise ValueError(f"repository must be none, sweep or own, not {repository!r}")
         async with self._ops_lock:
             used = {d for e in self._stacks.values() for d in e.stack.layer_digests}
-            used |= set(self._reading)
+            used |= self.layers.pinned()
             keep_all = used | set(keep)
             links: dict[tuple[int, int], list[int]] = {}  # bytes freed counted once
             remote = Swept()
@@ -452,7 +352,7 @@ class BlockServer:
                     remote.add_bytes(stem, repo.delete_layer(f"sha256:{stem}"))
 
             local = await asyncio.to_thread(
-                sweep_layers, self.state_dir / "layers", keep_all, min_age_s=min_age_s,
+                sweep_layers, self.state.layers, keep_all, min_age_s=min_age_s,
                 dry_run=dry_run, links=links, first=first)
             if repository == "own" and dry_run:
                 remote = Swept(files=local.files, bytes=local.bytes, digests=local.digests)
@@ -490,78 +390,12 @@ class BlockServer:
     async def push(self, digest: str) -> None:
         if self.repository is None:
             return
-        local = self._layer_path(digest)
+        local = self.state.layer_path(digest)
         if not local.exists():
             if await asyncio.to_thread(self.repository.has_layer, digest):
                 return
             raise LayerNotFoundError(f"layer {digest} not on this node")
         await asyncio.to_thread(self.repository.put_layer, digest, local)
-
-    # --- control server ---
-    async def _handle_control(self, reader: asyncio.StreamReader,
-                              writer: asyncio.StreamWriter) -> None:
-        try:
-            line = await reader.readline()
-            if not line:
-                return
-            reply = await self._dispatch(line)
-            writer.write(json.dumps(reply).encode() + b"\n")
-            await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
-
-    async def _dispatch(self, line: bytes) -> dict[str, Any]:
-        try:
-            req = json.loads(line)
-            op = req["op"]
-            args = req.get("args") or {}
-            if op == "ping":
-                return {"ok": True, "result": True}
-            if op == "list":
-                return {"ok": True, "result": [i.to_dict() for i in await self.list()]}
-            if op == "stats":
-                return {"ok": True, "result": self.stats()}
-            ops: dict[str, Callable[..., Awaitable[Any]]] = {
-                "create": self.create, "seal": self.seal, "clone": self.clone,
-                "delete": self.delete, "flush": self.flush, "info": self.info,
-                "prehash": self.prehash,
-                "import_layer": self.import_layer, "push": self.push,
-                "export_raw": self.export_raw,
-                "collect": self.collect, "compact": self.compact}
-            fn = ops.get(op)
-            if fn is None:
-                raise ValueError(f"unknown op {op!r}")
-            kwargs = dict(args)
-            if op == "create":
-                out = await self.create(kwargs.pop("name"), kwargs.pop("layers", []), **kwargs)
-            else:
-                out = await fn(**kwargs)
-            result = out.to_dict() if isinstance(out, StackInfo) else out
-            return {"ok": True, "result": result}
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # every failure becomes an error reply; the server stays up
-            if not isinstance(exc, (StorageError, ValueError, KeyError, TypeError)):
-                log.exception("control request failed")
-            return error_reply(exc)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def build_server(args: argparse.Namespace) -> BlockServer:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from .errors import IntegrityError, RepositoryError
 from .integrity import ChunkSums, retry_once
-from .repository import Repository, _hex
+from .repository import Repository, digest_hex
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class ChunkCache:
                    sums: ChunkSums | None = None) -> int:
         """An O_RDONLY fd on chunk `idx` of the layer, fetched first if absent (and checked
         against `sums`)."""
-        key = (_hex(digest), idx)
+        key = (digest_hex(digest), idx)
         fetched = False
         while True:
             with self._lock:
@@ -178,7 +178,7 @@ class CachedBlob:
         self.size = size
         self.sums = sums
         self.path = f"{digest} (cached)"
-        self._hex = _hex(digest)
+        self._hex = digest_hex(digest)
 
     def _chunks(self, offset: int, length: int):  # type: ignore[no-untyped-def]
         cs = self.cache.chunk_size

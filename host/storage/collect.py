@@ -34,7 +34,7 @@ PARTIAL_SUFFIXES = (".tmp",)
 
 def layer_hex(digest: str) -> str:
     """A digest's hex part, the layer files' stem (`sha256:<hex>` or `<hex>`). Lenient,
-    unlike the repository's `_hex`: a keep set holds whatever documents name, and a
+    unlike the repository's `digest_hex`: a keep set holds whatever documents name, and a
     malformed entry must not stop a collection."""
     return digest.split(":", 1)[-1]
 

@@ -24,6 +24,8 @@ import uuid as uuidlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from host.durable import fsync_dir
+
 from .appender import Appender
 from .blob import Blob, FileBlob
 from .errors import LayerFormatError
@@ -339,7 +341,7 @@ class Upper:
                 f.write(ht.pack())
                 f.flush()
                 os.fsync(f.fileno())
-        _fsync_dir(d)
+        fsync_dir(d)
         return cls.open(d)
 
     @classmethod
@@ -474,10 +476,3 @@ class Upper:
                 os.close(fd)
         self.data_fd = self.journal_fd = -1
 
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from .errors import IntegrityError
-from .repository import Repository, _hex
+from .repository import Repository, digest_hex
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class PeerLayers:
             return str(self._doc.get("key", "")), list(self._doc.get("peers", []))
 
     def read_layer(self, digest: str, offset: int, length: int) -> bytes:
-        hexd = _hex(digest)
+        hexd = digest_hex(digest)
         key, peers = self._peers()
         holders = [p for p in peers if hexd in p.get("layers", ())]
         sums = self.inner.layer_sums(digest) if holders else None
@@ -125,7 +125,7 @@ def held_range(layers_dir: Path, cache_dir: Path | None, hexd: str, offset: int,
     """`length` bytes at `offset` of layer `hexd` from this node's sealed layer file, or
     the one cached chunk they are exactly; None when this node has not got them."""
     try:
-        _hex(f"sha256:{hexd}")   # a digest's hex, nothing a path could climb out with
+        digest_hex(f"sha256:{hexd}")   # a digest's hex, nothing a path could climb out with
     except ValueError:
         return None
     if length <= 0:

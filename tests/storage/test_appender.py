@@ -144,7 +144,7 @@ async def test_seal_after_prehash_reads_only_what_came_since(tmp_path: Path,
         await asyncio.sleep(0)
         await exp.write(16 * MiB, b"n" * MiB)  # appended while the rehash runs
         digest = await bs.seal("p", upload=False)
-        layer_file = bs._layer_path(digest)
+        layer_file = bs.state.layer_path(digest)
         assert digest == digest_of_file(layer_file)
         full = [r for r in hashed if r[0] == 0]
         assert len(full) == 1, hashed  # the prehash's; the seal read no whole file
@@ -163,7 +163,7 @@ async def test_a_voided_prehash_leaves_the_seal_honest(tmp_path: Path) -> None:
         await bs.prehash("v")
         await exp.write(8192, b"b" * 4096)  # rewritten again after the prehash started
         digest = await bs.seal("v", upload=False)
-        assert digest == digest_of_file(bs._layer_path(digest))
+        assert digest == digest_of_file(bs.state.layer_path(digest))
         await exp.write(0, b"c" * 4096)  # the new upper: a prehash there, then a delete
         await exp.write(0, b"d" * 4096)
         await bs.prehash("v")

@@ -10,6 +10,7 @@ import pytest
 
 from host.storage.blockserver import BlockServer
 from host.storage.repository import PosixFsRepository
+from host.storage.statedir import StateDir
 
 from .test_blockserver import RawNbd
 
@@ -30,10 +31,10 @@ async def test_seal_cut_by_a_crash_is_finished_at_recovery(tmp_path: Path,
     await exp.write(0, b"q" * 8192)
     await exp.flush()
 
-    def crash(self: BlockServer, exp: object) -> None:
+    def crash(self: StateDir, exp: object) -> None:
         raise RuntimeError("crash between the layer rename and the manifest update")
 
-    monkeypatch.setattr(BlockServer, "_save", crash)
+    monkeypatch.setattr(StateDir, "save", crash)
     with pytest.raises(RuntimeError, match="crash"):
         await bs.seal("m", upload=False)
     monkeypatch.undo()
@@ -66,7 +67,7 @@ async def test_delete_drops_connections_and_layers(tmp_path: Path) -> None:
         await bs.create("d", [], virtual_size=MiB)
         await bs._stacks["d"].write(0, b"x" * 4096)
         await bs.clone("d", "e")
-        assert len(bs._layers) == 1
+        assert len(bs.layers) == 1
         import asyncio
 
         def connect_and_go() -> RawNbd:
@@ -76,7 +77,7 @@ async def test_delete_drops_connections_and_layers(tmp_path: Path) -> None:
 
         n = await asyncio.to_thread(connect_and_go)
         await bs.delete("d")
-        assert len(bs._layers) == 1  # still used by e
+        assert len(bs.layers) == 1  # still used by e
 
         def request_after_delete() -> None:
             with pytest.raises((EOFError, ConnectionError, socket.timeout)):
@@ -86,7 +87,7 @@ async def test_delete_drops_connections_and_layers(tmp_path: Path) -> None:
 
         await asyncio.to_thread(request_after_delete)
         await bs.delete("e")
-        assert bs._layers == {}
+        assert len(bs.layers) == 0
         assert list((tmp_path / "st" / "uppers").iterdir()) == []
 
 

@@ -70,7 +70,7 @@ async def test_merged_layers_read_the_same_and_the_stack_goes_on(tmp_path: Path)
         assert info.layers == (base, out["digest"])
         assert stack.read(0, SIZE) == model  # upper over the merged layer: same disk
         merged = SealedLayer.open_path(tmp_path / "st" / "layers" / f"{out['digest'][7:]}.lsmt")
-        assert merged.uuid == bs._layers[old[-1]].uuid  # the upper's parent is still valid
+        assert merged.uuid == bs.layers.open(old[-1]).uuid  # the upper's parent is still valid
         merged.close()
         assert PosixFsRepository(tmp_path / "repo").has_layer(out["digest"])
         await _scribble(bs, "sbx", model, rng)

@@ -11,7 +11,8 @@ import boto3  # type: ignore[import-untyped]
 import pytest
 
 from host.storage.errors import LayerNotFoundError
-from host.storage.repository import OssRepository, PosixFsRepository, _copy_sparse
+from host.storage.repository import OssRepository, PosixFsRepository
+from host.storage.repository.files import copy_sparse
 
 MiB = 1 << 20
 
@@ -70,7 +71,7 @@ def test_posix_put_keeps_holes_and_shares_bytes(tmp_path: Path) -> None:
     stored = tmp_path / "repo" / "files" / "memory" / "a" / "base.mem"
     assert stored.stat().st_ino == src.stat().st_ino  # same filesystem: a hard link
     other = tmp_path / "other.mem"
-    _copy_sparse(src, other)  # the cross-filesystem path
+    copy_sparse(src, other)  # the cross-filesystem path
     assert other.read_bytes() == src.read_bytes()
     assert other.stat().st_blocks * 512 < 10 * MiB  # the 12 MiB hole stayed a hole
 

@@ -42,6 +42,8 @@ from enum import IntEnum
 from pathlib import Path
 from typing import BinaryIO, Self
 
+from host.durable import fsync_dir
+
 from .errors import CorruptSnapshotError, MemSnapError, SnapshotMismatchError
 
 MAGIC = b"AENVMDIF"
@@ -161,7 +163,7 @@ def write_diff(
             pass
         raise
     if fsync:
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     return header
 
 
@@ -207,13 +209,6 @@ def _page_aligned(view: memoryview) -> bool:
     del anchor
     return address % ALIGN == 0
 
-
-def _fsync_dir(d: Path) -> None:
-    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def _pack_header(h: DiffHeader) -> bytes:

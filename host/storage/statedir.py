@@ -1,0 +1,125 @@
+"""The block server's state directory, every write to it durable before it counts:
+
+    layers/<hex>.lsmt        sealed layers made or imported on this node
+    uppers/<id>/             writable uppers (data.lsmt + index.lsmt journal)
+    stacks/<name>.json       stack manifests {layers, upper, virtual_size}, written atomically
+
+A seal renames the upper's data into layers/ and then rewrites the manifest; the marker
+file it leaves in the upper between the two lets recovery finish a seal cut by a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from host.durable import fsync_dir, fsync_file
+
+from .export import StackExport
+from .lsmt import SealedLayer, Upper, digest_of_file
+from .repository import digest_hex
+
+SEALED_MARKER = "sealed-as"
+
+
+class StateDir:
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.layers = self.root / "layers"
+        self.uppers = self.root / "uppers"
+        self.stacks = self.root / "stacks"
+
+    def prepare(self) -> None:
+        for d in (self.layers, self.uppers, self.stacks):
+            d.mkdir(parents=True, exist_ok=True)
+
+    # --- layers ---
+    def layer_path(self, digest: str) -> Path:
+        return self.layers / f"{digest_hex(digest)}.lsmt"
+
+    def placer(self, upper_dir: Path) -> Callable[[str, Path], Path]:
+        """What a seal calls to move the upper's data file into layers/ as `digest`."""
+
+        def place(digest: str, data_file: Path) -> Path:
+            marker = upper_dir / SEALED_MARKER
+            marker.write_text(digest)
+            fsync_file(marker)
+            dst = self.layer_path(digest)
+            os.replace(data_file, dst)
+            fsync_dir(dst.parent)
+            return dst
+
+        return place
+
+    def import_file(self, path: str | os.PathLike[str]) -> str:
+        """Validate a sealed layer file and copy it into layers/ (once); its digest."""
+        SealedLayer.open_path(path).close()
+        digest = digest_of_file(path)
+        dst = self.layer_path(digest)
+        if not dst.exists():
+            tmp = dst.with_suffix(".tmp")
+            shutil.copyfile(path, tmp)
+            fsync_file(tmp)
+            os.replace(tmp, dst)
+        return digest
+
+    def merge_target(self) -> Path:
+        """A temp file in layers/ for a compaction to write (install_merged renames it)."""
+        return self.layers / f"compact-{uuid.uuid4().hex}.tmp"
+
+    def install_merged(self, tmp: Path, digest: str) -> Path:
+        dst = self.layer_path(digest)
+        os.replace(tmp, dst)
+        fsync_dir(dst.parent)
+        return dst
+
+    # --- uppers ---
+    @staticmethod
+    def new_upper_id(stack: str) -> str:
+        return f"{stack}-{uuid.uuid4().hex[:12]}"
+
+    def upper_dir(self, upper_id: str) -> Path:
+        return self.uppers / upper_id
+
+    def new_upper(self, stack: str, virtual_size: int, parent_uuid: str) -> tuple[str, Upper]:
+        upper_id = self.new_upper_id(stack)
+        return upper_id, Upper.create(self.upper_dir(upper_id), virtual_size,
+                                      parent_uuid=parent_uuid)
+
+    @staticmethod
+    def sealed_as(upper_dir: Path) -> str | None:
+        """The digest a seal cut after its rename left in `upper_dir` (None: none was)."""
+        marker = upper_dir / SEALED_MARKER
+        return marker.read_text().strip() if marker.exists() else None
+
+    def remove_orphan_uppers(self, live: set[str]) -> list[str]:
+        """Uppers no manifest names, left by a crash between creating an upper and
+        recording it (create, clone, seal): nothing refers to them. Their names."""
+        gone = [d.name for d in self.uppers.iterdir() if d.name not in live]
+        for name in gone:
+            shutil.rmtree(self.uppers / name, ignore_errors=True)
+        return gone
+
+    # --- stack manifests ---
+    def manifests(self) -> list[dict[str, Any]]:
+        return [json.loads(p.read_text()) for p in sorted(self.stacks.glob("*.json"))]
+
+    def save(self, exp: StackExport) -> None:
+        path = self.stacks / f"{exp.name}.json"
+        tmp = path.with_suffix(".tmp")
+        doc = {"name": exp.name, "layers": exp.stack.layer_digests, "upper": exp.upper_id,
+               "virtual_size": exp.size}
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+
+    def forget(self, stack: str) -> None:
+        (self.stacks / f"{stack}.json").unlink(missing_ok=True)
