@@ -37,7 +37,8 @@ import stat
 import sys
 import tarfile
 import zlib
-from typing import IO, Any
+from collections.abc import Callable
+from typing import IO, Any, TypeVar
 
 try:  # run as a script beside layertar.py and rootdir.py (the helper)
     from layertar import (  # type: ignore[import-not-found,unused-ignore]
@@ -75,6 +76,7 @@ except ImportError:
     from host.images.rootdir import Root, RPath
 
 MAX_WARNINGS = 50
+_T = TypeVar("_T")
 
 
 class Applier:
@@ -164,12 +166,10 @@ class Applier:
                 self.dirs[path] = m
                 self.counts["dirs"] += 1
             elif m.isreg():
-                self._remove(pfd, name)
                 self._write_file(tar, pfd, name, m)
                 self.counts["files"] += 1
             elif m.issym():
-                self._remove(pfd, name)
-                os.symlink(m.linkname, name, dir_fd=pfd)
+                self._replacing(pfd, name, lambda: os.symlink(m.linkname, name, dir_fd=pfd))
                 self._metadata(pfd, name, m, chmod=False)
                 self.counts["symlinks"] += 1
             elif m.islnk():
@@ -186,6 +186,16 @@ class Applier:
         finally:
             os.close(pfd)
         self._mark(path)
+
+    def _replacing(self, pfd: int, name: str, make: Callable[[], _T]) -> _T:
+        """`make()` the new entry at `name`; what is there already (a lower layer's, or
+        this one's) is removed first. Most names are new: the create is tried before any
+        stat, each call being a round trip through fuse2fs."""
+        try:
+            return make()
+        except FileExistsError:
+            self._remove(pfd, name)
+            return make()
 
     def _remove(self, pfd: int, name: str, *, keep_dir: bool = False) -> bool:
         """Remove what is at `name`; returns True if it is a directory that was kept."""
@@ -215,18 +225,27 @@ class Applier:
 
     def _write_file(self, tar: tarfile.TarFile, pfd: int, name: str,
                     m: tarfile.TarInfo) -> None:
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600, dir_fd=pfd)
+        mode = m.mode & 0o7777
+        fd = self._replacing(pfd, name, lambda: os.open(
+            name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            mode & 0o777, dir_fd=pfd))
         try:
+            # owner and mode as created, from the attributes the create answered with (no
+            # round trip): the entry's mode less the umask and the set-id bits
+            st = os.fstat(fd)
             src = tar.extractfile(m)
             if src is not None:
-                with src, open(fd, "wb", closefd=False) as out:
-                    shutil.copyfileobj(src, out, CHUNK)
+                with src:  # os.write: a file object over the fd would fstat it first
+                    while chunk := src.read(CHUNK):
+                        view = memoryview(chunk)
+                        while view:
+                            view = view[os.write(fd, view):]
             self.counts["bytes"] += m.size
             # chown first: it clears setuid/setgid bits and security.capability
-            self._chown(fd, None, m)
+            chowned = self._chown(fd, None, m, st)
             self._xattrs(fd, None, m)
-            os.fchmod(fd, m.mode & 0o7777)
+            if chowned or stat.S_IMODE(st.st_mode) != mode:
+                os.fchmod(fd, mode)
             os.utime(fd, ns=entry_times(m))
         finally:
             os.close(fd)
@@ -288,15 +307,26 @@ class Applier:
             os.chmod(name, m.mode & 0o7777, dir_fd=pfd)
         os.utime(name, ns=entry_times(m), dir_fd=pfd, follow_symlinks=False)
 
-    def _chown(self, fd: int, name: str | None, m: tarfile.TarInfo) -> None:
+    def _chown(self, fd: int, name: str | None, m: tarfile.TarInfo,
+               st: os.stat_result | None = None) -> bool:
+        """The entry's owner on the fd (or `name` in it); whether it changed. A chown to
+        the owner it has is skipped: each call is a round trip through fuse2fs, while the
+        stat is answered from the attributes the kernel keeps since the node was made or
+        looked up (and what a chown would clear, set-id bits or capabilities, is set
+        after this)."""
         if not self.privileged:
             if m.uid != os.geteuid() or m.gid != os.getegid():
                 self.counts["unowned"] += 1
-            return
+            return False
+        if st is None:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False) if name else os.fstat(fd)
+        if (st.st_uid, st.st_gid) == (m.uid, m.gid):
+            return False
         if name is None:
             os.fchown(fd, m.uid, m.gid)
         else:
             os.chown(name, m.uid, m.gid, dir_fd=fd, follow_symlinks=False)
+        return True
 
     def _xattrs(self, fd: int, name: str | None, m: tarfile.TarInfo) -> None:
         attrs = entry_xattrs(m)

@@ -76,6 +76,11 @@ class Root:
                 if real:
                     real.pop()
                 continue
+            if tuple(real) + (comp,) in self._dirs:
+                # opened before as a real directory (O_NOFOLLOW) and not removed since
+                # (forget): no stat, each is a round trip through fuse2fs
+                real.append(comp)
+                continue
             dirfd = self._fd(tuple(real))
             try:
                 st = os.stat(comp, dir_fd=dirfd, follow_symlinks=False)

@@ -3,7 +3,7 @@ VM: hostimport.py) and turned into one block layer, cached under the layer's OCI
 then our init and envd as the last layer; the image needs neither of its own (busybox
 works).
 
-    blank ext4 (one per repository: `ociblank-<MiB>`)
+    blank ext4 (one per repository and mkfs options: `ociblank-<MiB>-<options hash>`)
     -> per OCI layer, bottom first: key = sha256(blank layer, chain id) -> `ocilayer-<key>`
        (images sharing base layers share these block layers, cache and repository objects)
     -> init + envd + user `user`: key = sha256(top key, the built-in image's envd layer)
@@ -47,7 +47,9 @@ def _key(*parts: str) -> str:
 
 async def blank_layer(p: NodeParts) -> str:
     """The empty ext4 every imported image starts from (made once per repository)."""
-    name = f"ociblank-{BLANK_MIB}"
+    # the options in the name: a blank made with others is not this one (nor are the
+    # layers keyed on it)
+    name = f"ociblank-{BLANK_MIB}-{_key(*MKFS_OPTIONS)[:12]}"
     if (doc := await p.manifests.get_doc(name)) is not None:  # kept for good: no cache
         return str(doc["layer"])
     with tempfile.TemporaryDirectory(dir=p.config.state_dir, prefix=".blank-") as tmp:

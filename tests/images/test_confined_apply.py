@@ -119,6 +119,35 @@ def test_a_layer_lands_in_the_image_with_owners_modes_and_links(helper: Confined
                           check=False).returncode == 0  # a clean filesystem
 
 
+def test_a_layer_over_a_layer_replaces_entries_with_their_own_owners_and_modes(
+        helper: ConfinedHelper, tmp_path: Path) -> None:
+    """The second layer goes through fuse2fs (apply.py), where a file is created before any
+    stat and a chown or chmod that would change nothing is skipped: whatever was at a name,
+    the new entry's owner, mode and content are what the image holds."""
+    img = _image(tmp_path)
+    lower = (LayerTar().file("srv/a", b"lower\n", uid=1000, gid=1000, mode=0o600)
+             .dir("srv/d", uid=1000, gid=1000).file("srv/d/inner", b"x")
+             .file("srv/f", b"file\n", uid=7, gid=7).file("srv/same", b"old\n", mode=0o644)
+             .bytes())
+    upper = (LayerTar().file("srv/a", b"upper\n", uid=0, gid=0, mode=0o4711)
+             .file("srv/d", b"now a file\n", uid=5, gid=6, mode=0o640)
+             .symlink("srv/f", "a").file("srv/same", b"new\n", mode=0o644)
+             .file("srv/new", b"n\n", uid=0, gid=0, mode=0o444).bytes())
+    for layer in (lower, upper):
+        helper.run(img, ["apply"], _feed(layer))
+    assert _debugfs(img, "cat /srv/a") == "upper\n"
+    st = _stat(img, "/srv/a")
+    assert "User:     0   Group:     0" in st and "Mode:  04711" in st, st
+    st = _stat(img, "/srv/d")
+    assert "Type: regular" in st and "User:     5   Group:     6" in st, st
+    assert "Mode:  0640" in st and _debugfs(img, "cat /srv/d") == "now a file\n"
+    assert "Fast link dest: \"a\"" in _stat(img, "/srv/f")
+    assert _debugfs(img, "cat /srv/same") == "new\n" and "Mode:  0644" in _stat(img, "/srv/same")
+    assert "Mode:  0444" in _stat(img, "/srv/new")  # written through an fd made read-only
+    assert subprocess.run(["e2fsck", "-fn", str(img)], capture_output=True,
+                          check=False).returncode == 0
+
+
 def test_xattrs_reach_the_image_and_acls_through_populate(helper: ConfinedHelper,
                                                           tmp_path: Path, mode: str) -> None:
     img = _image(tmp_path, mib=64)
