@@ -69,7 +69,12 @@ class BlockServer:
         self._ops_lock = asyncio.Lock()  # control operations run one at a time
         self._nbd = NbdServer(self.nbd_socket, self._stacks.get, lambda: sorted(self._stacks))
         self._own: dict[str, NbdServer] = {}  # stack -> the server of its own socket
-        self._control = ControlServer(self, self.control_socket)
+        self._control = ControlServer(self.control_socket, {
+            "list": self.list, "create": self.create, "seal": self.seal, "clone": self.clone,
+            "delete": self.delete, "flush": self.flush, "info": self.info,
+            "prehash": self.prehash, "import_layer": self.import_layer, "push": self.push,
+            "export_raw": self.export_raw, "collect": self.collect, "compact": self.compact,
+        }, {"ping": lambda: True, "stats": self.stats})
 
     @property
     def state_dir(self) -> Path:

@@ -8,33 +8,27 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .control import StackInfo, error_reply
 from .errors import StorageError
 
-if TYPE_CHECKING:
-    from .blockserver import BlockServer
-
 log = logging.getLogger(__name__)
 MAX_REQUEST = 1 << 24  # a create naming many layers fits; a longer line is refused
+Op = Callable[..., Awaitable[Any]]
 
 
 class ControlServer:
-    def __init__(self, server: BlockServer, path: Path) -> None:
+    """Serves `ops` (an op's `args` are its keyword arguments) and `instant` (answered
+    without arguments: ping, stats) on the unix socket `path`."""
+
+    def __init__(self, path: Path, ops: Mapping[str, Op],
+                 instant: Mapping[str, Callable[[], Any]]) -> None:
         self.path = path
-        s = server
-        self._sync: dict[str, Callable[[], Any]] = {
-            "ping": lambda: True,
-            "stats": s.stats,
-        }
-        self._ops: dict[str, Callable[..., Awaitable[Any]]] = {
-            "list": s.list, "create": s.create, "seal": s.seal, "clone": s.clone,
-            "delete": s.delete, "flush": s.flush, "info": s.info, "prehash": s.prehash,
-            "import_layer": s.import_layer, "push": s.push, "export_raw": s.export_raw,
-            "collect": s.collect, "compact": s.compact}
+        self._ops = dict(ops)
+        self._instant = dict(instant)
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
@@ -70,8 +64,8 @@ class ControlServer:
             req = json.loads(line)
             op = req["op"]
             kwargs = dict(req.get("args") or {})
-            if op in self._sync:
-                out = self._sync[op]()
+            if op in self._instant:
+                out = self._instant[op]()
             elif (fn := self._ops.get(op)) is not None:
                 out = await fn(**kwargs)
             else:
