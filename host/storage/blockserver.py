@@ -136,13 +136,15 @@ class BlockServer:
 
     def _recover(self) -> None:
         """Every stack back from its manifest (uppers replay their journals), a seal cut
-        after its rename finished."""
+        by a crash finished. A stack that cannot be recovered keeps its files and does not
+        stop the others."""
+        broken = False
         for doc in self.state.manifests():
             name = doc["name"]
             try:
                 layers = [self.layers.open(d) for d in doc["layers"]]
                 udir = self.state.upper_dir(doc["upper"])
-                if (sealed := self.state.sealed_as(udir)) is not None:
+                if (sealed := self.state.finish_seal(udir)) is not None:
                     layers.append(self.layers.open(sealed))
                     upper_id, upper = self.state.new_upper(name, int(doc["virtual_size"]),
                                                            layers[-1].uuid)
@@ -155,7 +157,9 @@ class BlockServer:
                 log.info("recovered stack %s (%d layers)", name, len(layers))
             except StorageError:
                 log.exception("cannot recover stack %s; leaving its files in place", name)
-                return  # keep every upper dir: a broken stack's upper must not be collected
+                broken = True
+        if broken:
+            return  # keep every upper dir: a broken stack's upper must not be collected
         for gone in self.state.remove_orphan_uppers({e.upper_id for e in self._stacks.values()}):
             log.info("removed orphan upper %s", gone)
 

@@ -21,7 +21,7 @@ from typing import Any
 from host.durable import fsync_dir, fsync_file
 
 from .export import StackExport
-from .lsmt import SealedLayer, Upper, digest_of_file
+from .lsmt import DATA_FILE, SealedLayer, Upper, digest_of_file
 from .repository import digest_hex
 
 SEALED_MARKER = "sealed-as"
@@ -91,11 +91,25 @@ class StateDir:
         return upper_id, Upper.create(self.upper_dir(upper_id), virtual_size,
                                       parent_uuid=parent_uuid)
 
-    @staticmethod
-    def sealed_as(upper_dir: Path) -> str | None:
-        """The digest a seal cut after its rename left in `upper_dir` (None: none was)."""
+    def finish_seal(self, upper_dir: Path) -> str | None:
+        """The digest of a seal of `upper_dir` cut by a crash after its marker was written
+        (None: none was), its layer in layers/ when this returns. Cut before the rename, the
+        sealed file (complete and fsynced before the marker) is still in the upper: moved
+        now. A marker that is not a digest was cut while being written, before the rename:
+        it goes, and the upper opens as it is."""
         marker = upper_dir / SEALED_MARKER
-        return marker.read_text().strip() if marker.exists() else None
+        if not marker.exists():
+            return None
+        digest = marker.read_text().strip()
+        try:
+            dst = self.layer_path(digest)
+        except ValueError:
+            marker.unlink()
+            return None
+        if not dst.exists() and (upper_dir / DATA_FILE).exists():
+            os.replace(upper_dir / DATA_FILE, dst)
+            fsync_dir(dst.parent)
+        return digest
 
     def remove_orphan_uppers(self, live: set[str]) -> list[str]:
         """Uppers no manifest names, left by a crash between creating an upper and

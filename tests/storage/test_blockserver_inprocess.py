@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 from pathlib import Path
@@ -50,6 +51,66 @@ async def test_seal_cut_by_a_crash_is_finished_at_recovery(tmp_path: Path,
         assert [u.name for u in uppers] == [bs2._stacks["m"].upper_id]  # orphans collected
     finally:
         await bs2.aclose()
+
+
+async def test_a_seal_cut_before_its_rename_is_finished_at_recovery(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crash after the seal's marker is durable but before the sealed file moved to
+    layers/: the file is still in the upper, complete; recovery moves it and finishes."""
+    bs = _server(tmp_path)
+    await bs.start()
+    await bs.create("c", [], virtual_size=MiB)
+    await bs._stacks["c"].write(0, b"c" * 8192)
+    await bs._stacks["c"].flush()
+    placer = StateDir.placer
+
+    def cut_placer(self: StateDir, upper_dir: Path):  # type: ignore[no-untyped-def]
+        place = placer(self, upper_dir)
+
+        def cut(digest: str, data_file: Path) -> Path:
+            monkeypatch.setattr(os, "replace", _crash)  # the marker is written, not the rename
+            try:
+                return place(digest, data_file)
+            finally:
+                monkeypatch.setattr(os, "replace", real_replace)
+        return cut
+
+    real_replace = os.replace
+    monkeypatch.setattr(StateDir, "placer", cut_placer)
+    with pytest.raises(RuntimeError, match="crash"):
+        await bs.seal("c", upload=False)
+    monkeypatch.undo()
+    await bs.aclose()
+    assert not list((tmp_path / "st" / "layers").glob("*.lsmt"))
+
+    bs2 = _server(tmp_path)
+    await bs2.start()
+    try:
+        info = await bs2.info("c")
+        assert len(info.layers) == 1
+        assert bs2.state.layer_path(info.layers[0]).exists()
+        assert bs2._stacks["c"].stack.read(0, 8192) == b"c" * 8192
+    finally:
+        await bs2.aclose()
+
+
+def _crash(*args: object, **kwargs: object) -> None:
+    raise RuntimeError("crash between the seal's marker and its rename")
+
+
+async def test_a_stack_that_cannot_be_recovered_does_not_stop_the_others(
+        tmp_path: Path) -> None:
+    async with _server(tmp_path) as bs:
+        for name in ("a-broken", "b-fine"):
+            await bs.create(name, [], virtual_size=MiB)
+            await bs._stacks[name].write(0, name.encode() * 512)
+            await bs._stacks[name].flush()
+        broken_upper = bs._stacks["a-broken"].stack.upper.dir
+    (broken_upper / "data.lsmt").unlink()  # the first stack (sorted) cannot come back
+    async with _server(tmp_path) as bs2:
+        assert [i.name for i in await bs2.list()] == ["b-fine"]
+        assert bs2._stacks["b-fine"].stack.read(0, 6) == b"b-fine"
+        assert broken_upper.exists()  # left in place, not collected as an orphan
 
 
 async def test_seal_of_unchanged_disk_adds_no_layer(tmp_path: Path) -> None:
