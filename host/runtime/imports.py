@@ -64,6 +64,11 @@ async def blank_layer(p: NodeParts) -> str:
         await asyncio.to_thread(convert_image, img, dest)
         digest = await p.block.client.import_layer(dest, upload=True)
     await p.manifests.put_doc(name, {"layer": digest})
+    # a blank made with other options (older code) is no base of new imports: its document
+    # goes, so its layer stays only while something made on it does (collect.py)
+    for other in await p.manifests.documents("ociblank-"):
+        if other != name:
+            await p.manifests.delete_doc(other)
     return str(digest)
 
 
