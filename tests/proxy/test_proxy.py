@@ -285,8 +285,10 @@ async def test_client_disconnect_releases_the_stream(proxy_url, orch, streaming_
         async for _ in resp.aiter_raw():
             gates.client_got_first.set()
             break
-    # the proxy dropped its upstream connection: the 64 GiB generator was stopped early
-    assert await asyncio.to_thread(gates.download_ended.wait, 10)
+    # the proxy dropped its upstream connection: the 64 GiB generator was stopped early.
+    # A generous deadline (10 s was once too short in the full suite on this 2-core host);
+    # what proves the release is that fewer blocks than the whole went out
+    assert await asyncio.to_thread(gates.download_ended.wait, 120)
     assert gates.blocks_sent < 68719476736 // 65536
     # the proxy still answers promptly afterwards
     async with httpx.AsyncClient(base_url=proxy_url, timeout=10) as c:
