@@ -76,10 +76,6 @@ class BlockServer:
             "export_raw": self.export_raw, "collect": self.collect, "compact": self.compact,
         }, {"ping": lambda: True, "stats": self.stats})
 
-    @property
-    def state_dir(self) -> Path:
-        return self.state.root
-
     async def _serve_own(self, name: str) -> None:
         """Listen on the stack's own socket. Its directory is kept across restarts (a
         jail binds the directory, so a restarted server's new socket is seen inside);
@@ -308,7 +304,7 @@ class BlockServer:
 
         def work() -> tuple[str, SealedLayer, SegmentIndex]:
             digest = write_merged(run, tmp)
-            dst = self.state.install_merged(tmp, digest)
+            dst = self.state.install(tmp, digest)
             layer = SealedLayer.open_path(dst, digest=digest)
             return digest, layer, merge_layers([*before[:start], layer])
 

@@ -49,10 +49,7 @@ class StateDir:
             marker = upper_dir / SEALED_MARKER
             marker.write_text(digest)
             fsync_file(marker)
-            dst = self.layer_path(digest)
-            os.replace(data_file, dst)
-            fsync_dir(dst.parent)
-            return dst
+            return self.install(data_file, digest)
 
         return place
 
@@ -65,16 +62,18 @@ class StateDir:
             tmp = dst.with_suffix(".tmp")
             shutil.copyfile(path, tmp)
             fsync_file(tmp)
-            os.replace(tmp, dst)
+            self.install(tmp, digest)
         return digest
 
     def merge_target(self) -> Path:
-        """A temp file in layers/ for a compaction to write (install_merged renames it)."""
+        """A temp file in layers/ for a compaction to write (`install` renames it)."""
         return self.layers / f"compact-{uuid.uuid4().hex}.tmp"
 
-    def install_merged(self, tmp: Path, digest: str) -> Path:
+    def install(self, src: Path, digest: str) -> Path:
+        """`src` (a complete, fsynced layer file on this filesystem) renamed into layers/
+        as `digest`, durably: the directory fsynced after."""
         dst = self.layer_path(digest)
-        os.replace(tmp, dst)
+        os.replace(src, dst)
         fsync_dir(dst.parent)
         return dst
 
@@ -107,8 +106,7 @@ class StateDir:
             marker.unlink()
             return None
         if not dst.exists() and (upper_dir / DATA_FILE).exists():
-            os.replace(upper_dir / DATA_FILE, dst)
-            fsync_dir(dst.parent)
+            self.install(upper_dir / DATA_FILE, digest)
         return digest
 
     def remove_orphan_uppers(self, live: set[str]) -> list[str]:
