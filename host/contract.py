@@ -180,7 +180,7 @@ class SandboxRuntime(Protocol):
         ...
 
     async def start(self, sandbox_id: str, snapshot: SnapshotRef, network: NetworkConfig, *,
-                    reboot: bool = False, hold: bool = False) -> Placement:
+                    reboot: bool = False, hold: bool = False, fanout: int = 1) -> Placement:
         """Restore `snapshot` as sandbox `sandbox_id` with a fresh writable disk layer and
         its own network; returns once envd answers /health. Raises on failure and leaves
         nothing behind. `reboot` (or a filesystem-only snapshot) cold-boots the snapshot's
@@ -188,7 +188,10 @@ class SandboxRuntime(Protocol):
         `SnapshotIncompatible` (before touching anything) when the memory was saved by a
         VMM this node cannot restore it with. `hold`: once envd answered, stop the VM's
         vCPUs; a later start of the same id and snapshot continues it (a warm VM for a
-        create to come: `kill` releases it if none does)."""
+        create to come: `kill` releases it if none does). `fanout`: how many starts of
+        `snapshot` the caller makes at once (a fork's count): the runtime may make one
+        memory image for all of them to share instead of a copy of the snapshot's memory
+        diff in each."""
         ...
 
     async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool,

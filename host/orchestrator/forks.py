@@ -68,7 +68,7 @@ async def _fork(ctx: Context, sandbox_id: str, count: int,
                 network=network_from_json(rec.network), secure=True,
                 parent_id=sandbox_id, op="created_by_fork",
                 auto_pause_memory=rec.runtime.get("auto_pause_memory", True),
-                volume_mounts=mounts.of(rec))
+                volume_mounts=mounts.of(rec), fanout=count)
             results[i] = ForkResult(sandbox=info)
         except Exception as exc:  # noqa: BLE001 - each child succeeds or fails on its own
             ctx.metrics.operation_failed("fork", exc)  # the fork itself succeeded

@@ -180,10 +180,12 @@ async def new_sandbox(ctx: Context, source: SnapshotRecord, *, template_id: str,
                       network: NetworkConfig, secure: bool, parent_id: str | None,
                       op: str, auto_pause_memory: bool = True,
                       warm: bool = False,
-                      volume_mounts: list[dict[str, str]] | None = None) -> SandboxInfo:
+                      volume_mounts: list[dict[str, str]] | None = None,
+                      fanout: int = 1) -> SandboxInfo:
     """Persist `creating`, start from `source`, /init envd (with the guest defaults of
     the template or sandbox `source` was made from), then `running` (or killed). `warm`:
-    a create from a template, which may continue a warm VM (warm.py) under its id."""
+    a create from a template, which may continue a warm VM (warm.py) under its id.
+    `fanout`: the starts of `source` made at once (a fork's count; the runtime's hint)."""
     ref = snapshot_ref(source)
     held_token = source.spec.get("envd_token")
     guest = snapshot_guest(source)
@@ -225,7 +227,7 @@ async def new_sandbox(ctx: Context, source: SnapshotRecord, *, template_id: str,
         try:
             async with ctx.admission.start(sandbox_id, ref.machine.memory_mb,
                                            ctx.vm_holders):
-                placement = await ctx.runtime.start(sandbox_id, ref, network)
+                placement = await ctx.runtime.start(sandbox_id, ref, network, fanout=fanout)
         except Exception as exc:
             await drop_taken()
             await ctx.db(ctx.store.transition, sandbox_id, {S.CREATING}, S.KILLED,

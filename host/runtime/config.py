@@ -55,6 +55,9 @@ class RuntimeConfig:
     jail: JailConfig = field(default_factory=JailConfig)
     p2p: bool = False  # the block server reads layers from neighbours first (peers_file)
     max_chain: int = 8  # memory diff chain length before a pause writes a cumulative diff
+    # the children of a fork share one memory image (forkimages.py) when each would copy
+    # at least this much of the parent's diff into its RAM (0: never)
+    fork_share_min_mib: int = 64
     # a sandbox's own disk layers before they are merged into one (compaction.py; 0: never)
     max_disk_chain: int = 8
     envd_timeout_s: float = 60.0  # restore -> envd /health

@@ -51,6 +51,7 @@ from .blockd import BlockServerHandle
 from .compaction import Compactor
 from .config import RuntimeConfig
 from .errors import NodeRuntimeError, SnapshotNotFoundError
+from .forkimages import ForkImages
 from .machines import Machines
 from .manifests import ManifestStore
 from .memory import MemoryFiles, Peers
@@ -86,10 +87,11 @@ class NodeRuntime:
         self.config = cfg = config or RuntimeConfig()
         block = BlockServerHandle(cfg)
         manifests = ManifestStore(cfg.repository_spec)
+        memory = MemoryFiles(cfg.memory_dir, manifests.repo, bound_mib=cfg.memory_cache_mib)
         self.parts = NodeParts(
-            config=cfg, block=block, machines=Machines(cfg, block),
-            memory=MemoryFiles(cfg.memory_dir, manifests.repo, bound_mib=cfg.memory_cache_mib),
-            manifests=manifests, compactor=Compactor(block, cfg.max_disk_chain))
+            config=cfg, block=block, machines=Machines(cfg, block), memory=memory,
+            manifests=manifests, compactor=Compactor(block, cfg.max_disk_chain),
+            forks=ForkImages(memory, min_mib=cfg.fork_share_min_mib))
         self._open = False
         # owned by this runtime: cancelled in aclose(), before anything they could race
         self._tasks: list[asyncio.Task[None]] = []
@@ -249,13 +251,15 @@ class NodeRuntime:
         return await builds.build(self.parts, spec, log)
 
     async def start(self, sandbox_id: str, snapshot: SnapshotRef, network: NetworkConfig, *,
-                    reboot: bool = False, hold: bool = False) -> Placement:
+                    reboot: bool = False, hold: bool = False, fanout: int = 1) -> Placement:
         """Restore `snapshot` (memory and disk) into a new VM; `reboot`, or a filesystem-only
         snapshot, cold-boots its disk instead (processes and memory are not kept). `hold`:
-        restore, then stop its vCPUs until a start of the same id continues it."""
+        restore, then stop its vCPUs until a start of the same id continues it. `fanout`:
+        how many starts of `snapshot` the caller makes at once (a fork's children share
+        one memory image then: forkimages.py)."""
         self._check_open()
         return await starts.start(self.parts, sandbox_id, snapshot, network, reboot=reboot,
-                                  hold=hold)
+                                  hold=hold, fanout=fanout)
 
     async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool,
                        memory: bool = True, stopped: Callable[[], None] | None = None,

@@ -18,6 +18,7 @@ from .blockd import BlockServerHandle
 from .compaction import Compactor
 from .config import RuntimeConfig
 from .errors import SandboxNotFoundError, SnapshotNotFoundError
+from .forkimages import ForkImages
 from .machines import Machines
 from .manifests import ManifestStore
 from .memory import MemoryFiles
@@ -49,6 +50,7 @@ class NodeParts:
     memory: MemoryFiles
     manifests: ManifestStore
     compactor: Compactor
+    forks: ForkImages
     sandboxes: dict[str, RunningSandbox] = field(default_factory=dict)
     busy: set[str] = field(default_factory=set)      # sandbox ids being started
     building: set[str] = field(default_factory=set)  # template ids being built

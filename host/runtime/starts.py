@@ -40,7 +40,7 @@ def stages(timings: dict[str, float]) -> str:
 
 
 async def start(p: NodeParts, sandbox_id: str, snapshot: SnapshotRef, network: NetworkConfig,
-                *, reboot: bool, hold: bool = False) -> Placement:
+                *, reboot: bool, hold: bool = False, fanout: int = 1) -> Placement:
     await p.settle(sandbox_id)  # a pause's teardown of this id's network and stack
     if not (hold or reboot):
         warm = await _continue_held(p, sandbox_id, snapshot, network)
@@ -66,7 +66,7 @@ async def start(p: NodeParts, sandbox_id: str, snapshot: SnapshotRef, network: N
         with p.pin_layers(m["disk"]["layers"]), \
                 p.memory.pin(p.memory.needed(m) if restore else ()):
             if restore:
-                sb = await _restore(p, sandbox_id, snapshot.snapshot_id, m, network)
+                sb = await _restore(p, sandbox_id, snapshot.snapshot_id, m, network, fanout)
             else:
                 sb = await _boot(p, sandbox_id, snapshot.snapshot_id, m, network)
             if hold:
@@ -153,7 +153,7 @@ def check_vmm(snapshot_id: str, m: dict[str, Any], current: VmmIdentity) -> None
 
 
 async def _restore(p: NodeParts, sid: str, snapshot_id: str, m: dict[str, Any],
-                   network: NetworkConfig) -> RunningSandbox:
+                   network: NetworkConfig, fanout: int = 1) -> RunningSandbox:
     t0 = time.perf_counter()
     mx = p.machines
     current = await mx.identity()
@@ -161,6 +161,13 @@ async def _restore(p: NodeParts, sid: str, snapshot_id: str, m: dict[str, Any],
     await p.memory.fetch(m)
     timings: dict[str, float] = {"fetch_memory_s": time.perf_counter() - t0}
     base, snap = await _load_memory(p, snapshot_id, m)
+    memory_sha256 = dict(m["memory"].get("sha256") or {})
+    if snap is not None and p.forks.use(snapshot_id, snap, fanout):
+        # one image the fork's children share instead of a copy of the chain each
+        base, flat_sha, made = await p.forks.image(snapshot_id, base, snap)
+        snap = None
+        memory_sha256.update(flat_sha)
+        timings.update(made)
     policy = policy_of(network)
     stack = f"sbx-{sid}"
     vm: Vm | None = None
@@ -185,7 +192,7 @@ async def _restore(p: NodeParts, sid: str, snapshot_id: str, m: dict[str, Any],
             config_sha256=m["config_sha256"], machine=MachineSpec(**m["machine"]),
             envd_host=host, envd_port=port, policy=policy, host_port=host_port,
             timings=timings, vmm=current.to_json(), disk_base=disk_base(m, sid),
-            memory_sha256=dict(m["memory"].get("sha256") or {}))
+            memory_sha256=memory_sha256)
     except BaseException:
         await mx.unprovision(sid, vm)
         raise

@@ -125,8 +125,8 @@ class LoopbackRuntime(FakeRuntime):
         self.ports = {str(k): v for k, v in ports.items()}
 
     async def start(self, sandbox_id: str, snapshot: Any, network: Any, *,
-                    reboot: bool = False) -> Placement:
-        p = await super().start(sandbox_id, snapshot, network, reboot=reboot)
+                    reboot: bool = False, **kwargs: Any) -> Placement:
+        p = await super().start(sandbox_id, snapshot, network, reboot=reboot, **kwargs)
         here = Placement(sandbox_id, "127.0.0.1", p.envd_port,
                          {**p.facts, "port_forwards": self.ports})
         self.vms[sandbox_id] = here

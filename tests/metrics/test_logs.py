@@ -127,9 +127,9 @@ class LoggingRuntime(FakeRuntime):
     """Logs from inside the runtime, as the real one does, without naming the sandbox."""
 
     async def start(self, sandbox_id: str, snapshot: SnapshotRef, network: NetworkConfig, *,
-                    reboot: bool = False) -> Placement:
+                    reboot: bool = False, **kwargs: Any) -> Placement:
         VM_LOG.info("restoring a VM")
-        return await super().start(sandbox_id, snapshot, network, reboot=reboot)
+        return await super().start(sandbox_id, snapshot, network, reboot=reboot, **kwargs)
 
     async def snapshot(self, sandbox_id: str, snapshot_id: str, *, stop: bool,
                        memory: bool = True, stopped: Callable[[], None] | None = None,

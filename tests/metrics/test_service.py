@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -60,8 +61,8 @@ class ForwardingRuntime(FakeRuntime):
         self.guest_port: int | None = guest_port
 
     async def start(self, sandbox_id: str, snapshot: SnapshotRef, network: NetworkConfig, *,
-                    reboot: bool = False) -> Placement:
-        p = await super().start(sandbox_id, snapshot, network, reboot=reboot)
+                    reboot: bool = False, **kwargs: Any) -> Placement:
+        p = await super().start(sandbox_id, snapshot, network, reboot=reboot, **kwargs)
         if self.guest_port is None:
             return p
         p = Placement(sandbox_id, "127.0.0.1", p.envd_port,

@@ -44,6 +44,7 @@ class FakeRuntime:
         self.vms: dict[str, Placement] = {}
         self.snapshots: dict[str, SnapshotRef] = {}
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.fanouts: list[int] = []  # each start's fanout (a fork passes its count)
         self.listening: dict[str, int] = {}    # listen(): sandbox id -> loopback port
         self.fail: dict[str, Callable[[str], bool]] = {}
         self.gates: dict[str, asyncio.Event] = {}
@@ -133,8 +134,9 @@ class FakeRuntime:
         return ref
 
     async def start(self, sandbox_id: str, snapshot: SnapshotRef, network: NetworkConfig, *,
-                    reboot: bool = False, hold: bool = False) -> Placement:
+                    reboot: bool = False, hold: bool = False, fanout: int = 1) -> Placement:
         self.calls.append(("start", (sandbox_id, snapshot.snapshot_id)))
+        self.fanouts.append(fanout)
         cold = reboot or snapshot.facts.get("memory", True) is None
         await self._step("start", sandbox_id)
         if sandbox_id in self.warm and not hold:  # continue its held VM

@@ -34,13 +34,13 @@ async def svc(tmp_path: Path) -> AsyncIterator[NodeService]:
     runtime.old = set()  # the snapshots saved before the upgrade
 
     async def start(sandbox_id: str, snapshot: SnapshotRef, network: NetworkConfig, *,
-                    reboot: bool = False) -> Placement:
+                    reboot: bool = False, **kwargs: Any) -> Placement:
         if runtime.upgraded and not runtime.old:
             runtime.old = set(runtime.snapshots)
         if snapshot.snapshot_id in runtime.old and not reboot:  # saved by the old QEMU
             kind = "template" if snapshot.snapshot_id.startswith("tmpl-") else "snapshot"
             check_vmm(snapshot.snapshot_id, {"vmm": OLD.to_json(), "kind": kind}, NEW)
-        return await real_start(sandbox_id, snapshot, network, reboot=reboot)
+        return await real_start(sandbox_id, snapshot, network, reboot=reboot, **kwargs)
 
     runtime.start = start
     yield s

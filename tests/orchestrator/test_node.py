@@ -478,6 +478,8 @@ async def test_fork_children_and_partial_failure(orch, rt, envd, store):
     rt.fail["start"] = fail_second
     results = await orch.fork(parent.sandbox_id, 3, 60)
     assert len(results) == 3
+    # the runtime hears that 3 starts of one snapshot come at once (one shared image)
+    assert rt.fanouts == [1, 3, 3, 3]
     ok = [r.sandbox for r in results if r.sandbox is not None]
     bad = [r for r in results if r.error is not None]
     assert len(ok) == 2 and len(bad) == 1 and bad[0].error_status == 500
@@ -509,6 +511,7 @@ async def test_fork_of_a_paused_sandbox_leaves_it_paused(orch, rt, envd, store):
     kids = [r.sandbox for r in results if r.sandbox is not None]
     assert len(kids) == 3 and (await orch.get(sid)).state is S.PAUSED
     assert sid not in rt.vms and len(rt.ops("start")) == starts + 3
+    assert rt.fanouts[-3:] == [3, 3, 3]
     assert {store.get_sandbox(k.sandbox_id).runtime["origin"] for k in kids} == {paused_on}
     assert all(h["x-access-token"] == parent.envd_access_token for _, _, h in envd.inits[-3:])
     await orch.collect()  # the children use the parent's pause: it stays

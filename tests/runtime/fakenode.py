@@ -24,6 +24,7 @@ from typing import Any
 from host.contract import MachineSpec, SnapshotRef
 from host.runtime.compaction import Compactor
 from host.runtime.config import RuntimeConfig
+from host.runtime.forkimages import ForkImages
 from host.runtime.machines import Machines
 from host.runtime.manifests import VERSION, ManifestStore
 from host.runtime.memory import MemoryFiles
@@ -144,10 +145,10 @@ def fake_node(root: Path, repository: str, driver: FakeDriver, *,
     machines = Machines(cfg, block)
     machines.driver = driver  # what open() would pick; mode stays "user"
     manifests = ManifestStore(cfg.repository_spec)
-    return NodeParts(config=cfg, block=block, machines=machines,
-                     memory=MemoryFiles(cfg.memory_dir, manifests.repo,
-                                        bound_mib=memory_cache_mib),
-                     manifests=manifests, compactor=Compactor(block, 0))  # no block server
+    memory = MemoryFiles(cfg.memory_dir, manifests.repo, bound_mib=memory_cache_mib)
+    return NodeParts(config=cfg, block=block, machines=machines, memory=memory,
+                     manifests=manifests, compactor=Compactor(block, 0),  # no block server
+                     forks=ForkImages(memory, min_mib=cfg.fork_share_min_mib))
 
 
 

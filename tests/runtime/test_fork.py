@@ -70,3 +70,55 @@ async def test_fork_four_children(runtime: NodeRuntime, template: SnapshotRef) -
             await runtime.delete_snapshot(snap.snapshot_id)
     for sid in (parent, *kids):
         await assert_gone(runtime, sid)
+
+
+async def test_children_of_a_fork_share_one_memory_image(runtime: NodeRuntime,
+                                                         template: SnapshotRef) -> None:
+    """A parent whose setup left 80 MiB in guest RAM (a tmpfs file: no reclaim drops it)
+    forks 4 children at once (fanout 4): its base + diff are made once into one image
+    (memory/<snapshot>/flat/) that every child maps copy-on-write, so no child holds a
+    private copy of the parent's diff (each would hold >= 80 MiB with the chain written
+    into it). The children see the parent's data and process; one paused and resumed
+    comes back from a snapshot whose base is that image; all of it is collected after."""
+    parts = runtime.parts
+    parent = "sharep"
+    kids = [f"sharec{i}" for i in range(N)]
+    snaps: list[str] = []
+    made = parts.forks.made
+    p = await runtime.start(parent, template, NET)
+    try:
+        pid = await background(p, "sleep 100000")
+        digest = (await run(p, "head -c 80M /dev/urandom > /dev/shm/blob && "
+                               "sha256sum /dev/shm/blob")).split()[0]
+        snap = await runtime.snapshot(parent, "share-snap", stop=False)
+        snaps.append(snap.snapshot_id)
+        places = await asyncio.gather(*(runtime.start(k, snap, NET, fanout=N) for k in kids))
+        flat = parts.memory.dir / snap.snapshot_id / "flat"
+        assert parts.forks.made == made + 1  # made once, by whichever child came first
+        assert sum("flatten_s" in parts.sandboxes[k].timings for k in kids) == 1
+        for k, c in zip(kids, places, strict=True):
+            sb = parts.sandboxes[k]
+            assert sb.base_dir == flat and sb.memsnap_dir is None
+            private = await sb.vm.private_memory_mib()
+            out = await run(c, f"kill -0 {pid} && echo alive; sha256sum /dev/shm/blob")
+            assert out.split()[:2] == ["alive", digest], out
+            print(f"{k}: private guest RAM {private} MiB")
+            assert private is not None and private < 40, private
+
+        # a child's pause names the shared image as its base; its resume maps it again
+        paused = await runtime.snapshot(kids[0], "share-kid-pause", stop=True)
+        snaps.append(paused.snapshot_id)
+        m = await parts.manifests.get(paused.snapshot_id)
+        assert m["memory"]["base_dir"] == f"{snap.snapshot_id}/flat"
+        assert snap.snapshot_id in m["depends_on"]
+        back = await runtime.start(kids[0], paused, NET)
+        out = await run(back, f"kill -0 {pid} && echo alive; sha256sum /dev/shm/blob")
+        assert out.split()[:2] == ["alive", digest], out
+    finally:
+        for sid in (parent, *kids):
+            await runtime.kill(sid)
+        for s in reversed(snaps):
+            await runtime.delete_snapshot(s)
+    for sid in (parent, *kids):
+        await assert_gone(runtime, sid)
+    assert not (parts.memory.dir / "share-snap").exists()  # the image went with its snapshot

@@ -24,6 +24,7 @@ from host.runtime.blockd import BlockServerHandle
 from host.runtime.collect import collect
 from host.runtime.compaction import Compactor
 from host.runtime.config import RuntimeConfig
+from host.runtime.forkimages import ForkImages
 from host.runtime.machines import Machines
 from host.runtime.manifests import ManifestStore
 from host.runtime.memory import MemoryFiles
@@ -64,9 +65,10 @@ async def _node(root: Path, name: str, repo: str) -> NodeParts:
     block = BlockServerHandle(cfg)
     await block.ensure()
     manifests = ManifestStore(cfg.repository_spec)
-    return NodeParts(config=cfg, block=block, machines=Machines(cfg, block),
-                     memory=MemoryFiles(cfg.memory_dir, manifests.repo, bound_mib=64),
-                     manifests=manifests, compactor=Compactor(block, 0))
+    memory = MemoryFiles(cfg.memory_dir, manifests.repo, bound_mib=64)
+    return NodeParts(config=cfg, block=block, machines=Machines(cfg, block), memory=memory,
+                     manifests=manifests, compactor=Compactor(block, 0),
+                     forks=ForkImages(memory, min_mib=0))
 
 
 async def _layer(p: NodeParts, stack: str, byte: int) -> str:

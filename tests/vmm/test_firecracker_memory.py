@@ -23,7 +23,14 @@ import pytest
 from host.vmm import FileDisk, MemoryBacking, TapNet, VmSpec, VmState
 from host.vmm.errors import VmmSnapshotError, VmmStateError
 from host.vmm.firecracker.driver import FirecrackerDriver, FirecrackerVm
-from host.vmm.memsnap import PAGE_SIZE, BaseImage, DiffFile, DiffKind, MemSnapshot
+from host.vmm.memsnap import (
+    PAGE_SIZE,
+    BaseImage,
+    DiffFile,
+    DiffKind,
+    MemSnapshot,
+    flatten_base,
+)
 
 from .fakefc import FakeFc
 
@@ -162,6 +169,31 @@ async def test_snapshot_chain_then_restore_materialises_base_plus_chain(
         expected = {**BOOT, 5: fill(0xAA), 9: fill(0xCC), 20: fill(0xEE), 30: fill(0x11)}
         assert pages_of(private) == expected
         assert await memory_of(vm2, tmp_path / "check") == expected
+    fake_fc.assert_nothing_left()
+
+
+async def test_children_of_a_flattened_snapshot_share_one_memory_file(
+        fake_fc: FakeFc, mspec: VmSpec, tmp_path: Path) -> None:
+    """A fork's shared image (the runtime's forkimages.py) under Firecracker: base + chain
+    flattened once; every child loads the bare flat base, its memory file the flat file
+    itself (copy-on-write, no private copy per child), its vmstate the snapshot's."""
+    driver = fake_fc.driver()
+    base = await frozen_base(fake_fc, driver, mspec, tmp_path / "base")
+    async with await driver.restore_memory(child_spec(mspec, base), base=base) as vm:
+        fake_fc.guest_writes({9: 0xCC, 20: 0xDD})
+        s1 = await vm.snapshot_memory(tmp_path / "s1", base=base, parent=None)
+        fake_fc.guest_writes({20: 0xEE, 30: 0x11})
+        s2 = await vm.snapshot_memory(tmp_path / "s2", base=base, parent=s1)
+    flat = flatten_base(s2, base, tmp_path / "flat")
+    assert flat.template_path.read_bytes() == s2.devstate.read_bytes()
+    expected = {**BOOT, 5: fill(0xAA), 9: fill(0xCC), 20: fill(0xEE), 30: fill(0x11)}
+    for i, tap in enumerate(("tap3", "tap4")):
+        fake_fc.clear()
+        async with await driver.restore_memory(child_spec(mspec, flat, tap), base=flat) as kid:
+            assert os.readlink(kid.work_dir / "mem/guest.mem") == str(flat.mem_path)
+            assert os.readlink(kid.work_dir / "state/vmstate") == str(flat.template_path)
+            fake_fc.assert_all_accepted()
+            assert await memory_of(kid, tmp_path / f"check{i}") == expected
     fake_fc.assert_nothing_left()
 
 

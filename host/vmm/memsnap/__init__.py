@@ -26,6 +26,7 @@ from .errors import (
     SnapshotMismatchError,
     UnsupportedStreamError,
 )
+from .flatten import flatten_base
 from .inject import inject_chain
 from .pagemap import (
     PAGE_SIZE,
@@ -39,7 +40,6 @@ from .snapshot import (
     MemSnapshot,
     RestoreStats,
     config_digest,
-    flatten_base,
     restore_base_into,
     restore_into,
     snapshot_incremental,

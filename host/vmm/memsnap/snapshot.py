@@ -26,14 +26,7 @@ from typing import Any, Self
 
 from host.hostmem import node_available_mib
 
-from .base import (
-    BASE_MANIFEST,
-    FROZEN_MODE,
-    BaseImage,
-    copy_sparse_hashing,
-    hash_file,
-    verify_base,
-)
+from .base import BaseImage, verify_base
 from .capture import Capture, CaptureBuffer, alloc_buffer, capture_private, file_buffer
 from .chain import DiffChain, write_delta
 from .devstate import load_device_state, qmp_execute, save_device_state, splice, write_atomic
@@ -344,51 +337,3 @@ async def restore_base_into(
     if resume:
         await qmp_execute(qmp, "cont")
     return (time.perf_counter() - t0) * 1e3
-
-
-def flatten_base(snapshot: MemSnapshot, base: BaseImage, dest_dir: str | os.PathLike[str]) -> BaseImage:
-    """Materialise ``base`` + ``snapshot``'s chain into a new frozen base in ``dest_dir``.
-
-    Diffs of a VM are cumulative against its base and only grow; a new base is the only way to
-    reset them. The snapshot's device state becomes the new template, so ``restore_base_into``
-    on the new base resumes the snapshot and later diffs are taken against it. Blocking: run it
-    in a thread; it copies the whole (sparse) base file.
-    """
-    if snapshot.base_sha256 != base.sha256:
-        raise SnapshotMismatchError(f"snapshot {snapshot.dir} does not belong to base {base.id[:16]}")
-    verify_base(base)
-    d = Path(dest_dir)
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = d / ".base.mem.tmp"
-    t0 = time.perf_counter()
-    try:
-        with snapshot.open_chain(verify=True) as chain:
-            if chain.mem_pages * chain.page_size != base.size:
-                raise SnapshotMismatchError(f"snapshot {snapshot.dir} is for another RAM size")
-            dev = snapshot.devstate.read_bytes()
-            if hashlib.sha256(dev).digest() != snapshot.devstate_sha256:
-                raise CorruptSnapshotError(f"{snapshot.devstate}: device state checksum mismatch")
-            copy_sparse_hashing(base.mem_path, tmp)
-            fd = os.open(tmp, os.O_WRONLY)
-            try:
-                for p in sorted(chain.view()):
-                    page = chain.page(p)
-                    assert page is not None
-                    os.pwrite(fd, page, p * chain.page_size)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        digest = hash_file(tmp)
-        os.chmod(tmp, FROZEN_MODE)
-        os.rename(tmp, d / "base.mem")
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    write_atomic(d / "base.dev", dev)
-    manifest = {
-        "version": 1, "mem": "base.mem", "template": "base.dev", "sha256": digest.hex(),
-        "size": base.size, "parent_base": base.id, "from_snapshot": os.fspath(snapshot.dir),
-        "flatten_ms": round((time.perf_counter() - t0) * 1e3, 3),
-    }
-    write_atomic(d / BASE_MANIFEST, json.dumps(manifest, indent=1).encode())
-    return BaseImage(d, d / "base.mem", d / "base.dev", digest, base.size)

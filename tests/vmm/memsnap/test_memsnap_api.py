@@ -148,6 +148,39 @@ async def test_restore_refuses_bad_input_before_touching_the_vm(
         MemSnapshot.load(tmp_path / "s")
 
 
+async def test_flatten_keeps_holes_and_hashes_what_it_wrote(tmp_path: Path,
+                                                            children: list[Child]) -> None:
+    """4 MiB of RAM: base data in the first MiB only; the chain writes into the first and
+    the third. The flat file holds base + chain page for page, its sha256 is the content's,
+    and the MiB neither touched (the fourth) is still a hole on disk."""
+    d = tmp_path / "sparse"
+    d.mkdir()
+    mem = make_base(d / "base.mem", 1024, list(range(256)))
+    (d / "base.dev").write_bytes(template())
+    sha = hashlib.sha256(mem.read_bytes()).digest()
+    (d / "base.json").write_text(json.dumps(
+        {"mem": "base.mem", "template": "base.dev", "sha256": sha.hex(), "size": 1024 * PAGE}))
+    base = BaseImage.load(d)
+    src = Child(base.mem_path)
+    children.append(src)
+    src.write("w", [3, 100, 600, 601, 700])
+    snap = await snapshot_incremental(FakeQmp("running"), src.pid, base.mem_path, base,
+                                      tmp_path / "s", config_sha256=CFG)
+    new = flatten_base(snap, base, tmp_path / "flat")
+    kid = Child(new.mem_path)
+    children.append(kid)
+    assert kid.sha() == src.sha()
+    assert hashlib.sha256(new.mem_path.read_bytes()).digest() == new.sha256
+    fd = os.open(new.mem_path, os.O_RDONLY)
+    try:
+        assert os.lseek(fd, 512 * PAGE, os.SEEK_DATA) == 512 * PAGE  # the chain's MiB
+        with pytest.raises(OSError):  # ENXIO: nothing but a hole from the fourth MiB on
+            os.lseek(fd, 768 * PAGE, os.SEEK_DATA)
+    finally:
+        os.close(fd)
+    assert not list(tmp_path.glob("flat/.*"))  # no temporary file left
+
+
 async def test_flatten_into_a_new_base(base: BaseImage, tmp_path: Path, children: list[Child]) -> None:
     src = Child(base.mem_path)
     children.append(src)
