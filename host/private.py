@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from host.durable import write_atomic
+
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 FROZEN_MODE = 0o400   # immutable files (frozen memory bases)
@@ -38,14 +40,8 @@ def open_private(path: str | os.PathLike[str], flags: int) -> int:
 
 
 def write_private(path: str | os.PathLike[str], data: bytes) -> None:
-    """Replace `path` atomically with a 0600 file holding `data` (a temp file beside it,
-    renamed over it)."""
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    fd = open_private(tmp, os.O_WRONLY | os.O_TRUNC)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    """Replace `path` atomically and durably with a 0600 file holding `data`."""
+    write_atomic(path, data)  # its temp file is made 0600 (mkstemp), whatever the umask
 
 
 def tighten(path: str | os.PathLike[str], mode: int = FILE_MODE) -> None:

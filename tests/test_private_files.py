@@ -16,7 +16,9 @@ import pytest
 
 from host.api.auth import ApiKeys
 from host.api.uploads import SECRET_FILE, UploadSigner
+from host.durable import write_atomic
 from host.orchestrator import Store
+from host.private import write_private
 from host.proxy.tls import ensure_certificates
 from host.runtime.config import RuntimeConfig
 from host.runtime.node import make_dirs
@@ -98,3 +100,25 @@ def test_frozen_memory_base(tmp_path: Path) -> None:
     (d / "base.dev").write_bytes(b"devices")
     base = install_base(d, ram, d / "base.dev", t0=time.perf_counter())
     assert mode(base.mem_path) == 0o444
+
+
+def test_atomic_writes_are_private_whole_and_leave_no_temp(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """`host.durable.write_atomic` (stack manifests, memory manifests, holdings, every
+    `write_private`): the new file is 0600 under umask 0022 and replaces the old one whole;
+    a write that fails leaves the old content and no temporary file."""
+    path = tmp_path / "peers.json"
+    path.write_bytes(b"old")
+    os.chmod(path, 0o644)
+    write_private(path, b"new content")
+    assert path.read_bytes() == b"new content" and mode(path) == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["peers.json"]
+
+    def broken(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", broken)
+    with pytest.raises(OSError, match="Input/output"):
+        write_atomic(path, b"never seen")
+    assert path.read_bytes() == b"new content"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["peers.json"]

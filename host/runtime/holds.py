@@ -35,11 +35,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
 
+from host.durable import write_atomic
 from host.storage.collect import Swept, layer_hex
 from host.storage.errors import RepositoryError
 
@@ -175,9 +175,7 @@ def ready(p: NodeParts, candidates: list[str], peers: dict[str, float],
     left = {h: t for h, t in pending.items() if h not in out}
     if not remember:
         return out
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(left))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(left).encode())
     if left:
         log.info("%d unreferenced layers wait for %d other nodes' holdings", len(left),
                  len(peers))

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from host.durable import fsync_dir, fsync_file
+from host.durable import fsync_dir, fsync_file, write_atomic
 
 from .export import StackExport
 from .lsmt import DATA_FILE, SealedLayer, Upper, digest_of_file
@@ -122,16 +122,9 @@ class StateDir:
         return [json.loads(p.read_text()) for p in sorted(self.stacks.glob("*.json"))]
 
     def save(self, exp: StackExport) -> None:
-        path = self.stacks / f"{exp.name}.json"
-        tmp = path.with_suffix(".tmp")
         doc = {"name": exp.name, "layers": exp.stack.layer_digests, "upper": exp.upper_id,
                "virtual_size": exp.size}
-        with open(tmp, "w") as f:
-            json.dump(doc, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
+        write_atomic(self.stacks / f"{exp.name}.json", json.dumps(doc).encode())
 
     def forget(self, stack: str) -> None:
         (self.stacks / f"{stack}.json").unlink(missing_ok=True)

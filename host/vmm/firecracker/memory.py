@@ -26,6 +26,8 @@ from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
+from host.durable import write_atomic
+
 from ..memsnap import (
     PAGE_SIZE,
     BaseImage,
@@ -39,7 +41,6 @@ from ..memsnap import (
     write_diff,
 )
 from ..memsnap.base import PRIVATE_MODE, install_base
-from ..memsnap.devstate import write_atomic
 from ..memsnap.snapshot import SNAPSHOT_MANIFEST
 
 BASE_TEMPLATE = "base.vmstate"

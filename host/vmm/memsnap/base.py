@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-from .devstate import parse_ram_prefix, qmp_execute, save_template, write_atomic
+from host.durable import write_atomic
+
+from .devstate import parse_ram_prefix, qmp_execute, save_template
 from .errors import CorruptSnapshotError, MemSnapError, SnapshotMismatchError
 
 # Guest RAM is root's only: copies 0600, frozen bases read-only 0400.

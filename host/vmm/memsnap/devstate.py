@@ -34,11 +34,9 @@ import contextlib
 import json
 import os
 import struct
-import tempfile
 import time
 import weakref
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 from .errors import CorruptSnapshotError, MemSnapError, UnsupportedStreamError
@@ -237,24 +235,6 @@ def splice(template: bytes, devices: bytes, *, template_name: str = "template",
     body = check_device_stream(devices, name=devices_name)
     vmdesc = bytes([VMDESC]) + struct.pack(">I", len(_VMDESC_JSON)) + _VMDESC_JSON
     return template[:ram_end] + devices[body:] + vmdesc
-
-
-def write_atomic(path: str | os.PathLike[str], data: bytes, *, fsync: bool = True) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
-        os.rename(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 # ---- QMP sequences -------------------------------------------------------------------------

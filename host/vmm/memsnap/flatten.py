@@ -9,7 +9,8 @@ cache however many children read it, instead of one private copy per child writt
 One pass over the base's length: its data extents (SEEK_DATA / SEEK_HOLE: a hole is read
 neither from disk nor into memory) merged with the chain's pages, hashed as they are
 written; an all-zero chunk stays a hole. The sha256 of the whole content is the new base's
-identity, as a frozen base's is.
+identity, as a frozen base's is; it is most of the pass's CPU (holes hash as zeros), so it
+runs in a thread of its own behind the copy (hashlib lets go of the GIL while it hashes).
 """
 
 from __future__ import annotations
@@ -19,16 +20,20 @@ import hashlib
 import json
 import os
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+
+from host.durable import write_atomic
 
 from .base import BASE_MANIFEST, FROZEN_MODE, PRIVATE_MODE, BaseImage, verify_base
 from .chain import DiffChain
-from .devstate import write_atomic
 from .errors import CorruptSnapshotError, MemSnapError, SnapshotMismatchError
 from .snapshot import MemSnapshot
 
 _CHUNK = 1 << 20
-_ZEROS = bytes(_CHUNK)
+_ZEROS_VIEW = memoryview(bytes(_CHUNK))
+_HASH_BEHIND = 16  # chunks the hash may lag behind the copy (their buffers stay alive)
 
 
 def flatten_base(snapshot: MemSnapshot, base: BaseImage, dest_dir: str | os.PathLike[str]) -> BaseImage:
@@ -83,11 +88,36 @@ def _data_extents(fd: int, size: int) -> list[tuple[int, int]]:
     return out
 
 
+class _Hasher:
+    """sha256 of chunks fed in order, computed by one worker thread (FIFO: in order)."""
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self.h = hashlib.sha256()
+        self.pool = pool
+        self.pending: deque[Future[None]] = deque()
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        self.pending.append(self.pool.submit(self.h.update, data))
+        if len(self.pending) > _HASH_BEHIND:
+            self.pending.popleft().result()
+
+    def digest(self) -> bytes:
+        while self.pending:
+            self.pending.popleft().result()
+        return self.h.digest()
+
+
 def _merge(base: BaseImage, chain: DiffChain, dst: Path) -> bytes:
     """Write base + chain into ``dst`` (sparse, fsynced); return the sha256 of the content."""
+    with ThreadPoolExecutor(1, thread_name_prefix="flatten-sha256") as pool:
+        h = _Hasher(pool)
+        _copy(base, chain, dst, h)
+        return h.digest()
+
+
+def _copy(base: BaseImage, chain: DiffChain, dst: Path, h: _Hasher) -> None:
     ps = chain.page_size
     pages = sorted(chain.view())
-    h = hashlib.sha256()
     sfd = os.open(base.mem_path, os.O_RDONLY)
     try:
         extents = _data_extents(sfd, base.size)
@@ -104,7 +134,7 @@ def _merge(base: BaseImage, chain: DiffChain, dst: Path) -> bytes:
                 e = bisect.bisect_left(starts, end) - 1
                 in_data = e >= 0 and extents[e][1] > off
                 if not in_data and lo == hi:
-                    h.update(_ZEROS[: end - off])  # a hole the chain does not touch
+                    h.update(_ZEROS_VIEW[: end - off])  # a hole the chain does not touch
                     continue
                 buf = bytearray(os.pread(sfd, end - off, off)) if in_data else bytearray(end - off)
                 if len(buf) != end - off:
@@ -122,4 +152,3 @@ def _merge(base: BaseImage, chain: DiffChain, dst: Path) -> bytes:
             os.close(dfd)
     finally:
         os.close(sfd)
-    return h.digest()

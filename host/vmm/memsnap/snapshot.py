@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+from host.durable import write_atomic
 from host.hostmem import node_available_mib
 
 from .base import BaseImage, verify_base
 from .capture import Capture, CaptureBuffer, alloc_buffer, capture_private, file_buffer
 from .chain import DiffChain, write_delta
-from .devstate import load_device_state, qmp_execute, save_device_state, splice, write_atomic
+from .devstate import load_device_state, qmp_execute, save_device_state, splice
 from .diff import DiffKind, write_diff
 from .errors import CorruptSnapshotError, MemSnapError, SnapshotMismatchError
 from .inject import inject_chain
