@@ -14,7 +14,9 @@ The image is made once per snapshot (a lock per snapshot; kept while the snapsho
 is, and collected with it: it lives in the snapshot's memory dir), and put in the
 repository at once: the snapshots of a child name it as their base, and a restore on
 another node fetches it like any base. A snapshot whose diff is small, or a lone start (a
-resume), restores as before: the copy costs more than the injection then.
+resume), restores as before: the copy costs more than the injection then. Nor does a fork
+fail because its image could not be made (a full disk): its children restore the chain,
+each its own copy, as before.
 """
 
 from __future__ import annotations
@@ -23,17 +25,23 @@ import asyncio
 import hashlib
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
 from host.keyedlocks import KeyedLocks
+from host.storage.errors import StorageError
 from host.vmm.memsnap import BaseImage, MemSnapError, MemSnapshot, flatten_base
 from host.vmm.memsnap.base import BASE_MANIFEST  # a base's manifest: its commit point
 
-from .errors import SnapshotCorruptError
+from .errors import NodeRuntimeError
 from .memory import MemoryFiles
 
 log = logging.getLogger(__name__)
+
+
+class ForkImageError(NodeRuntimeError):
+    """The shared image could not be made or read (the start restores the chain instead)."""
 
 FLAT_DIR = "flat"  # memory/<snapshot id>/flat/: the snapshot's base + chain as one base
 
@@ -69,18 +77,24 @@ class ForkImages:
                 flat = await asyncio.to_thread(_load, d)
                 if flat is None:
                     t0 = time.perf_counter()
-                    flat = await asyncio.to_thread(flatten_base, snap, base, d)
-                    timings["flatten_s"] = time.perf_counter() - t0
-                    t1 = time.perf_counter()
-                    await self.memory.upload(d)
-                    timings["upload_flat_s"] = time.perf_counter() - t1
+                    try:
+                        flat = await asyncio.to_thread(flatten_base, snap, base, d)
+                        timings["flatten_s"] = time.perf_counter() - t0
+                        t1 = time.perf_counter()
+                        await self.memory.upload(d)
+                        timings["upload_flat_s"] = time.perf_counter() - t1
+                    except BaseException:
+                        # none of it is used (no VM maps an image before its upload):
+                        # a full memory copy must not stay behind a failure
+                        await asyncio.to_thread(shutil.rmtree, d, True)
+                        raise
                     self.made += 1
                     log.info("snapshot %s: its children share one memory image (%s): made "
                              "in %.0f ms, put in the repository in %.0f ms", snapshot_id,
                              d, timings["flatten_s"] * 1e3, timings["upload_flat_s"] * 1e3)
                 sha = await asyncio.to_thread(self._hashes, flat)
-        except (MemSnapError, OSError) as exc:
-            raise SnapshotCorruptError(f"snapshot {snapshot_id}: its memory image: {exc}") from exc
+        except (MemSnapError, OSError, StorageError) as exc:
+            raise ForkImageError(f"snapshot {snapshot_id}: its shared memory image: {exc}") from exc
         return flat, sha, timings
 
     def _hashes(self, flat: BaseImage) -> dict[str, str]:

@@ -27,6 +27,7 @@ from .errors import (
     SnapshotCorruptError,
     SnapshotIncompatibleError,
 )
+from .forkimages import ForkImageError
 from .parts import NodeParts
 from .sandbox import RunningSandbox, boot_of, disk_base, policy_of
 
@@ -164,10 +165,15 @@ async def _restore(p: NodeParts, sid: str, snapshot_id: str, m: dict[str, Any],
     memory_sha256 = dict(m["memory"].get("sha256") or {})
     if snap is not None and p.forks.use(snapshot_id, snap, fanout):
         # one image the fork's children share instead of a copy of the chain each
-        base, flat_sha, made = await p.forks.image(snapshot_id, base, snap)
-        snap = None
-        memory_sha256.update(flat_sha)
-        timings.update(made)
+        try:
+            base, flat_sha, made = await p.forks.image(snapshot_id, base, snap)
+        except ForkImageError as exc:
+            log.warning("sandbox %s: restoring the chain of %s instead (%s)", sid,
+                        snapshot_id, exc)
+        else:
+            snap = None
+            memory_sha256.update(flat_sha)
+            timings.update(made)
     policy = policy_of(network)
     stack = f"sbx-{sid}"
     vm: Vm | None = None

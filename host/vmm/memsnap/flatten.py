@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import time
+import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -48,7 +49,9 @@ def flatten_base(snapshot: MemSnapshot, base: BaseImage, dest_dir: str | os.Path
     verify_base(base)
     d = Path(dest_dir)
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = d / ".base.mem.tmp"
+    # a name of its own: a flatten abandoned by its caller (cancelled, its thread still
+    # running) must not rename another one's half-written file into place
+    tmp = d / f".base.mem.{uuid.uuid4().hex[:12]}.tmp"
     t0 = time.perf_counter()
     try:
         with snapshot.open_chain(verify=True) as chain:
