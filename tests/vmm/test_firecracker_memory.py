@@ -81,6 +81,20 @@ async def frozen_base(fake_fc: FakeFc, driver: FirecrackerDriver, spec: VmSpec,
     return base
 
 
+async def chain_of_two(fake_fc: FakeFc, driver: FirecrackerDriver, spec: VmSpec, tmp_path: Path,
+                       first: dict[int, int], second: dict[int, int]
+                       ) -> tuple[BaseImage, MemSnapshot, MemSnapshot]:
+    """A frozen base, then a child of it snapshotted after `first` (s1) and after `second`
+    (s2, a delta on s1)."""
+    base = await frozen_base(fake_fc, driver, spec, tmp_path / "base")
+    async with await driver.restore_memory(child_spec(spec, base), base=base) as vm:
+        fake_fc.guest_writes(first)
+        s1 = await vm.snapshot_memory(tmp_path / "s1", base=base, parent=None)
+        fake_fc.guest_writes(second)
+        s2 = await vm.snapshot_memory(tmp_path / "s2", base=base, parent=s1)
+    return base, s1, s2
+
+
 async def memory_of(vm: FirecrackerVm, dest: Path) -> dict[int, bytes]:
     """A restored VM's memory, read back through a Full snapshot."""
     base = await vm.freeze_memory(dest)
@@ -178,12 +192,8 @@ async def test_children_of_a_flattened_snapshot_share_one_memory_file(
     flattened once; every child loads the bare flat base, its memory file the flat file
     itself (copy-on-write, no private copy per child), its vmstate the snapshot's."""
     driver = fake_fc.driver()
-    base = await frozen_base(fake_fc, driver, mspec, tmp_path / "base")
-    async with await driver.restore_memory(child_spec(mspec, base), base=base) as vm:
-        fake_fc.guest_writes({9: 0xCC, 20: 0xDD})
-        s1 = await vm.snapshot_memory(tmp_path / "s1", base=base, parent=None)
-        fake_fc.guest_writes({20: 0xEE, 30: 0x11})
-        s2 = await vm.snapshot_memory(tmp_path / "s2", base=base, parent=s1)
+    base, _, s2 = await chain_of_two(fake_fc, driver, mspec, tmp_path,
+                                     {9: 0xCC, 20: 0xDD}, {20: 0xEE, 30: 0x11})
     flat = flatten_base(s2, base, tmp_path / "flat")
     assert flat.template_path.read_bytes() == s2.devstate.read_bytes()
     expected = {**BOOT, 5: fill(0xAA), 9: fill(0xCC), 20: fill(0xEE), 30: fill(0x11)}
@@ -333,12 +343,8 @@ async def test_snapshot_on_another_branch_is_a_content_delta(
     """A VM restored from s1 snapshotted onto s2 (a sibling line on the same base): the
     diff takes s2's view to this VM's memory, page content compared."""
     driver = fake_fc.driver()
-    base = await frozen_base(fake_fc, driver, mspec, tmp_path / "base")
-    async with await driver.restore_memory(child_spec(mspec, base), base=base) as a:
-        fake_fc.guest_writes({20: 1, 21: 2})
-        s1 = await a.snapshot_memory(tmp_path / "s1", base=base, parent=None)
-        fake_fc.guest_writes({22: 3, 23: 4})
-        s2 = await a.snapshot_memory(tmp_path / "s2", base=base, parent=s1)
+    base, s1, s2 = await chain_of_two(fake_fc, driver, mspec, tmp_path,
+                                      {20: 1, 21: 2}, {22: 3, 23: 4})
     async with await driver.restore_memory(child_spec(mspec, base), base=base,
                                            snapshot=s1) as b:
         fake_fc.guest_writes({23: 4, 24: 5})  # 23: same content as in s2

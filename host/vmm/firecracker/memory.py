@@ -40,7 +40,7 @@ from ..memsnap import (
     write_delta,
     write_diff,
 )
-from ..memsnap.base import PRIVATE_MODE, install_base
+from ..memsnap.base import PRIVATE_MODE, data_extents, install_base
 from ..memsnap.snapshot import SNAPSHOT_MANIFEST
 
 BASE_TEMPLATE = "base.vmstate"
@@ -74,21 +74,6 @@ class Lineage:
         mine = self.head.digests if self.head is not None else ()
         theirs = parent.digests if parent is not None else ()
         return mine[:len(theirs)] == theirs
-
-
-def data_extents(fd: int, size: int) -> list[tuple[int, int]]:
-    """[start, end) byte ranges holding data in a sparse file (SEEK_DATA/SEEK_HOLE)."""
-    out = []
-    pos = 0
-    while pos < size:
-        try:
-            start = os.lseek(fd, pos, os.SEEK_DATA)
-        except OSError:  # ENXIO: only a hole is left
-            break
-        end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
-        out.append((start, end))
-        pos = end
-    return out
 
 
 def read_dirty_pages(path: Path, size: int) -> tuple[array[int], bytearray]:

@@ -101,6 +101,21 @@ def copy_sparse_hashing(src: str | os.PathLike[str], dst: str | os.PathLike[str]
     return h.digest(), size
 
 
+def data_extents(fd: int, size: int) -> list[tuple[int, int]]:
+    """[start, end) byte ranges holding data in a sparse file (SEEK_DATA/SEEK_HOLE)."""
+    out: list[tuple[int, int]] = []
+    pos = 0
+    while pos < size:
+        try:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError:  # ENXIO: only a hole is left
+            break
+        end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        out.append((start, end))
+        pos = end
+    return out
+
+
 def hash_file(path: str | os.PathLike[str]) -> bytes:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from host.durable import write_atomic
 
-from .base import BASE_MANIFEST, FROZEN_MODE, PRIVATE_MODE, BaseImage, verify_base
+from .base import BASE_MANIFEST, FROZEN_MODE, PRIVATE_MODE, BaseImage, data_extents, verify_base
 from .chain import DiffChain
 from .errors import CorruptSnapshotError, MemSnapError, SnapshotMismatchError
 from .snapshot import MemSnapshot
@@ -76,21 +76,6 @@ def flatten_base(snapshot: MemSnapshot, base: BaseImage, dest_dir: str | os.Path
     return BaseImage(d, d / "base.mem", d / "base.dev", digest, base.size)
 
 
-def _data_extents(fd: int, size: int) -> list[tuple[int, int]]:
-    """[start, end) of every data extent of a file (holes left out)."""
-    out: list[tuple[int, int]] = []
-    pos = 0
-    while pos < size:
-        try:
-            start = os.lseek(fd, pos, os.SEEK_DATA)
-        except OSError:  # ENXIO: only a hole is left
-            break
-        end = os.lseek(fd, start, os.SEEK_HOLE)
-        out.append((start, end))
-        pos = end
-    return out
-
-
 class _Hasher:
     """sha256 of chunks fed in order, computed by one worker thread (FIFO: in order)."""
 
@@ -123,7 +108,7 @@ def _copy(base: BaseImage, chain: DiffChain, dst: Path, h: _Hasher) -> None:
     pages = sorted(chain.view())
     sfd = os.open(base.mem_path, os.O_RDONLY)
     try:
-        extents = _data_extents(sfd, base.size)
+        extents = data_extents(sfd, base.size)
         starts = [s for s, _ in extents]
         dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_MODE)
         try:
