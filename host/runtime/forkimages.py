@@ -27,6 +27,7 @@ import logging
 import os
 import shutil
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 from host.keyedlocks import KeyedLocks
@@ -39,11 +40,14 @@ from .memory import MemoryFiles
 
 log = logging.getLogger(__name__)
 
+FLAT_DIR = "flat"  # memory/<snapshot id>/flat/: the snapshot's base + chain as one base
+# snapshots whose starts are counted (the most recent): a checkpoint branched from one
+# child at a time shares an image from its second start on
+REMEMBERED = 1024
+
 
 class ForkImageError(NodeRuntimeError):
     """The shared image could not be made or read (the start restores the chain instead)."""
-
-FLAT_DIR = "flat"  # memory/<snapshot id>/flat/: the snapshot's base + chain as one base
 
 
 class ForkImages:
@@ -51,16 +55,23 @@ class ForkImages:
         self.memory = memory
         self.min_mib = min_mib  # per child; 0: never share (every child injects its chain)
         self._locks = KeyedLocks()  # snapshot id -> its image being made
+        self._starts: OrderedDict[str, int] = OrderedDict()  # snapshot id -> starts seen
         self.made = 0  # images this node flattened (tests and bench_fork read it)
 
     def use(self, snapshot_id: str, snap: MemSnapshot, fanout: int) -> bool:
-        """Whether a start of `snapshot_id` maps a shared image: one is made already (a
-        lone start too: it costs nothing more then, and the sandbox's diffs start from
-        it), or several children come at once, each of which would copy at least
-        `min_mib` of diff."""
+        """Whether a start of `snapshot_id` (one of `fanout` coming at once) maps a shared
+        image: one is made already (a lone start too: it costs nothing more then, and the
+        sandbox's diffs start from it), or the snapshot has more than one start (several
+        children at once, or a paused checkpoint branched from one child at a time: its
+        second start on), each of which would copy at least `min_mib` of diff. A lone
+        start (a resume) injects its chain: cheaper than a copy of the whole memory."""
         if (self.memory.dir / snapshot_id / FLAT_DIR / BASE_MANIFEST).exists():
             return True
-        if fanout < 2 or self.min_mib <= 0:
+        seen = self._starts.pop(snapshot_id, 0) + 1
+        self._starts[snapshot_id] = seen
+        while len(self._starts) > REMEMBERED:
+            self._starts.popitem(last=False)
+        if max(fanout, seen) < 2 or self.min_mib <= 0:
             return False
         size = sum(os.path.getsize(d) for d in snap.diffs if os.path.exists(d))
         return size >= self.min_mib << 20

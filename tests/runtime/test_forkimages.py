@@ -62,11 +62,12 @@ def node(tmp_path: Path) -> Iterator[tuple[ForkImages, BaseImage, MemSnapshot, C
 async def test_several_children_share_one_image_made_once(
         node: tuple[ForkImages, BaseImage, MemSnapshot, Child]) -> None:
     forks, base, snap, src = node
-    assert not forks.use(SNAP, snap, 1)  # a lone start injects its chain
-    assert forks.use(SNAP, snap, 4)
-    forks.min_mib = 2
-    assert not forks.use(SNAP, snap, 16)  # 1.6 MiB of diff each: not worth a copy
-    forks.min_mib = 1
+    assert not forks.use(SNAP, snap, 1)  # a lone start (a resume) injects its chain
+    assert forks.use(SNAP, snap, 1)      # a second one (a checkpoint branched twice) shares
+    fresh = ForkImages(forks.memory, min_mib=1)
+    assert fresh.use(SNAP, snap, 4)      # several children at once share
+    fresh.min_mib = 2
+    assert not fresh.use("other", snap, 16)  # 1.6 MiB of diff each: not worth a copy
 
     got = await asyncio.gather(*(forks.image(SNAP, base, snap) for _ in range(4)))
     assert forks.made == 1 and sum("flatten_s" in t for _, _, t in got) == 1
