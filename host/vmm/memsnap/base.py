@@ -149,6 +149,19 @@ def install_base(d: Path, mem_path: str | os.PathLike[str], template: Path, *, t
     tmp = d / ".base.mem.tmp"
     try:
         digest, size = copy_sparse_hashing(mem_path, tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return commit_base(d, tmp, template, digest, size, **extra,
+                       freeze_ms=round((time.perf_counter() - t0) * 1e3, 3))
+
+
+def commit_base(d: Path, tmp: Path, template: Path, digest: bytes, size: int,
+                **extra: object) -> BaseImage:
+    """`tmp` (a complete, fsynced RAM file in `d` whose content hashes to `digest`) made the
+    read-only `d/base.mem`, then `base.json` written last (the commit point) naming
+    `template` (in `d`), with `extra` in it. `tmp` is removed if it cannot be placed."""
+    try:
         os.chmod(tmp, FROZEN_MODE)
         os.rename(tmp, d / "base.mem")
     except BaseException:
@@ -156,7 +169,7 @@ def install_base(d: Path, mem_path: str | os.PathLike[str], template: Path, *, t
         raise
     manifest = {
         "version": 1, "mem": "base.mem", "template": template.name, "sha256": digest.hex(),
-        "size": size, **extra, "freeze_ms": round((time.perf_counter() - t0) * 1e3, 3),
+        "size": size, **extra,
     }
     write_atomic(d / BASE_MANIFEST, json.dumps(manifest, indent=1).encode())
     return BaseImage(d, d / "base.mem", template, digest, size)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import json
 import os
 import time
 import uuid
@@ -27,7 +26,7 @@ from pathlib import Path
 
 from host.durable import write_atomic
 
-from .base import BASE_MANIFEST, FROZEN_MODE, PRIVATE_MODE, BaseImage, data_extents, verify_base
+from .base import PRIVATE_MODE, BaseImage, commit_base, data_extents, verify_base
 from .chain import DiffChain
 from .errors import CorruptSnapshotError, MemSnapError, SnapshotMismatchError
 from .snapshot import MemSnapshot
@@ -61,19 +60,13 @@ def flatten_base(snapshot: MemSnapshot, base: BaseImage, dest_dir: str | os.Path
             if hashlib.sha256(dev).digest() != snapshot.devstate_sha256:
                 raise CorruptSnapshotError(f"{snapshot.devstate}: device state checksum mismatch")
             digest = _merge(base, chain, tmp)
-        os.chmod(tmp, FROZEN_MODE)
-        os.rename(tmp, d / "base.mem")
+        write_atomic(d / "base.dev", dev)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    write_atomic(d / "base.dev", dev)
-    manifest = {
-        "version": 1, "mem": "base.mem", "template": "base.dev", "sha256": digest.hex(),
-        "size": base.size, "parent_base": base.id, "from_snapshot": os.fspath(snapshot.dir),
-        "flatten_ms": round((time.perf_counter() - t0) * 1e3, 3),
-    }
-    write_atomic(d / BASE_MANIFEST, json.dumps(manifest, indent=1).encode())
-    return BaseImage(d, d / "base.mem", d / "base.dev", digest, base.size)
+    return commit_base(d, tmp, d / "base.dev", digest, base.size, parent_base=base.id,
+                       from_snapshot=os.fspath(snapshot.dir),
+                       flatten_ms=round((time.perf_counter() - t0) * 1e3, 3))
 
 
 class _Hasher:
