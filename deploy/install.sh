@@ -44,8 +44,8 @@ KEEP=(.venv out build)   # kept in $PREFIX when the code is replaced (venv, --bu
 
 PKG_COMMON=(python3 python3-venv ca-certificates)
 # what the node runs: VMMs and disk tools, netns + nftables, OCI pulls and imports (fuse2fs,
-# libseccomp2 for the import helper's filters)
-PKG_NODE=(qemu-system-x86 qemu-utils e2fsprogs fuse2fs libseccomp2 libarchive13 iproute2
+# libseccomp2 for the import helper's filters, isal's igzip to inflate gzip layers)
+PKG_NODE=(qemu-system-x86 qemu-utils e2fsprogs fuse2fs libseccomp2 libarchive13 isal iproute2
           nftables kmod procps attr cpio xz-utils zstd skopeo)
 # from bookworm-backports: QEMU 10 (the VM jail runs QEMU unprivileged, which needs 8.2+ to
 # map a shared memory base without opening it for writing; bookworm's own is 7.2) and

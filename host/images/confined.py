@@ -1,8 +1,9 @@
 """Apply an OCI layer onto an ext4 image file on the host, confined (no VM, no privilege).
 
-    python3 confined.py --image-fd N --go-fd M apply [--diff-id sha256:HEX]  (tar on stdin)
+    python3 confined.py --image-fd N --go-fd M apply [--diff-id sha256:HEX] [--gzip]
+                        (tar on stdin; --gzip: gzip, inflated by igzip: gunzip.py)
     python3 confined.py --image-fd N --go-fd M --tree-fd T populate [--diff-id sha256:HEX]
-                        -- MKE2FS_OPTIONS...  (tar on stdin; N: a file of the image's size)
+                        [--gzip] -- MKE2FS_OPTIONS...  (N: a file of the image's size)
     python3 confined.py --image-fd N --go-fd M populate --streamed [--diff-id ...] -- ...
     python3 confined.py --image-fd N --go-fd M finish --workdir DIR   (our files: tar on stdin)
 
@@ -55,11 +56,12 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 try:  # run as a script beside apply.py (the helper); imported as host.images.confined
     import streamed  # type: ignore[import-not-found,unused-ignore]
     from apply import apply_layer  # type: ignore[import-not-found,unused-ignore]
+    from gunzip import layer_input  # type: ignore[import-not-found,unused-ignore]
     from layertar import (  # type: ignore[import-not-found,unused-ignore]
         ApplyError,
         DiffIdMismatch,
@@ -77,6 +79,7 @@ try:  # run as a script beside apply.py (the helper); imported as host.images.co
 except ImportError:
     from host.images import streamed
     from host.images.apply import apply_layer
+    from host.images.gunzip import layer_input
     from host.images.layertar import ApplyError, DiffIdMismatch, clean_name
     from host.images.rootdir import Root
     from host.images.streamed import NotPlain
@@ -156,15 +159,15 @@ def mounted_image(image_fd: int) -> Iterator[str]:
             raise ConfinedError(f"fuse2fs exited {code}: {err[-500:]}")
 
 
-def apply(image_fd: int, diff_id: str | None) -> dict[str, Any]:
-    """The layer tar on stdin (plain or gzip: the parent decompresses zstd) onto the image."""
+def apply(image_fd: int, diff_id: str | None, layer: IO[bytes]) -> dict[str, Any]:
+    """The layer tar (plain or gzip: the parent decompresses zstd) onto the image."""
     with mounted_image(image_fd) as root:
-        summary: dict[str, Any] = apply_layer(sys.stdin.buffer, root, expect_diff_id=diff_id)
+        summary: dict[str, Any] = apply_layer(layer, root, expect_diff_id=diff_id)
     return summary
 
 
-def populate(image_fd: int, tree_fd: int, diff_id: str | None, mkfs: list[str]
-             ) -> dict[str, Any]:
+def populate(image_fd: int, tree_fd: int, diff_id: str | None, mkfs: list[str],
+             layer: IO[bytes]) -> dict[str, Any]:
     """The first layer of an image (nothing below it but the blank ext4): applied into the
     empty directory `tree_fd` on the host's disk, then `mke2fs -d` makes the image's ext4 of
     that tree at once (3x faster than fuse2fs here, where a FUSE round trip per operation
@@ -174,8 +177,8 @@ def populate(image_fd: int, tree_fd: int, diff_id: str | None, mkfs: list[str]
     tree = f"/proc/self/fd/{tree_fd}"  # its parents are root's alone: reached by the fd
     os.chmod(tree, 0o755)  # the root directory of the image, as the blank's
     size = os.fstat(image_fd).st_size
-    status, summary = _in_child(lambda: apply_layer(sys.stdin.buffer, tree,
-                                                    expect_diff_id=diff_id, max_bytes=size))
+    status, summary = _in_child(lambda: apply_layer(layer, tree, expect_diff_id=diff_id,
+                                                    max_bytes=size))
     if status != 0:
         raise _ChildFailed(status)
     mke2fs = shutil.which("mke2fs") or "/usr/sbin/mke2fs"
@@ -188,7 +191,8 @@ def populate(image_fd: int, tree_fd: int, diff_id: str | None, mkfs: list[str]
     return summary
 
 
-def populate_streamed(image_fd: int, diff_id: str | None, mkfs: list[str]) -> dict[str, Any]:
+def populate_streamed(image_fd: int, diff_id: str | None, mkfs: list[str],
+                      layer: IO[bytes]) -> dict[str, Any]:
     """The first layer of an image straight into `mke2fs -d -` (host/images/streamed.py):
     mke2fs reads the tar under DENIED; a child under DENIED_APPLYING too reads it beside
     it (the diff id, each entry checked); then `debugfs -w` writes what mke2fs leaves out
@@ -200,7 +204,7 @@ def populate_streamed(image_fd: int, diff_id: str | None, mkfs: list[str]) -> di
     with err_file:
         # the sink is the child's alone: mke2fs sees the tar end when the child closes it
         status, summary = _in_child(
-            lambda: streamed.stream(sys.stdin.buffer, sink, size, expect_diff_id=diff_id),
+            lambda: streamed.stream(layer, sink, size, expect_diff_id=diff_id),
             parent_closes=sink)
         if status != 0:
             mke2fs.kill()
@@ -252,14 +256,14 @@ class _ChildFailed(Exception):
     """The child applying the layer failed; it has said why on stderr."""
 
 
-def finish(image_fd: int, workdir: str) -> dict[str, Any]:
+def finish(image_fd: int, workdir: str, files: IO[bytes]) -> dict[str, Any]:
     """Our init and envd (a tar of them on stdin, from the host's built-in image), the
     mount points they need, user `user` (uid 1000) and the image's working directory
     (Docker makes it when missing). Paths resolve as apply.py resolves a layer's: symlinks
     of the image followed inside it, never out."""
     import tarfile
     with mounted_image(image_fd) as target, \
-            tarfile.open(fileobj=sys.stdin.buffer, mode="r|") as tar:
+            tarfile.open(fileobj=files, mode="r|") as tar:
         root = Root(target)
         try:
             _finish(root, target, tar, workdir)
@@ -324,8 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("apply")
     a.add_argument("--diff-id")
+    a.add_argument("--gzip", action="store_true", help="the layer is gzip (gunzip.py)")
     pp = sub.add_parser("populate")
     pp.add_argument("--diff-id")
+    pp.add_argument("--gzip", action="store_true", help="the layer is gzip (gunzip.py)")
     pp.add_argument("--streamed", action="store_true", help="mke2fs -d - (no --tree-fd)")
     pp.add_argument("mkfs", nargs="*", help="mke2fs options (after --)")
     f = sub.add_parser("finish")
@@ -343,16 +349,20 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfinedError("prctl(PR_SET_NO_NEW_PRIVS) failed")
         _private_scratch()
         deny_syscalls(DENIED, namespaces=True)
-        if args.cmd == "apply":
-            summary = apply(args.image_fd, args.diff_id)
-        elif args.cmd == "populate" and args.streamed:
-            summary = populate_streamed(args.image_fd, args.diff_id, args.mkfs)
-        elif args.cmd == "populate":
-            if args.tree_fd < 0:
-                raise ConfinedError("populate needs --tree-fd")
-            summary = populate(args.image_fd, args.tree_fd, args.diff_id, args.mkfs)
-        else:
-            summary = finish(args.image_fd, args.workdir)
+        # igzip, if the layer is gzip, starts now: no program starts once it is read
+        with layer_input(sys.stdin.buffer, getattr(args, "gzip", False)) as layer:
+            if args.cmd == "apply":
+                summary = apply(args.image_fd, args.diff_id, layer)
+            elif args.cmd == "populate" and args.streamed:
+                summary = populate_streamed(args.image_fd, args.diff_id, args.mkfs, layer)
+            elif args.cmd == "populate":
+                if args.tree_fd < 0:
+                    raise ConfinedError("populate needs --tree-fd")
+                summary = populate(args.image_fd, args.tree_fd, args.diff_id, args.mkfs,
+                                   layer)
+            else:
+                summary = finish(args.image_fd, args.workdir, layer)
+            summary["inflated_by"] = "igzip" if layer is not sys.stdin.buffer else None
     except _ChildFailed as exc:  # it said why on stderr
         return exc.args[0] if exc.args[0] in (3, 4) else 1
     except DiffIdMismatch as exc:

@@ -22,7 +22,6 @@ What Debian, Ubuntu and Docker- or BuildKit-built layers carry streams.
 from __future__ import annotations
 
 import base64
-import fcntl
 import io
 import os
 import struct
@@ -44,6 +43,7 @@ try:  # run as a script beside layertar.py (the helper); imported as host.images
         entry_times,
         entry_xattrs,
         open_layer,
+        widen_pipe,
     )
 except ImportError:
     from host.images.layertar import (
@@ -57,9 +57,9 @@ except ImportError:
         entry_times,
         entry_xattrs,
         open_layer,
+        widen_pipe,
     )
 
-_F_SETPIPE_SZ = 1031
 # PAX keys that mke2fs's libarchive reads as apply.py does, or that a fixup completes;
 # anything else (GNU sparse maps, a charset, ...) goes the tree's way
 _PAX_KEYS = frozenset(("path", "linkpath", "size", "uid", "gid", "uname", "gname", "mtime",
@@ -206,10 +206,7 @@ def start_mke2fs(mkfs: list[str], image: str, size_k: int, pass_fds: tuple[int, 
     """`mke2fs -d -` making the ext4 of `image`: (process, its stdin's write end, the file
     its complaints go to: a pipe it filled while its stdin is written would stop both)."""
     r, w = os.pipe()
-    try:
-        fcntl.fcntl(w, _F_SETPIPE_SZ, CHUNK)  # fewer wakeups; the default is 64 KiB
-    except OSError:
-        pass  # over this host's pipe-max-size: the default works
+    widen_pipe(w)
     err_file = tempfile.TemporaryFile()  # noqa: SIM115 - the caller closes it
     proc = subprocess.Popen(["mke2fs", "-q", "-F", "-t", "ext4", *mkfs, "-d", "-", image,
                              f"{size_k}k"], stdin=r, stdout=subprocess.DEVNULL,

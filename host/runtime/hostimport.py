@@ -50,6 +50,7 @@ from typing import IO, Any, Self
 from host.contract import BuildFailed, BuildLog, GuestDefaults
 from host.images import APPLY_SCRIPTS, Layer, open_layer
 from host.images.errors import ImageCorrupt
+from host.images.layertar import GZIP_MAGIC, widen_pipe
 from host.storage.convert import convert_image
 from host.vmm.image import GuestImage
 
@@ -60,7 +61,7 @@ UID_BASE = 3_900_000_000
 UID_COUNT = 65536
 HELPER_DIR = Path(__file__).resolve().parents[1] / "images"
 # the helper's standalone scripts, copied together (apply.py's own: APPLY_SCRIPTS)
-HELPER_SCRIPTS = ("confined.py", "streamed.py", "syscallfilter.py")
+HELPER_SCRIPTS = ("confined.py", "gunzip.py", "streamed.py", "syscallfilter.py")
 _OUR_FILES = ("usr/sbin/aenv-init", "usr/bin/envd", "etc/aenv/release")
 _HELPER_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 _ANSWER_LIMIT = 1 << 20  # the helper's stdout and stderr kept (it prints one JSON line)
@@ -110,7 +111,8 @@ class HostImporter:
             with open_layer(layer) as plain:  # zstd decompressed, the digest checked
                 shutil.copyfileobj(plain, stdin, 1 << 20)
 
-        args = ["--diff-id", layer.diff_id]
+        # a gzip layer is inflated in the helper by igzip, beside its reading (gunzip.py)
+        args = ["--diff-id", layer.diff_id, *(["--gzip"] if _gzipped(layer) else [])]
         if len(self.layers) > 1:
             summary = await self._step(["apply", *args], feed)
         else:  # only the blank below: a new ext4 of the layer
@@ -171,8 +173,9 @@ class HostImporter:
         if mib:
             way = ("through fuse2fs" if not first else "a new ext4 by mke2fs -d of the tar"
                    if summary.get("streamed") else "a new ext4 by mke2fs -d of a tree")
+            inflated = ", inflated by igzip" if summary.get("inflated_by") else ""
             self.log("info", f"applied {mib:.0f} MiB in {secs:.1f}s ({mib / secs:.0f} MiB/s, "
-                     f"{summary.get('entries', 0)} entries, {way})", "base")
+                     f"{summary.get('entries', 0)} entries, {way}{inflated})", "base")
         return summary
 
     async def _seal(self) -> tuple[str, ...]:
@@ -297,6 +300,8 @@ class ConfinedHelper:
                                 preexec_fn=as_helper)  # noqa: PLW1509 - before exec only
         os.close(go_r)
         os.close(fd)
+        assert proc.stdin is not None
+        widen_pipe(proc.stdin.fileno())  # the layer's bytes in fewer wakeups of the helper
         try:
             _map_ids(proc.pid)
             os.write(go_w, b"go")
@@ -306,7 +311,6 @@ class ConfinedHelper:
             readers = [_drain(proc.stdout, answers, "out"), _drain(proc.stderr, answers, "err")]
             for r in readers:
                 r.start()
-            assert proc.stdin is not None
             try:
                 feed(proc.stdin)
             except BrokenPipeError:
@@ -390,6 +394,15 @@ def _blank_file(path: Path, size: int) -> None:
     with open(path, "wb") as f:
         f.truncate(size)
     os.chown(path, UID_BASE, UID_BASE)
+
+
+def _gzipped(layer: Layer) -> bool:
+    """Whether the helper gets gzip (zstd is inflated here; a media type may say gzip of a
+    plain tar, as layertar's `open_layer` allows)."""
+    if layer.compression == "zstd":
+        return False
+    with open(layer.path, "rb") as f:
+        return f.read(2) == GZIP_MAGIC
 
 
 def _sparse_copy(src: Path, dest: Path) -> None:

@@ -92,16 +92,21 @@ def _stat(img: Path, path: str) -> str:
     return _debugfs(img, f"stat {path}")
 
 
+@pytest.mark.parametrize("inflated_by", [None, "igzip"])
 def test_a_layer_lands_in_the_image_with_owners_modes_and_links(helper: ConfinedHelper,
-                                                                tmp_path: Path,
-                                                                mode: str) -> None:
+                                                                tmp_path: Path, mode: str,
+                                                                inflated_by: str | None) -> None:
+    """The gzip inflated by the helper's Python or by igzip beside it (`--gzip`, as the
+    importer asks for every gzip layer): the same image."""
     img = _image(tmp_path)
     layer = (LayerTar().dir("srv", uid=1000, gid=1000, mode=0o750)
              .file("srv/app.py", b"print('hi')\n", uid=1000, gid=1000, mode=0o4755)
              .symlink("srv/latest", "app.py").hardlink("srv/again.py", "srv/app.py")
              .file("etc/os-release", b"ID=test\n").bytes())
     summary = _apply(helper, img, mode, _feed(compress(layer, "gzip")),
-                     "--diff-id", "sha256:" + hashlib.sha256(layer).hexdigest())
+                     "--diff-id", "sha256:" + hashlib.sha256(layer).hexdigest(),
+                     *(["--gzip"] if inflated_by else []))
+    assert summary["inflated_by"] == inflated_by
     assert summary["files"] == 2 and summary["hardlinks"] == 1
     # applied by the namespace's root, which is UID_BASE on this host
     assert summary["uid_map"] == f"0 {UID_BASE} {UID_COUNT}"
@@ -177,6 +182,23 @@ def test_a_diff_id_mismatch_fails(helper: ConfinedHelper, tmp_path: Path, mode: 
     layer = LayerTar().file("a", b"x").bytes()
     with pytest.raises(BuildFailed, match="diff id"):
         _apply(helper, img, mode, _feed(layer), "--diff-id", "sha256:" + "0" * 64)
+
+
+def test_a_corrupt_gzip_fails_with_what_igzip_said(helper: ConfinedHelper, tmp_path: Path,
+                                                   mode: str) -> None:
+    """A gzip stream cut short or damaged: igzip's error, not the tar reader's (a tar cut
+    short is all the reader sees); the image's files stay outside the target."""
+    img = _image(tmp_path)
+    layer = LayerTar().file("srv/big", os.urandom(1 << 20)).file("srv/after", b"x").bytes()
+    gz = compress(layer, "gzip")
+    damaged = gz[:len(gz) // 2] + bytes(b ^ 0xFF for b in gz[len(gz) // 2:len(gz) // 2 + 64]) \
+        + gz[len(gz) // 2 + 64:]
+    for broken in (gz[:len(gz) // 2], damaged):
+        with pytest.raises(BuildFailed, match="the layer's gzip stream is corrupt: igzip"):
+            _apply(helper, img, mode, _feed(broken), "--gzip")
+    # and the same helper, given the whole stream, applies it
+    assert _apply(helper, img, mode, _feed(gz), "--gzip")["inflated_by"] == "igzip"
+    assert _debugfs(img, "cat /srv/after") == "x"
 
 
 def test_a_hostile_layer_is_contained(helper: ConfinedHelper, tmp_path: Path, mode: str) -> None:
