@@ -11,7 +11,7 @@ Standalone (Python 3.11 stdlib, beside apply.py): the parent copies both into a 
 this unprivileged uid can read and runs them with the system's python3. The image file
 comes as an open fd (read-write); the layer tar (plain or gzip: the parent decompresses
 zstd) on stdin; one JSON summary line goes to stdout. The parent
-(`host/runtime/hostimport.py`) starts this under `unshare --user --mount --net --pid
+(`host/runtime/importhelper.py`) starts this under `unshare --user --mount --net --pid
 --fork` as an unprivileged host uid, maps uids/gids 0-65535 of the new user namespace onto
 an unused host range, and only then writes `go` on the go fd: this process re-executes
 itself, so that it is root of its namespace with that namespace's capabilities, and of no

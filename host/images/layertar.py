@@ -4,7 +4,7 @@ the root, the space it takes, its times and xattrs from PAX headers, the layer's
 compression and its diff id.
 
 Standalone (Python 3.11 stdlib): the confined helper copies it beside apply.py,
-streamed.py and confined.py (host/runtime/hostimport.py).
+streamed.py and confined.py (host/runtime/importhelper.py).
 """
 
 from __future__ import annotations

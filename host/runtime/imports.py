@@ -27,7 +27,8 @@ from host.storage.convert import convert_image
 from host.vmm.image import GuestImage
 
 from .buildcache import read_entry, write_entry
-from .hostimport import MKFS_OPTIONS, HostImporter
+from .hostimport import HostImporter
+from .importhelper import MKFS_OPTIONS
 from .parts import NodeParts
 
 BLANK_MIB = 4096
@@ -110,9 +111,12 @@ async def import_image(p: NodeParts, image: Image, base: GuestImage, log: BuildL
             layer = image.layers[i]
             log("info", f"applying layer {i + 1}/{len(image.layers)} {layer.digest[:19]} "
                 f"({layer.size} bytes)", "base")
-            layers = await imp.apply(layer)
-            await write_entry(p.manifests, f"ocilayer-{keys[i]}", {"layers": list(layers),
-                                                  "chain_id": layer.chain_id})
+
+            async def sealed(layers: tuple[str, ...], key: str = keys[i],
+                             chain_id: str = layer.chain_id) -> None:
+                await write_entry(p.manifests, f"ocilayer-{key}",
+                                  {"layers": list(layers), "chain_id": chain_id})
+            await imp.apply(layer, sealed)  # sealed beside the next layer's apply
         layers = await imp.finish_rootfs(guest)
     await write_entry(p.manifests, f"ocilayer-{final_key}", {"layers": list(layers), "image": image.name})
     return Imported(layers, guest, cmdline)

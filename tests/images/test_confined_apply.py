@@ -1,5 +1,5 @@
 """The host-side importer's confined helper (host/images/confined.py through
-host/runtime/hostimport.py's ConfinedHelper): a layer applied onto a real ext4 image file
+host/runtime/importhelper.py's ConfinedHelper): a layer applied onto a real ext4 image file
 with fuse2fs, by an unprivileged uid in user, mount, network and PID namespaces of its own.
 The image is read back with debugfs (never mounted on the host). Hostile layers: names
 that climb, symlinks out, device nodes, a hard link to a host path, a file bigger than the
@@ -24,7 +24,7 @@ from typing import IO
 import pytest
 
 from host.contract import BuildFailed
-from host.runtime.hostimport import (
+from host.runtime.importhelper import (
     MKFS_OPTIONS,
     UID_BASE,
     UID_COUNT,

@@ -17,7 +17,7 @@ import pytest
 
 from host.contract import BuildFailed
 from host.images.streamed import NotPlain, Plain
-from host.runtime.hostimport import MKFS_OPTIONS, UID_BASE, ConfinedHelper, mke2fs_reads_tar
+from host.runtime.importhelper import MKFS_OPTIONS, UID_BASE, ConfinedHelper, mke2fs_reads_tar
 
 from .ocibuild import LayerTar, compress
 
