@@ -21,15 +21,16 @@ from qemu.qmp import ExecuteError, QMPClient, QMPError
 
 from .. import proc as procs
 from .. import procscan
-from ..driver import BalloonStats, BootTimeouts, NbdDisk, TapNet, UserNet, VmSpec, VmState
+from ..driver import BalloonStats, BootTimeouts, TapNet, UserNet, VmSpec, VmState
 from ..errors import VmmError, VmmStartError, VmmStateError, VmmTimeout
-from ..jail import Bind, Jail, JailConfig, UidPool
-from ..memsnap import MemSnapError
-from ..memsnap.devstate import migration_uri
+from ..jail import Jail, JailConfig, UidPool
 from ..vmbase import TAIL_LINES, VmBase, VmHost
 from . import balloon as qemu_balloon
 from . import memory as qemu_memory
+from . import migration as qemu_migration
+from .binds import jail_binds
 from .cmdline import QemuRunFiles, build_argv
+from .migration import MIGRATE_S
 from .preload import preload_env
 
 if TYPE_CHECKING:
@@ -39,8 +40,6 @@ log = logging.getLogger(__name__)
 
 _PORT_ATTEMPTS = 5
 _QMP_CALL_S = 10.0
-_MIGRATE_S = 120.0
-_MAX_BANDWIDTH = 100 * 1024**3  # bytes/s; the 7.2 default (32 MiB/s) makes snapshots slow
 
 
 class _PortTaken(Exception):
@@ -169,7 +168,10 @@ class QemuVm(VmBase):
         self._jail = self._driver.new_jail(self._spec.name)
         if self._jail is not None:
             self._jail.prepare(
-                work_dir=self.work_dir, binds=await asyncio.to_thread(self._jail_binds),
+                work_dir=self.work_dir, binds=await asyncio.to_thread(
+                    jail_binds, self._spec, preload=self._preload,
+                    log_dir=self.serial_log.parent if self._driver.log_dir is not None
+                    else None),
                 vcpus=self._spec.vcpus, mem_mib=self._spec.mem_mib,
                 netns=net.netns if isinstance(net, TapNet) else None,
                 tap=net.tap if isinstance(net, TapNet) else None, kvm=self.accel == "kvm",
@@ -248,41 +250,6 @@ class QemuVm(VmBase):
         if found is None:
             raise VmmStartError(f"{self._spec.name}: {self._driver.qemu} not found")
         return os.path.realpath(found)
-
-    def _jail_binds(self) -> list[Bind]:
-        """What QEMU opens besides its work dir, each exposed at its host path: kernel and
-        initrd, the memory file (a private base read-only; a shared scratch file made here
-        at its full size, RLIMIT_FSIZE forbids QEMU to grow it), the disks (a stack's own
-        NBD socket directory; file disks and their backing file)."""
-        spec = self._spec
-        binds = [Bind(p) for p in (spec.kernel, spec.initrd, self._preload) if p is not None]
-        if self._driver.log_dir is not None:
-            binds.append(Bind(self.serial_log.parent, writable=True))
-        if spec.memory is not None:
-            path = spec.memory.path
-            if spec.memory.shared:
-                size = spec.mem_mib << 20
-                with open(path, "ab") as f:
-                    if os.fstat(f.fileno()).st_size < size:
-                        f.truncate(size)
-                path.chmod(0o600)
-                binds.append(Bind(path, writable=True))  # handed to the VM's uid
-            else:
-                if not path.stat().st_mode & 0o004:
-                    path.chmod(0o444)  # a frozen base: never written, read by every VM
-                binds.append(Bind(path))
-        for disk in spec.disks:
-            if isinstance(disk, NbdDisk):
-                if disk.socket.parent.parent.name != "x":
-                    raise VmmStartError(
-                        f"{spec.name}: a jailed VM needs its stack's own NBD socket "
-                        f"(<socket dir>/x/<stack>/nbd.sock), not {disk.socket}")
-                binds.append(Bind(disk.socket.parent, writable=True))
-            else:
-                binds.append(Bind(disk.path, writable=not disk.read_only))
-                if disk.backing is not None:
-                    binds.append(Bind(disk.backing))
-        return binds
 
     async def _release_host(self) -> None:
         if self._jail is not None:
@@ -444,72 +411,18 @@ class QemuVm(VmBase):
             await self.qmp("cont")
             self._state = VmState.RUNNING
 
-    async def _set_ignore_shared(self) -> None:
-        # With guest RAM in a share=on file, the file *is* the memory snapshot: the stream
-        # then carries device state only. On restore it is set whenever RAM comes from a
-        # file, so a share=on snapshot can be restored copy-on-write (share=off) by many
-        # children. (QEMU never skips share=off RAM when saving: such a stream has all RAM
-        # and restores into share=off or plain RAM, not into a share=on file.)
-        on = self._spec.memory is not None
-        await self.qmp("migrate-set-capabilities",
-                       {"capabilities": [{"capability": "x-ignore-shared", "state": on}]})
-
-    async def _wait_migration(self, timeout_s: float) -> dict[str, Any]:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while True:
-            info = await self.qmp("query-migrate")
-            if info.get("status") in ("completed", "failed", "cancelled"):
-                return dict(info)
-            if loop.time() > deadline:
-                raise VmmTimeout(f"{self._spec.name}: migration not done in {timeout_s}s: "
-                                 f"{info}")
-            await asyncio.sleep(0.005)
-
-    async def save_state(self, dest: Path, *, timeout_s: float = _MIGRATE_S) -> None:
+    async def save_state(self, dest: Path, *, timeout_s: float = MIGRATE_S) -> None:
         """Full snapshot into `dest` (VM left PAUSED). With a shared memory file only
         device state is written; copy the memory file while the VM stays paused."""
         self._require(VmState.RUNNING, VmState.PAUSED)
-        dest = Path(dest)
-        part = dest.with_name(dest.name + ".part")
         await self.pause()
-        await self.qmp("migrate-set-parameters", {"max-bandwidth": _MAX_BANDWIDTH})
-        await self._set_ignore_shared()
-        dest.unlink(missing_ok=True)
-        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            assert self._qmp is not None
-            async with migration_uri(self._qmp, fd, what="snapshot") as uri:
-                await self.qmp("migrate", {"uri": uri})
-                info = await self._wait_migration(timeout_s)
-            if info.get("status") != "completed":
-                raise VmmError(f"{self._spec.name}: snapshot failed: "
-                               f"{info.get('error-desc', info.get('status'))}")
-            part.rename(dest)
-        except MemSnapError as exc:
-            raise VmmError(f"{self._spec.name}: snapshot failed: {exc}") from exc
-        finally:
-            os.close(fd)
-            part.unlink(missing_ok=True)
+        await qemu_migration.save(self._spec.name, self._qmp, self.qmp, Path(dest),
+                                  ram_in_file=self._spec.memory is not None,
+                                  timeout_s=timeout_s)
 
     async def _load_state(self, state_file: Path, *, resume: bool) -> None:
-        await self._set_ignore_shared()
-        assert self._qmp is not None
-        fd = os.open(state_file, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            async with migration_uri(self._qmp, fd, what="restore") as uri:
-                await self.qmp("migrate-incoming", {"uri": uri})
-                loop = asyncio.get_running_loop()
-                deadline = loop.time() + _MIGRATE_S
-                while (status := await self.query_status()) in ("inmigrate", "prelaunch"):
-                    if loop.time() > deadline:
-                        raise VmmTimeout(f"{self._spec.name}: restore not done in "
-                                         f"{_MIGRATE_S}s")
-                    await asyncio.sleep(0.005)
-        except MemSnapError as exc:
-            raise VmmError(f"{self._spec.name}: restore failed: {exc}") from exc
-        finally:
-            os.close(fd)
+        status = await qemu_migration.load(self._spec.name, self._qmp, self.qmp, state_file,
+                                           ram_in_file=self._spec.memory is not None)
         info = await self.qmp("query-migrate")
         if info.get("status") not in (None, "completed"):
             raise VmmError(f"{self._spec.name}: restore failed: {info}", **self._tails())
