@@ -139,6 +139,11 @@ class VmSpec:
     work_dir: Path | None = None
     keep_work_dir: bool = False
     name: str = "vm"
+    # Under TCG, at least this much translated code is kept before QEMU flushes it all
+    # (None: the driver's cap, sized for many sandboxes). Not part of what a snapshot
+    # restores into. A template build's VM asks for more: its cold boot translates over
+    # 64 MiB, and a flush mid-boot costs it 5 % (host/runtime/builds.py).
+    tcg_tb_mib: int | None = None
 
     def __post_init__(self) -> None:
         if self.vcpus < 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -139,9 +140,16 @@ def test_tcg_code_buffer_is_bounded_and_not_part_of_the_digest() -> None:
                 "-accel") == ["tcg,tb-size=16"]
     assert _opt(build_argv(spec, files=FILES, accel="tcg", tsc_khz=None, tcg_tb_mib=0),
                 "-accel") == ["tcg"]  # 0: QEMU's own default
+    # a VM that asks for more (a template build's) gets it; never less than the cap
+    build_vm = dataclasses.replace(spec, tcg_tb_mib=128)
+    for cap, want in ((64, 128), (256, 256), (0, 0)):
+        assert _opt(build_argv(build_vm, files=FILES, accel="tcg", tsc_khz=None,
+                               tcg_tb_mib=cap), "-accel") == \
+            [f"tcg,tb-size={want}" if want else "tcg"]
     # a VM restores another's memory whatever the host gives TCG for translated code
     assert config_digest(spec, accel="tcg", tsc_khz=None, qemu="q", tcg_tb_mib=16) == \
-        config_digest(spec, accel="tcg", tsc_khz=None, qemu="q", tcg_tb_mib=256)
+        config_digest(spec, accel="tcg", tsc_khz=None, qemu="q", tcg_tb_mib=256) == \
+        config_digest(build_vm, accel="tcg", tsc_khz=None, qemu="q", tcg_tb_mib=16)
 
 
 def test_ksm_marks_guest_ram_mergeable_outside_the_digest() -> None:

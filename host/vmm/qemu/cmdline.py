@@ -162,7 +162,9 @@ def build_argv(
         qemu,
         "-name", qopt(spec.name),
         "-M", machine,
-        "-accel", accel_option(accel, tcg_tb_mib),
+        # the host's cap, raised to what this VM asks (0, QEMU's own default, stays)
+        "-accel", accel_option(accel, max(tcg_tb_mib, spec.tcg_tb_mib or 0)
+                               if tcg_tb_mib else 0),
         "-cpu", cpu_model(accel),
         "-smp", str(spec.vcpus),
         "-m", f"{spec.mem_mib}M",
