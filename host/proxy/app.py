@@ -25,19 +25,15 @@ without asking the orchestrator, which keeps no state for ids it does not hold.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
 import weakref
 from collections.abc import AsyncIterator
-from typing import Any
 
-import websockets
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from websockets.asyncio.client import connect as ws_connect
 
 from host.api.auth import ApiKeys
-from host.httpheaders import FORWARDED_HOST, HOP_BY_HOP, TRAFFIC_TOKEN, WS_HANDSHAKE, header
+from host.httpheaders import FORWARDED_HOST, HOP_BY_HOP, TRAFFIC_TOKEN, header
 from host.ids import is_sandbox_id
 from host.orchestrator.errors import OrchestratorError, SandboxNotFound, StateConflict
 from host.orchestrator.model import ListFilter, Route, RunEnded
@@ -45,27 +41,31 @@ from host.orchestrator.service import Orchestrator
 from host.web.links import TerminalLinks
 from host.web.terminal import TerminalSite
 
-from . import responses
+from . import responses, websocket
 from .forwarding import guest_headers
-from .routing import ENVD_PORT, BadTarget, Target, host_name, parse_target, routes_by_headers
+from .routing import (
+    ENVD_PORT,
+    BadTarget,
+    Target,
+    host_name,
+    masked_host,
+    parse_target,
+    routes_by_headers,
+)
 from .signed import SignedFileRequest
 from .upstream import Pool, UpstreamError, UpstreamUnreachable
-from .wspump import pump_down, pump_up
 
 log = logging.getLogger(__name__)
 
 # envd control routes only the host may call (spec §1.6.3).
 BLOCKED_ENVD_PATHS = frozenset({"/init", "/freeze", "/unfreeze", "/fsfreeze", "/fsthaw",
                                 "/collapse", "/upgrade"})
-MASK_PORT_PLACEHOLDER = "${PORT}"  # in network.maskRequestHost: the sandbox port
 
 
 # (method, target, headers, streamed body or None) of one forwarded request
 _Forward = tuple[bytes, bytes, list[tuple[bytes, bytes]], AsyncIterator[bytes] | None]
 
 
-# Connect streaming content types: the body is a sequence of envelopes (RPC spec).
-_END_GRACE_S = 5.0  # for the last messages to a client when the sandbox went away
 
 
 class _ClientGone(Exception):
@@ -95,14 +95,6 @@ class _Progress:
     def __init__(self) -> None:
         self.started = False      # http.response.start was sent
         self.finishing = False    # the body is complete, the final message is being sent
-
-
-def _masked_host(route: Route, target: Target) -> str | None:
-    """The Host a user port sees when the sandbox has network.maskRequestHost (as E2B:
-    `${PORT}` is the sandbox port; envd's port is never masked); None: the client's."""
-    if route.mask_request_host is None or target.port == ENVD_PORT:
-        return None
-    return route.mask_request_host.replace(MASK_PORT_PLACEHOLDER, str(target.port))
 
 
 class ProxyApp:
@@ -165,7 +157,8 @@ class ProxyApp:
         if route is None:
             return
         if scope["type"] == "websocket":
-            await self._websocket(scope, receive, send, target, route)
+            await websocket.relay(scope, receive, send, target, route,
+                                  connect_timeout_s=self.connect_timeout_s)
         else:
             await self._http_exchange(scope, receive, send, target, route)
 
@@ -184,7 +177,8 @@ class ProxyApp:
         target = Target(sandbox_id, ENVD_PORT)
         route = await self._route(scope, receive, send, target, resume=False)
         if route is not None:
-            await self._websocket(scope, receive, send, target, route)
+            await websocket.relay(scope, receive, send, target, route,
+                                  connect_timeout_s=self.connect_timeout_s)
 
     async def _signed_target(self, scope: Scope, host: str) -> Target | None:
         """envd of the sandbox that signed a file URL sent without E2b-Sandbox-* headers
@@ -200,7 +194,7 @@ class ProxyApp:
     async def _deny(self, scope: Scope, receive: Receive, send: Send, status: int, message: str,
                     *, sandbox_id: str | None = None, port: int | None = None) -> None:
         if scope["type"] == "websocket":
-            await self._deny_websocket(scope, receive, send, status, message, sandbox_id, port)
+            await websocket.deny(scope, receive, send, status, message, sandbox_id, port)
         else:
             await responses.send_json(send, status, message, sandbox_id=sandbox_id, port=port)
 
@@ -291,7 +285,7 @@ class ProxyApp:
         credentials of ours, X-Forwarded-For set), the Host the sandbox asked for, and
         the client's body streamed through (`body_done` is set once it is read)."""
         headers = guest_headers(scope, target.port)
-        masked = _masked_host(route, target)
+        masked = masked_host(route, target)
         if masked is not None:
             # the client's Host goes on as X-Forwarded-Host (what E2B's proxy does)
             original = header(scope, b"host")
@@ -345,7 +339,7 @@ class ProxyApp:
         upstream connection): finish the response as cleanly as its state allows."""
         sid = target.sandbox_id
         try:
-            async with asyncio.timeout(_END_GRACE_S):
+            async with asyncio.timeout(responses.END_GRACE_S):
                 if not progress.started:
                     await responses.send_json(
                         send, 502, f"{responses.NOT_FOUND}: it was {reason}",
@@ -397,91 +391,6 @@ class ProxyApp:
         finally:
             await body.aclose()  # returns the connection to the pool, or closes it
             upstream.abandon()  # closes it if the body was cut off before its first read
-
-    # --- WebSocket --------------------------------------------------------------------
-
-    async def _deny_websocket(self, scope: Scope, receive: Receive, send: Send, status: int,
-                              message: str, sandbox_id: str | None, port: int | None) -> None:
-        msg = await receive()  # websocket.connect
-        if msg["type"] != "websocket.connect":
-            return
-        if "websocket.http.response" in scope.get("extensions", {}):
-            payload = responses.body(status, message, sandbox_id, port)
-            await send({"type": "websocket.http.response.start", "status": status,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(payload)).encode())]})
-            await send({"type": "websocket.http.response.body", "body": payload})
-        else:
-            await send({"type": "websocket.close", "code": 1008, "reason": message[:120]})
-
-    async def _websocket(self, scope: Scope, receive: Receive, send: Send, target: Target,
-                         route: Route) -> None:
-        query = scope.get("query_string", b"")
-        raw_path = scope.get("raw_path") or scope["path"].encode()
-        headers = [(k.decode("latin-1"), v.decode("latin-1"))
-                   for k, v in guest_headers(scope, target.port, drop=WS_HANDSHAKE)]
-        masked = _masked_host(route, target)
-        address: dict[str, Any] = {}
-        if masked is None:
-            uri = f"ws://{route.host}:{route.port}{raw_path.decode('latin-1')}"
-        else:
-            # websockets takes the Host from the URI: the mask goes there, the address to
-            # connect to separately; the client's Host goes on as X-Forwarded-Host
-            uri = f"ws://{masked}{raw_path.decode('latin-1')}"
-            address = {"host": route.host, "port": route.port}
-            original = header(scope, b"host")
-            if original:
-                headers.append((FORWARDED_HOST.decode(), original))
-        if query:
-            uri += "?" + query.decode("latin-1")
-        try:
-            upstream = await ws_connect(
-                uri, additional_headers=headers, subprotocols=scope.get("subprotocols") or None,
-                open_timeout=self.connect_timeout_s, max_size=None, compression=None,
-                user_agent_header=None, ping_interval=None, **address)
-        except websockets.InvalidURI:
-            await self._deny_websocket(scope, receive, send, 502,
-                                       f"invalid network.maskRequestHost {masked!r}",
-                                       target.sandbox_id, target.port)
-            return
-        except (TimeoutError, OSError):
-            await self._deny_websocket(scope, receive, send, 502, responses.PORT_CLOSED,
-                                       target.sandbox_id, target.port)
-            return
-        except websockets.InvalidStatus as exc:
-            await self._deny_websocket(scope, receive, send, exc.response.status_code,
-                                       f"upstream refused the WebSocket: {exc}",
-                                       target.sandbox_id, target.port)
-            return
-        async with upstream:
-            if (await receive())["type"] != "websocket.connect":
-                return
-            await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
-            down = asyncio.create_task(pump_down(upstream, send))
-            up = asyncio.create_task(pump_up(receive, upstream))
-            tasks: set[asyncio.Task[Any]] = {down, up}
-            ended: asyncio.Task[Any] | None = None
-            gone_first = False
-            if route.gone is not None:
-                ended = asyncio.create_task(route.gone.wait())
-                tasks.add(ended)
-            try:
-                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-                gone_first = ended is not None and done == {ended}
-            finally:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-            if gone_first:
-                # The sandbox went away: no closing handshake with it (it would wait for a
-                # VM that is gone), the client hears "going away".
-                assert route.gone is not None
-                upstream.transport.abort()
-                reason = f"sandbox {target.sandbox_id} was {route.gone.reason}"
-                with contextlib.suppress(Exception):
-                    async with asyncio.timeout(_END_GRACE_S):
-                        await send({"type": "websocket.close", "code": 1001,
-                                    "reason": reason[:120]})
 
 
 def build_proxy_app(orchestrator: Orchestrator, domain: str | None, *,

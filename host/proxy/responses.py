@@ -8,6 +8,7 @@ from starlette.types import Send
 
 NOT_FOUND = "The sandbox was not found"          # Py: "was not found" -> SandboxNotRunning
 PORT_CLOSED = "The sandbox is running but port is not open"   # Py: -> SandboxUnreachable
+END_GRACE_S = 5.0  # for the last messages to a client when the sandbox went away
 
 
 def body(status: int, message: str, sandbox_id: str | None = None,

@@ -10,8 +10,10 @@ import ipaddress
 from dataclasses import dataclass
 
 from host.ids import is_routable_id
+from host.orchestrator.model import Route
 
 ENVD_PORT = 49983
+MASK_PORT_PLACEHOLDER = "${PORT}"  # in network.maskRequestHost: the sandbox port
 CODE_INTERPRETER_PORT = 49999   # e2b_code_interpreter's server (spec §1.4)
 
 
@@ -76,3 +78,11 @@ def parse_target(host: str, sandbox_id_header: str | None, port_header: str | No
     if len(parts) < 2:
         raise BadTarget(f"Invalid host '{host}': expected <port>-<sandboxID>.<domain>")
     return Target(_sandbox_id(parts[1]), _port(parts[0]))
+
+
+def masked_host(route: Route, target: Target) -> str | None:
+    """The Host a user port sees when the sandbox has network.maskRequestHost (as E2B:
+    `${PORT}` is the sandbox port; envd's port is never masked); None: the client's."""
+    if route.mask_request_host is None or target.port == ENVD_PORT:
+        return None
+    return route.mask_request_host.replace(MASK_PORT_PLACEHOLDER, str(target.port))
