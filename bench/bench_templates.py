@@ -2,7 +2,7 @@
 sandbox creates from the new template against creates from the built-in one, in one run.
 
     .venv/bin/python bench/bench_templates.py [--image debian|debian3|small] [--creates 5]
-                                               [--min-free-mb N] [--out FILE.json]
+                                               [--min-free-mb N] [--no-builder] [--out FILE.json]
 
 The image, pushed into a Debian `docker-registry` on 127.0.0.1 started here:
 - `debian` (default, what RL task images look like): Debian 12 debootstrap'd with python3,
@@ -19,8 +19,12 @@ packages) write every layer; `exact`: as GNU tar wrote them in the chroot, to th
 Rows:
 
 - floor: `skopeo copy docker://... dir:` of the same image (download + digest checks only)
+- the node's first image build (a busybox image): it also makes the node's builder, the
+  VM a build restores instead of cold-booting (host/runtime/builder.py; once per node
+  and machine shape); `--no-builder`: every build VM cold-boots (the previous path)
 - first build: pull + import (on the host, no VM: one block layer per OCI layer +
-  init/envd) + build VM boot + two steps + memory snapshot, with the stage breakdown
+  init/envd) + build VM (restored from the builder, onto the image's disk) + two steps +
+  memory snapshot, with the stage breakdown
 - rebuild, nothing changed: reuses the ready build (no VM)
 - rebuild, the last step changed: only that step runs (the rest cached)
 - create from the new template vs from the built-in template (restore -> envd answers)
@@ -119,7 +123,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {}
     rt = await NodeRuntime(RuntimeConfig(
         state_dir=work / "state", run_dir=Path(f"/tmp/aenv-btpl-{work.name[-6:]}"),
-        vms_survive_service=False)).open()
+        vms_survive_service=False, builders=args.builder)).open()
     try:
         layout = OciLayout(work / "layout")
         if args.image in ("debian", "debian3"):
@@ -133,6 +137,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             img = layout.image([busybox_layer(), stdlib_layer()],
                                config={"Env": ["PATH=/bin"], "WorkingDir": "/srv"})
         res["image"] = args.image
+        res["builder"] = args.builder
         res["mtimes"] = args.mtimes
         res["layers"] = len(img.layer_digests)
         push(layout.tag("app", img.manifest), f"{reg.host}/bench/app:1")
@@ -150,6 +155,16 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         steps = (BuildStep("RUN", ("echo built > /srv/built.txt", "root")),
                  BuildStep("RUN", ("echo one > /srv/last.txt", "root")))
         machine = MachineSpec(memory_mb=256)
+        warm = OciLayout(work / "warm")
+        push(warm.tag("warm", warm.image([busybox_layer()], config={"Env": ["PATH=/bin"]})
+                      .manifest), f"{reg.host}/bench/warm:1")
+        t0 = time.perf_counter()
+        await rt.build(BuildSpec(snapshot_id="bench-warm", machine=machine,
+                                 from_image=f"{reg.host}/bench/warm:1",
+                                 steps=(BuildStep("RUN", ("echo warm > /tmp/warm", "root")),),
+                                 min_free_disk_mb=args.min_free_mb), lambda *a: None)
+        res["node_first_build_s"] = time.perf_counter() - t0
+        res["node_first_build_timings"] = dict(rt.last_timings)
         stages: list[tuple[float, str]] = []
         t0 = time.perf_counter()
         await rt.build(BuildSpec(snapshot_id="bench-img", machine=machine, from_image=ref,
@@ -196,12 +211,17 @@ def report(r: dict[str, Any]) -> None:
     print(f"image: {r['image']}, {r['layers']} layers, {r['image_bytes'] / 2**20:.1f} MiB "
           f"compressed, mtimes {r.get('mtimes', 'exact')}")
     print(f"floor: skopeo copy to dir            {ms(r['floor_skopeo_s'])}")
+    print(f"node's first image build (busybox)   {ms(r['node_first_build_s'])}   "
+          f"({'makes the node builder' if r['builder'] else 'no builder: cold boots'}: "
+          + ", ".join(f"{k} {v:.2f}s" for k, v in r["node_first_build_timings"].items()
+                      if k in ("source_s", "cold_boot_s", "builder_restore_s")) + ")")
     print(f"first build (pull+import+build)      {ms(r['first_build_s'])}   "
           f"{r['first_build_s'] / r['floor_skopeo_s']:.1f}x the floor")
     boot_at = next((at for at, msg in r["first_build_stages"]
-                    if msg.startswith("Booting the build VM")), None)
+                    if msg.startswith(("Booting the build VM", "Restoring the build VM"))),
+                   None)
     if boot_at is not None:
-        print(f"  pull + import (until the build VM boots) {ms(boot_at)}   "
+        print(f"  pull + import (until the build VM starts) {ms(boot_at)}   "
               f"{boot_at / r['floor_skopeo_s']:.1f}x the floor; build VM "
               f"{ms(r['first_build_s'] - boot_at)}")
     t = r["first_build_timings"]
@@ -223,6 +243,8 @@ def report(r: dict[str, Any]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--creates", type=int, default=5)
+    ap.add_argument("--no-builder", dest="builder", action="store_false",
+                    help="every build VM cold-boots (the path before the node's builder)")
     ap.add_argument("--image", choices=("debian", "debian3", "small"), default="debian")
     ap.add_argument("--mtimes", choices=("docker", "exact"), default="docker")
     ap.add_argument("--min-free-mb", type=int, default=0,

@@ -66,7 +66,7 @@ async def open_runtime(cfg: Config, metrics: Metrics | None = None) -> Any:
                                    network_prefix=cfg.network_prefix,
                                    network_pool=cfg.network_pool,
                                    envd_timeout_s=cfg.envd_timeout_s, ksm=cfg.ksm, p2p=cfg.p2p,
-                                   balloon=cfg.vm_balloon,
+                                   balloon=cfg.vm_balloon, builders=cfg.builders,
                                    jail=cfg.jail(),
                                    registry_mirror=cfg.registry_mirror,
                                    insecure_registries=cfg.insecure_registries),

@@ -87,6 +87,12 @@
                                                       reporting) and idle ones their page
                                                       cache under memory pressure (templates
                                                       made with the other setting are rebuilt)
+    AENV_BUILDERS    --builders / --no-builders on  template builds from an OCI image restore
+                                                      their VM from the node's builder (made
+                                                      once per machine shape) instead of
+                                                      cold-booting it; its envd lives in a
+                                                      tmpfs, ~70 MiB of each such sandbox's
+                                                      RAM its kernel cannot reclaim
     AENV_CLUSTER_REDIS --cluster-redis -              redis://... : join a cluster (host/cluster):
                                                       heartbeat capacity and sandboxes into it
     AENV_NODE_ID     --node-id      <host name>       this node's id in the cluster
@@ -181,6 +187,7 @@ class Config:
     min_free_disk_mib: int = 2048
     ksm: bool = False
     vm_balloon: bool = True
+    builders: bool = True
     drain_on_stop: bool = False
     vm_jail: bool = True
     vm_uid_range: str = DEFAULT_UID_RANGE
@@ -322,6 +329,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vm-balloon", action=argparse.BooleanOptionalAction, default=None,
                    help="a virtio-balloon in every VM (free-page reporting; inflated for "
                         "idle sandboxes under memory pressure)")
+    p.add_argument("--builders", action=argparse.BooleanOptionalAction, default=None,
+                   help="template builds from an image restore their VM from the node's "
+                        "builder instead of cold-booting it")
     p.add_argument("--drain-on-stop", action=argparse.BooleanOptionalAction, default=None,
                    help="at SIGTERM pause every running sandbox (with memory) before "
                         "exiting; the next start resumes them")
@@ -378,6 +388,7 @@ _ENV: dict[str, tuple[str, type]] = {
     "min_free_disk_mib": ("AENV_MIN_FREE_DISK_MIB", int),
     "ksm": ("AENV_KSM", bool), "vm_jail": ("AENV_VM_JAIL", bool),
     "vm_balloon": ("AENV_VM_BALLOON", bool),
+    "builders": ("AENV_BUILDERS", bool),
     "vm_uid_range": ("AENV_VM_UID_RANGE", str), "vm_overhead_mib": ("AENV_VM_OVERHEAD_MIB", int),
     "cluster_redis": ("AENV_CLUSTER_REDIS", str), "p2p": ("AENV_P2P", bool),
     "drain_on_stop": ("AENV_DRAIN_ON_STOP", bool), "node_id": ("AENV_NODE_ID", str),

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import secrets
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -48,6 +50,19 @@ MAX_SYNC_STREAM_BYTES = 1 * MIB
 MAX_LINE_BYTES = 16 * KIB
 
 LINE_TRUNCATED = b" [line truncated]"
+
+
+# What every host `/init` carries (the orchestrator's to a sandbox, a build's to a build VM
+# restored from its builder): the host's clock (a VM restored from a snapshot resumes the
+# snapshot's) and fresh entropy (and its kernel RNG state: envd/entropy.py reseeds it
+# first thing; `aenvEntropy` is ours alone, E2B's envd ignores unknown fields).
+ENTROPY_FIELD = "aenvEntropy"
+ENTROPY_BYTES = 64
+
+
+def clock_and_entropy() -> dict[str, str]:
+    return {"timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+            ENTROPY_FIELD: secrets.token_bytes(ENTROPY_BYTES).hex()}
 
 
 class GuestAnswerError(ValueError):

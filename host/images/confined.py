@@ -288,6 +288,13 @@ def _finish(root: Root, target: str, tar: Any, workdir: str) -> None:
     for d in ("usr/sbin", "usr/bin", "etc", "etc/aenv", "proc", "sys", "dev", "run", "tmp",
               "home", "root"):
         directory(d)
+    # our init boots a builder on a root that holds this (rootfs/init/init.c): an image's
+    # own never does (the host's builder disk gets it from our tar, below)
+    mark = os.path.join(directory("etc/aenv"), "builder")
+    if os.path.isdir(mark) and not os.path.islink(mark):
+        shutil.rmtree(mark)
+    elif os.path.lexists(mark):
+        os.unlink(mark)
     os.chmod(directory("tmp"), 0o1777)
     for member in tar:  # our own regular files, from the host, straight into the image
         src = tar.extractfile(member) if member.isfile() else None

@@ -18,8 +18,6 @@ import asyncio
 import base64
 import contextlib
 import logging
-import secrets
-from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -36,8 +34,6 @@ log = logging.getLogger(__name__)
 ENVD_PORT = 49983
 DEFAULT_USER = "user"
 DEFAULT_WORKDIR = "/home/user"
-ENTROPY_FIELD = "aenvEntropy"  # envd/entropy.py reads it
-ENTROPY_BYTES = 64
 
 
 class EnvdClient:
@@ -80,9 +76,8 @@ class EnvdClient:
             "envVars": {**guest.env, **env_vars} if guest else env_vars,
             "defaultUser": guest.user if guest else DEFAULT_USER,
             "defaultWorkdir": guest.workdir if guest else DEFAULT_WORKDIR,
-            "timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
-            # new for every start: siblings restored from one snapshot must diverge
-            ENTROPY_FIELD: secrets.token_bytes(ENTROPY_BYTES).hex(),
+            # entropy new for every start: siblings restored from one snapshot must diverge
+            **guestio.clock_and_entropy(),
         }
         if token:
             body["accessToken"] = token

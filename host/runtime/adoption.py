@@ -111,8 +111,9 @@ async def reap_orphans(p: NodeParts, known: set[str]) -> list[str]:
     building = {build_stack(t) for t in p.building}
     vms_dir: Path = p.config.vms_dir
     stale = await asyncio.to_thread(mx.vmm.leftover_names, vms_dir)
-    def building_part(name: str) -> bool:  # a build's VM, or its import's stack (-t)
-        return name in building or name[:-2] in building
+    def building_part(name: str) -> bool:
+        """A build's VM, its import's stack (-t), its builder's (-b, -b-t)."""
+        return any(name == b or name.startswith(f"{b}-") for b in building)
 
     for sid in sorted(s for s in stale - live if not building_part(s)):
         await mx.release_leftovers(sid, None)

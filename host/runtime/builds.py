@@ -2,7 +2,8 @@
 
     source layers (built-in image | an existing template | an OCI image)
     -> the longest prefix of steps found in the build cache (their layers, no VM work)
-    -> cold boot of a build VM on those layers, RAM in a share=on file
+    -> a build VM on those layers, RAM in a share=on file: an image's restored from the
+       node's builder (builder.py; made beside the import when missing), else cold-booted
     -> each remaining step through envd; a step that touched the disk is sealed as a layer
        (guest `sync`, vCPUs stopped for the seal) and cached under hash(parent, step)
     -> the start command in the background until the ready command exits 0
@@ -28,16 +29,17 @@ from typing import Any
 from host.contract import BuildFailed, BuildLog, BuildSpec, GuestDefaults, SnapshotRef
 from host.images import ImageError, PullProgress, RegistryConfig, pull
 from host.network import NetworkPolicy
-from host.vmm.driver import MemoryBacking, Vm
+from host.vmm.driver import Vm
 from host.vmm.errors import VmmError
 from host.vmm.image import find_image
 
+from . import builder as builders
 from . import rebuilds
 from . import steps as guest_steps
 from .buildcache import BuildCache, CacheEntry, source_key, step_key
 from .errors import NodeRuntimeError, SandboxStartError, SnapshotNotFoundError
 from .guest_shell import GuestCommandError, GuestShell, OnOutput
-from .imports import import_image
+from .imports import BLANK_MIB, import_image
 from .layers import image_layers
 from .manifests import VERSION
 from .parts import NodeParts, build_stack
@@ -49,14 +51,15 @@ READY_TIMEOUT_S = 600.0
 GROWFS_FLAG = "aenv.growfs"
 GROWFS_STATUS = "/run/aenv/growfs"
 DEFAULT_READY_WITH_START = "sleep 20"  # E2B's default when a start command has none
-# Under TCG, the build VM's translated code kept before a flush (VmSpec.tcg_tb_mib): its
-# cold boot translates over the 64 MiB a sandbox gets; at 128 it boots in 4.88 s instead
-# of 5.13 s (bench/bench_boot.py, 3 boots each), more gains nothing (256: 4.84 s). One
-# VM per build, gone after it: the memory is the build's for seconds.
-BUILD_TCG_TB_MIB = 128
 # What the SDKs send as `fromImage` when no source was chosen (`Template()` alone, or
 # `from_base_image()`): E2B's base image, whose role our built-in image plays.
 E2B_BASE_IMAGES = ("e2bdev/base", "docker.io/e2bdev/base")
+
+
+def spec_wants_builder(spec: BuildSpec, p: NodeParts) -> bool:
+    """A build from an OCI image on a node with builders, on QEMU (builder.py)."""
+    return bool(p.builders is not None and spec.from_image and p.machines.vmm.name == "qemu"
+                and spec.from_image.split(":")[0] not in E2B_BASE_IMAGES)
 
 
 def _noop(level: str, message: str, step: str | None) -> None:
@@ -95,6 +98,8 @@ class _Build:
         self.cache = BuildCache(p.manifests)
         self.disk_mib = 0
         self.out_key = ""  # rebuilds.output_key of this build's inputs
+        # the node's builder for this build's VM, found or made beside the image import
+        self.builder = builders.BuilderUse(p, spec, self.stack, log)
 
     def _step_output(self, step_no: str) -> OnOutput:
         """What a step's command prints goes to the build log, under its step number."""
@@ -106,6 +111,8 @@ class _Build:
         t0 = time.perf_counter()
         guest_steps.validate(self.spec.steps, self.spec.files_dir)
         try:
+            if spec_wants_builder(self.spec, self.p):
+                await self.builder.start(self._stack_size(BLANK_MIB << 20))
             src = await self._source()
             self.timings["source_s"] = time.perf_counter() - t0
             layers, guest, first, keys = await self._cached_prefix(src)
@@ -125,6 +132,7 @@ class _Build:
             shutil.rmtree(self.mem_root, ignore_errors=True)
             raise
         finally:
+            await self.builder.close()  # not used: a failure, a ready build reused
             if self.shell is not None:
                 await self.shell.aclose()
 
@@ -217,24 +225,36 @@ class _Build:
         self.mem_root.mkdir(parents=True)
         net, (network, host, port, _fwd) = await mx.make_net(self.stack, NetworkPolicy())
         self.net_made = True
-        grow = await self._create_stack(layers)
+        grow, size = await self._create_stack(layers)
         cmdline = (src.cmdline + (f" {net.kernel_cmdline()}" if net is not None else "")
-                   + (f" {GROWFS_FLAG}" if grow else "")).strip()
+                   ).strip()
         m: dict[str, Any] = {
             "version": VERSION, "kind": "template", "snapshot_id": spec.snapshot_id,
             "machine": dataclasses.asdict(spec.machine), "network_mode": mx.mode,
             "image": src.image, "kernel": src.kernel, "cmdline": cmdline,
             "base_cmdline": src.cmdline,
         }
+        builder = await self.builder.take(m, size == self._stack_size(BLANK_MIB << 20))
+        if grow and builder is None:  # our init grows it at boot (switch-root, restored)
+            m["cmdline"] = f"{cmdline} {GROWFS_FLAG}"
         scratch = self.mem_root / "scratch.mem"
-        vspec = dataclasses.replace(
-            mx.spec(m, name=self.stack, memory=MemoryBacking(path=scratch, shared=True),
-                    stack=self.stack, network=network), tcg_tb_mib=BUILD_TCG_TB_MIB)
-        self.log("info", "Booting the build VM", "base")
+        vspec = builders.builder_spec(p, m, name=self.stack, ram=scratch, network=network)
         t1 = time.perf_counter()
-        self.vm, boot = await mx.boot(vspec, timeout_s=p.config.boot_timeout_s)
-        self.timings.update(boot)
         self.shell = GuestShell(host, port)
+        boot = None
+        if builder is not None:
+            self.log("info", "Restoring the build VM from the node's builder", "base")
+            got = await self.builder.restore(builder, vspec, self.shell, grow=grow,
+                                             on_output=self._step_output("base"))
+            if got is not None:
+                self.vm, boot = got
+        if boot is None:
+            if builder is not None and grow:  # its VM is gone: this one grows it at boot
+                m["cmdline"] = f"{cmdline} {GROWFS_FLAG}"
+                vspec = dataclasses.replace(vspec, cmdline=m["cmdline"])
+            self.log("info", "Booting the build VM", "base")
+            self.vm, boot = await mx.boot(vspec, timeout_s=p.config.boot_timeout_s)
+        self.timings.update(boot)
         if grow:
             t = time.perf_counter()
             await self._grow_filesystem()
@@ -255,21 +275,27 @@ class _Build:
         await self._start_and_wait(guest, src.start_cmd)
         return await self._commit(m, vspec, scratch, guest, first, t1, len(src.layers))
 
-    async def _create_stack(self, layers: tuple[str, ...]) -> bool:
-        """The build's disk: the source's layers, grown to the machine's disk size or
-        to leave `min_free_disk_mb` free (unwritten blocks cost nothing). True if the
-        device is bigger than the source's filesystem."""
-        client, spec = self.p.block.client, self.spec
+    def _stack_size(self, virtual_size: int) -> int:
+        """The build's disk over a source of `virtual_size` bytes: the machine's disk size
+        or enough to leave `min_free_disk_mb` free, whole MiB, never smaller."""
+        spec = self.spec
+        want = max(spec.machine.disk_mb << 20, virtual_size + (spec.min_free_disk_mb << 20))
+        return max(virtual_size, -(-want // (1 << 20)) << 20)
+
+    async def _create_stack(self, layers: tuple[str, ...]) -> tuple[bool, int]:
+        """The build's disk: the source's layers, grown to `_stack_size` (unwritten blocks
+        cost nothing). (Whether the device is bigger than the source's filesystem, its
+        size.)"""
+        client = self.p.block.client
         await self.p.machines.drop_stack(self.stack)
         info = await client.create(self.stack, list(layers))
-        want = max(spec.machine.disk_mb << 20, info.virtual_size + (spec.min_free_disk_mb << 20))
-        want = -(-want // (1 << 20)) << 20
+        want = self._stack_size(info.virtual_size)
         if want <= info.virtual_size:
-            return False
+            return False, info.virtual_size
         await client.delete(self.stack)
         await client.create(self.stack, list(layers), virtual_size=want)
         self.disk_mib = want >> 20
-        return True
+        return True, want
 
     async def _grow_filesystem(self) -> None:
         """The root filesystem grown to the (bigger) device: our init does it at boot when

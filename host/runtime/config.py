@@ -60,6 +60,9 @@ class RuntimeConfig:
     fork_share_min_mib: int = 64
     # a sandbox's own disk layers before they are merged into one (compaction.py; 0: never)
     max_disk_chain: int = 8
+    # template builds from an OCI image restore their VM from the node's builder instead
+    # of cold-booting it (builder.py; QEMU only)
+    builders: bool = True
     envd_timeout_s: float = 60.0  # restore -> envd /health
     boot_timeout_s: float = 240.0  # cold boot (template build) -> envd /health
     block_server_python: str | None = None  # default: sys.executable

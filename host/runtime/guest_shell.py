@@ -59,17 +59,19 @@ class GuestShell:
         return h
 
     @staticmethod
-    def _request(cmd: str, env: dict[str, str], cwd: str | None, tag: str | None,
+    def _request(cmd: str | list[str], env: dict[str, str], cwd: str | None, tag: str | None,
                  login: bool) -> dict[str, Any]:
         """A Start request: `login` for the user's commands (bash -l, see _BASH_OR_SH),
-        plain `/bin/sh -c` for our own scripts."""
-        if login:
+        plain `/bin/sh -c` for our own scripts; a list: that program, no shell."""
+        if isinstance(cmd, list):
+            program, argv = cmd[0], cmd[1:]
+        elif login:
             if "PATH" in env:
                 env = {**env, "PATH": f"{env['PATH']}:{_STANDARD_PATH}"}
-            argv = ["-c", _BASH_OR_SH, "sh", cmd]
+            program, argv = "/bin/sh", ["-c", _BASH_OR_SH, "sh", cmd]
         else:
-            argv = ["-c", cmd]
-        process: dict[str, Any] = {"cmd": "/bin/sh", "args": argv, "envs": env}
+            program, argv = "/bin/sh", ["-c", cmd]
+        process: dict[str, Any] = {"cmd": program, "args": argv, "envs": env}
         if cwd:
             process["cwd"] = cwd
         req: dict[str, Any] = {"process": process, "stdin": False}
@@ -77,7 +79,8 @@ class GuestShell:
             req["tag"] = tag
         return req
 
-    async def run(self, cmd: str, *, user: str = "root", env: dict[str, str] | None = None,
+    async def run(self, cmd: str | list[str], *, user: str = "root",
+                  env: dict[str, str] | None = None,
                   cwd: str | None = None, timeout_s: float = 3600.0,
                   on_output: OnOutput | None = None, login: bool = False) -> int:
         """Run `cmd` (`/bin/sh -c`; with `login`, the user's command: see _BASH_OR_SH) and
@@ -164,6 +167,18 @@ class GuestShell:
             # before the response closes, not whenever the loop finalizes it
             async with contextlib.aclosing(guestio.aiter_messages(resp, what=_START)) as it:
                 yield it
+
+    async def init_clock(self) -> None:
+        """`POST /init` with the host's clock and fresh entropy (a VM restored from a
+        snapshot has the snapshot's of both)."""
+        try:
+            resp = await guestio.request(self._http, "POST", f"{self.base}/init",
+                                         limit=guestio.MAX_ANSWER_BYTES, what="/init",
+                                         json=guestio.clock_and_entropy())
+        except (httpx.HTTPError, guestio.GuestAnswerError) as exc:
+            raise GuestCommandError(f"envd /init failed: {exc}") from exc
+        if resp.status_code >= 300:
+            raise GuestCommandError(f"envd /init answered {resp.status_code}")
 
     async def upload(self, local: Path, guest_path: str, *, user: str = "root") -> None:
         """Write `local` to `guest_path` (octet-stream upload; envd writes it as `user`)."""

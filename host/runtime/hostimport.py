@@ -53,6 +53,7 @@ from .importhelper import UID_BASE, ConfinedHelper
 from .parts import NodeParts
 
 _OUR_FILES = ("usr/sbin/aenv-init", "usr/bin/envd", "etc/aenv/release")
+BUILDER_MARK = "etc/aenv/builder"  # rootfs/init/init.c: a root with it boots a builder
 
 
 Sealed = Callable[[tuple[str, ...]], Awaitable[None]]
@@ -124,10 +125,12 @@ class HostImporter:
         self.over_blank = False
         await self._seal_after(sealed)
 
-    async def finish_rootfs(self, guest: GuestDefaults) -> tuple[str, ...]:
+    async def finish_rootfs(self, guest: GuestDefaults, *, builder: bool = False
+                            ) -> tuple[str, ...]:
         """Our init and envd (from the built-in image), the mount points they need, user
-        `user` (uid 1000) and the image's working directory; the layers, all sealed."""
-        staged = await asyncio.to_thread(self._our_files)
+        `user` (uid 1000) and the image's working directory; the layers, all sealed.
+        `builder`: the mark that makes our init boot a builder (builder.py)."""
+        staged = await asyncio.to_thread(self._our_files, builder)
 
         def feed(stdin: IO[bytes]) -> None:
             stdin.write(staged)
@@ -137,8 +140,9 @@ class HostImporter:
         await self._sealed()
         return self.layers
 
-    def _our_files(self) -> bytes:
-        """A tar of init, envd and the release file, dumped from the built-in rootfs."""
+    def _our_files(self, builder: bool) -> bytes:
+        """A tar of init, envd and the release file, dumped from the built-in rootfs (and
+        the builder's mark)."""
         out = self.tmp / "ours"
         out.mkdir(exist_ok=True)
         buf = io.BytesIO()
@@ -154,6 +158,8 @@ class HostImporter:
                                       f"({r.stderr.decode(errors='replace')[-200:]})",
                                       step="base")
                 tar.add(dest, arcname=rel)
+            if builder:
+                tar.addfile(tarfile.TarInfo(BUILDER_MARK))
         shutil.rmtree(out, ignore_errors=True)
         return buf.getvalue()
 

@@ -51,8 +51,13 @@ async def blank_layer(p: NodeParts) -> str:
     # the options in the name: a blank made with others is not this one (nor are the
     # layers keyed on it)
     name = f"ociblank-{BLANK_MIB}-{_key(*MKFS_OPTIONS)[:12]}"
-    if (doc := await p.manifests.get_doc(name)) is not None:  # kept for good: no cache
-        return str(doc["layer"])
+    async with p.blank_lock:  # a build's import and its builder's disk may both want it
+        if (doc := await p.manifests.get_doc(name)) is not None:  # kept for good: no cache
+            return str(doc["layer"])
+        return await _make_blank(p, name)
+
+
+async def _make_blank(p: NodeParts, name: str) -> str:
     with tempfile.TemporaryDirectory(dir=p.config.state_dir, prefix=".blank-") as tmp:
         img = Path(tmp) / "blank.ext4"
         proc = await asyncio.create_subprocess_exec(
@@ -83,6 +88,22 @@ def guest_defaults(image: Image) -> GuestDefaults:
         user = "root"  # envd switches users by name; a bare uid has none in the image
     return GuestDefaults(user=user, workdir=cfg.working_dir or "/home/user",
                          env=cfg.env_map())
+
+
+async def builder_layers(p: NodeParts, base: GuestImage, log: BuildLog, *,
+                         name: str) -> tuple[str, ...]:
+    """The disk a builder boots from (builder.py): the blank, our init and envd, and the
+    mark that makes init boot a builder; made once (cached as an image import is)."""
+    blank = await blank_layer(p)
+    envd_id = str(base.manifest.get("rootfs", {}).get("digest") or base.rootfs)
+    key = _key(blank, "aenv-builder", envd_id)
+    if (doc := await read_entry(p.manifests, f"ocilayer-{key}")) is not None:
+        return tuple(doc["layers"])
+    async with HostImporter(p, base, (blank,), log, name=name) as imp:
+        layers = await imp.finish_rootfs(GuestDefaults(), builder=True)
+    await write_entry(p.manifests, f"ocilayer-{key}", {"layers": list(layers),
+                                                       "image": "aenv-builder"})
+    return layers
 
 
 async def import_image(p: NodeParts, image: Image, base: GuestImage, log: BuildLog, *,

@@ -142,6 +142,13 @@ class Machines:
         return self.digest(self.spec(m, name="digest", stack="digest", network=network,
                                      memory=MemoryBacking(path=Path("/MEM"), shared=False)))
 
+    def guest_net_cmdline(self) -> str:
+        """The network part of every VM's kernel command line here (a namespace's guest
+        side is the same in all: `SandboxNetwork.kernel_cmdline`)."""
+        if self.mode == "netns" and self.nm is not None:
+            return self.nm.config.guest.cmdline_args()
+        return ""
+
     async def identity(self) -> VmmIdentity:
         """What memory snapshots taken here record and restores here must match."""
         try:

@@ -48,6 +48,7 @@ from host.vmm.proc import rotate_log, tail
 
 from . import adoption, builds, collect, holds, hostimport, snapshots, starts, templates, usage
 from .blockd import BlockServerHandle
+from .builderstore import Builders
 from .compaction import Compactor
 from .config import RuntimeConfig
 from .errors import NodeRuntimeError, SnapshotNotFoundError
@@ -91,7 +92,8 @@ class NodeRuntime:
         self.parts = NodeParts(
             config=cfg, block=block, machines=Machines(cfg, block), memory=memory,
             manifests=manifests, compactor=Compactor(block, cfg.max_disk_chain),
-            forks=ForkImages(memory, min_mib=cfg.fork_share_min_mib))
+            forks=ForkImages(memory, min_mib=cfg.fork_share_min_mib),
+            builders=Builders(cfg.state_dir / "builders") if cfg.builders else None)
         self._open = False
         # owned by this runtime: cancelled in aclose(), before anything they could race
         self._tasks: list[asyncio.Task[None]] = []
@@ -107,6 +109,8 @@ class NodeRuntime:
         await asyncio.to_thread(make_dirs, self.config)
         # what imports a crash interrupted (raw copies of image filesystems): no build runs yet
         await asyncio.to_thread(hostimport.sweep, self.config.state_dir)
+        if self.parts.builders is not None:
+            await asyncio.to_thread(self.parts.builders.sweep)
         await self.block.ensure()
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self.block.watch(), name="block-server-watchdog"))

@@ -15,6 +15,7 @@ from host.storage.collect import Swept, counted
 from host.vmm.memsnap import MemSnapError, MemSnapshot
 
 from .blockd import BlockServerHandle
+from .builderstore import Builders
 from .compaction import Compactor
 from .config import RuntimeConfig
 from .errors import SandboxNotFoundError, SnapshotNotFoundError
@@ -60,6 +61,8 @@ class NodeParts:
     # layer digest -> starts about to stack it (collect.py keeps them)
     layer_pins: Counter[str] = field(default_factory=Counter)
     lost: Claims | None = None  # read from this node's last holdings at its first (holds.py)
+    builders: Builders | None = None  # builder.py's, where the node makes them
+    blank_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # imports.blank_layer
 
     def get(self, sandbox_id: str) -> RunningSandbox:
         try:

@@ -17,6 +17,12 @@
  *    unmount, remount / read-only, power off. SIGUSR1: the same, then reboot.
  * Console lines start with "aenv-init: ".
  *
+ * A builder (a root holding BUILDER_MARK: host/runtime/builder.py): init and envd move into
+ * a tmpfs root and the disk is let go, so a snapshot of the running VM can be restored on
+ * any image's disk (same size); there `aenv-init switch-root [--growfs]`, run as root
+ * through envd, mounts /dev/vda and pivots every process onto it (envd unpacked itself
+ * under /run, which moves along): a template build's VM without a cold boot of envd.
+ *
  * Called as aenv-exec (a symlink), it is envd's credential switch instead:
  *   aenv-exec ERRFD UID GID GROUPS PATH ARG0 [ARG...]
  * setgroups(GROUPS: comma-separated, may be empty), setgid, setuid, then execv(PATH).
@@ -47,6 +53,8 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <sys/syscall.h>
+#include <linux/fs.h>
 #include <sys/sysmacros.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -58,6 +66,10 @@
 #define ENVD_TMPDIR "/var/lib/aenv-envd"
 #define GROWFS_STATUS "/run/aenv/growfs"
 #define EXT4_IOC_RESIZE_FS _IOW('f', 16, unsigned long long)
+#define BUILDER_MARK "/etc/aenv/builder"
+#define BUILDER_TMPDIR "/run/aenv/envd"   /* moves with /run onto the image at switch-root */
+#define NEW_ROOT "/newroot"
+#define ROOT_DEV "/dev/vda"
 
 static char cmdline[4096];
 
@@ -163,13 +175,12 @@ static void setup_tmp(void) {
    than by a program in the guest (an image may have none, and starting one costs seconds
    under emulation). The outcome goes to GROWFS_STATUS ("grown BLOCKS" or "failed: ...")
    for the host to read. */
-static void grow_root(void) {
-    if (!has_flag("aenv.growfs")) return;
+static void grow_fs(const char *root) {
     char status[160], why[140] = "";
     unsigned long long blocks = 0;
     struct stat st;
     struct statvfs sv;
-    int fd = open("/", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    int fd = open(root, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0 || fstat(fd, &st) < 0 || fstatvfs(fd, &sv) < 0 || sv.f_frsize == 0) {
         snprintf(why, sizeof why, "stat /: %s", strerror(errno));
     } else {
@@ -191,6 +202,10 @@ static void grow_root(void) {
     say("growfs: %s", status);
     strncat(status, "\n", sizeof status - strlen(status) - 1);
     write_file(GROWFS_STATUS, status);
+}
+
+static void grow_root(void) {
+    if (has_flag("aenv.growfs")) grow_fs("/");
 }
 
 static void setup_hostname(void) {
@@ -231,6 +246,15 @@ static int set_addr(int s, const char *ifname, unsigned long req, in_addr_t a) {
     sin->sin_family = AF_INET;
     sin->sin_addr.s_addr = a;
     return ioctl(s, req, &ifr);
+}
+
+static void write_resolv(char *dns);
+
+/* the nameservers setup_network writes: aenv.dns, or user networking's */
+static void network_dns(char *dns, size_t n) {
+    char ip[64];
+    if (!param("aenv.ip", ip, sizeof ip)) snprintf(dns, n, "10.0.2.3");
+    param("aenv.dns", dns, n);
 }
 
 static void setup_network(void) {
@@ -289,6 +313,12 @@ static void setup_network(void) {
         }
     }
     close(s);
+    write_resolv(dns);
+    say("network: %s %s/%d gw %s", ifname, ip, prefix, gw[0] ? gw : "-");
+}
+
+/* /etc/resolv.conf of the nameservers in DNS (comma-separated; modified) */
+static void write_resolv(char *dns) {
     if (dns[0]) {
         char buf[512] = "", *save = NULL;
         for (char *tok = strtok_r(dns, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
@@ -300,11 +330,11 @@ static void setup_network(void) {
         unlink("/etc/resolv.conf");
         write_file("/etc/resolv.conf", buf);
     }
-    say("network: %s %s/%d gw %s", ifname, ip, prefix, gw[0] ? gw : "-");
 }
 
 static sigset_t handled;
 static char envd_path[256] = ENVD_DEFAULT;
+static char envd_tmpdir[64] = "TMPDIR=" ENVD_TMPDIR;
 
 static pid_t start_envd(void) {
     pid_t pid = fork();
@@ -321,7 +351,7 @@ static pid_t start_envd(void) {
         char *envp[] = {
             "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "HOME=/root", "USER=root", "LOGNAME=root", "LANG=C.UTF-8", "TERM=xterm",
-            "ENVD_SET_CLOCK=1", "TMPDIR=" ENVD_TMPDIR, NULL,
+            "ENVD_SET_CLOCK=1", envd_tmpdir, NULL,
         };
         execve(envd_path, argv, envp);
         dprintf(2, "aenv-init: exec %s: %s\n", envd_path, strerror(errno));
@@ -383,25 +413,145 @@ static int exec_as(int argc, char **argv) {
     _exit(127);
 }
 
-int main(int argc, char **argv) {
-    const char *self = strrchr(argv[0], '/');
-    if (strcmp(self ? self + 1 : argv[0], "aenv-exec") == 0) return exec_as(argc, argv);
-    if (getpid() != 1) fprintf(stderr, "aenv-init: warning: not PID 1\n");
-    umask(022);
-    setup_mounts();  /* /proc first: the command line lives there */
+static int copy_file(const char *src, const char *dst, mode_t mode) {
+    int in = open(src, O_RDONLY | O_CLOEXEC), rc = 0;
+    if (in < 0) return -1;
+    int out = open(dst, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
+    if (out < 0) { close(in); return -1; }
+    char buf[1 << 16];
+    ssize_t n;
+    while ((n = read(in, buf, sizeof buf)) > 0) {
+        for (ssize_t done = 0; done < n;) {
+            ssize_t w = write(out, buf + done, n - done);
+            if (w < 0) { n = -1; break; }
+            done += w;
+        }
+        if (n < 0) break;
+    }
+    if (n < 0) rc = -1;
+    close(in);
+    if (close(out) < 0) rc = -1;
+    return rc;
+}
+
+/* /proc /sys /dev (with /dev/pts, /dev/shm) and /run moved under TO */
+static int move_mounts(const char *to) {
+    const char *mnts[] = {"/proc", "/sys", "/dev", "/run", NULL};
+    char dst[256];
+    for (int i = 0; mnts[i]; i++) {
+        snprintf(dst, sizeof dst, "%s%s", to, mnts[i]);
+        mkdir(dst, 0755);
+        if (mount(mnts[i], dst, NULL, MS_MOVE, NULL) < 0) {
+            say("move %s to %s: %s", mnts[i], dst, strerror(errno));
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* every process whose root was / gets NEW_ROOT; the old root at PUT_OLD (under it) */
+static int pivot_into(const char *new_root, const char *put_old) {
+    if (chdir(new_root) < 0 || syscall(SYS_pivot_root, ".", put_old) < 0) {
+        say("pivot_root %s: %s", new_root, strerror(errno));
+        return -1;
+    }
+    if (chdir("/") < 0) say("chdir /: %s", strerror(errno));
+    return 0;
+}
+
+/* A builder's boot: init and envd copied into a tmpfs that becomes the root; init starts
+   again from it ("--builder") and unmounts the disk. Returns only if that failed. */
+static void builder_root(void) {
+    if (mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID, "mode=0755") < 0) {
+        say("builder: tmpfs: %s", strerror(errno));
+        return;
+    }
+    const char *dirs[] = {"/tmp/usr", "/tmp/usr/sbin", "/tmp/usr/bin", "/tmp/etc", "/tmp/root",
+                          "/tmp/tmp", "/tmp" NEW_ROOT, "/tmp/oldroot", NULL};
+    for (int i = 0; dirs[i]; i++) mkdir(dirs[i], 0755);
+    chmod("/tmp/tmp", 01777);
+    if (copy_file("/proc/self/exe", "/tmp/usr/sbin/aenv-init", 0755) < 0 ||
+        copy_file(envd_path, "/tmp/usr/bin/envd", 0755) < 0) {
+        say("builder: copying init and envd: %s", strerror(errno));
+        return;
+    }
+    if (symlink("aenv-init", "/tmp/usr/sbin/aenv-exec") < 0) say("builder: aenv-exec: %s", strerror(errno));
+    write_file("/tmp/etc/passwd", "root:x:0:0:root:/root:/bin/sh\n");
+    write_file("/tmp/etc/group", "root:x:0:\n");
+    if (move_mounts("/tmp") < 0 || pivot_into("/tmp", "oldroot") < 0) return;
+    char *args[] = {"aenv-init", "--builder", NULL};
+    execv("/usr/sbin/aenv-init", args);
+    say("builder: exec: %s", strerror(errno));
+}
+
+/* `aenv-init switch-root [--growfs]` in a builder (run as root through envd): ROOT_DEV
+   mounted, grown, the mounts moved onto it, every process pivoted onto it, then what a
+   boot on it would have written (its /tmp, hostname, resolv.conf). */
+static int switch_root(int argc, char **argv) {
     int fd = open("/proc/cmdline", O_RDONLY | O_CLOEXEC);
     if (fd >= 0) {
         ssize_t n = read(fd, cmdline, sizeof cmdline - 1);
         cmdline[n > 0 ? n : 0] = 0;
         close(fd);
     }
-    say("starting");
-    grow_root();
+    fd = open(ROOT_DEV, O_RDONLY | O_CLOEXEC);  /* nothing the builder's disk left cached */
+    if (fd >= 0) {
+        if (ioctl(fd, BLKFLSBUF, 0) < 0) say("flush %s: %s", ROOT_DEV, strerror(errno));
+        close(fd);
+    }
+    if (mount(ROOT_DEV, NEW_ROOT, "ext4", 0, NULL) < 0) {
+        say("switch-root: mount %s: %s", ROOT_DEV, strerror(errno));
+        return 1;
+    }
+    if (argc > 2 && strcmp(argv[2], "--growfs") == 0) grow_fs(NEW_ROOT);
+    if (move_mounts(NEW_ROOT) < 0) return 1;
+    mkdir(NEW_ROOT "/run/aenv/oldroot", 0700);
+    if (pivot_into(NEW_ROOT, "run/aenv/oldroot") < 0) return 1;
+    if (umount2("/run/aenv/oldroot", MNT_DETACH) < 0) say("detach the old root: %s", strerror(errno));
+    rmdir("/run/aenv/oldroot");
     setup_tmp();
+    setup_hostname();
+    char dns[256] = "";
+    network_dns(dns, sizeof dns);
+    write_resolv(dns);
+    say("switched onto %s", ROOT_DEV);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    const char *self = strrchr(argv[0], '/');
+    if (strcmp(self ? self + 1 : argv[0], "aenv-exec") == 0) return exec_as(argc, argv);
+    if (argc > 1 && strcmp(argv[1], "switch-root") == 0) return switch_root(argc, argv);
+    int builder = argc > 1 && strcmp(argv[1], "--builder") == 0;  /* in its tmpfs root */
+    if (getpid() != 1) fprintf(stderr, "aenv-init: warning: not PID 1\n");
+    umask(022);
+    if (!builder) setup_mounts();  /* /proc first: the command line lives there */
+    int fd = open("/proc/cmdline", O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        ssize_t n = read(fd, cmdline, sizeof cmdline - 1);
+        cmdline[n > 0 ? n : 0] = 0;
+        close(fd);
+    }
+    say(builder ? "starting a builder" : "starting");
+    param("aenv.envd", envd_path, sizeof envd_path);
+    if (!builder && access(BUILDER_MARK, F_OK) == 0) builder_root();  /* returns on failure */
+    if (builder) {
+        strcpy(envd_path, ENVD_DEFAULT);  /* copied there */
+        /* the disk let go whole: a mount of another disk on it later must not meet
+           this filesystem (a detached one would still hold the device) */
+        if (umount2("/oldroot", 0) < 0) {
+            say("builder: unmounting the disk: %s", strerror(errno));
+            umount2("/oldroot", MNT_DETACH);
+        }
+        mkdir(BUILDER_TMPDIR, 0700);
+        snprintf(envd_tmpdir, sizeof envd_tmpdir, "TMPDIR=%s", BUILDER_TMPDIR);
+    } else {
+        grow_root();
+        setup_tmp();
+    }
     reboot(RB_DISABLE_CAD); /* Ctrl-Alt-Del becomes SIGINT to us */
     setup_hostname();
     setup_network();
-    param("aenv.envd", envd_path, sizeof envd_path);
 
     struct rlimit rl = {65536, 65536};
     setrlimit(RLIMIT_NOFILE, &rl);

@@ -94,14 +94,15 @@ class LayerTar:
         return self._buf.getvalue()
 
 
-def busybox_layer() -> bytes:
-    """/bin/busybox (static) and a symlink per applet: a whole userland, no libc."""
+def busybox_layer(hostname: bytes = b"busybox\n") -> bytes:
+    """/bin/busybox (static) and a symlink per applet: a whole userland, no libc
+    (`hostname`, in /etc/hostname: another layer of the same userland)."""
     layer = LayerTar().dir("bin").file("bin/busybox", BUSYBOX.read_bytes(), mode=0o755)
     applets = subprocess.run([str(BUSYBOX), "--list"], capture_output=True, text=True,
                              check=True).stdout.split()
     for applet in sorted(set(applets) - {"busybox"}):
         layer.symlink(f"bin/{applet}", "busybox")
-    return layer.dir("etc").file("etc/hostname", b"busybox\n").bytes()
+    return layer.dir("etc").file("etc/hostname", hostname).bytes()
 
 
 def compress(tar: bytes, compression: str) -> bytes:

@@ -33,6 +33,10 @@ def test_env_then_flags() -> None:
         "AENV_REPOSITORY": "oss://b/p?endpoint=http://127.0.0.1:9000&region=us-east-1"})
     assert cfg.cache_dir == Path("/srv/cache") and cfg.cache_mib == 512
     assert cfg.repository_spec.startswith("oss://b/p")
+    # the node's builders: on unless the environment or a flag says otherwise
+    assert cfg.builders is True
+    assert parse_config([], {"AENV_BUILDERS": "0"}).builders is False
+    assert parse_config(["--builders"], {"AENV_BUILDERS": "0"}).builders is True
 
 
 def test_vmm_firecracker_and_its_binaries() -> None:

@@ -10,8 +10,9 @@ import pytest
 
 from envd import entropy as envd_entropy
 from host.contract import Placement
+from host.guestio import ENTROPY_BYTES, ENTROPY_FIELD
 from host.orchestrator import NodeOrchestrator, Store
-from host.orchestrator.envd import ENTROPY_BYTES, ENTROPY_FIELD, EnvdClient
+from host.orchestrator.envd import EnvdClient
 from host.orchestrator.model import CreateRequest
 
 from .fakes import FakeEnvd, FakeRuntime

@@ -27,6 +27,7 @@ async def test_the_blank_is_named_by_its_mkfs_options_and_an_older_one_is_droppe
         manifests = ManifestStore(f"posix_fs:{repo}")
         await manifests.put_doc("ociblank-4096", {"layer": "sha256:" + "0" * 64})
         parts: Any = SimpleNamespace(manifests=manifests, block=SimpleNamespace(client=bs),
+                                     blank_lock=asyncio.Lock(),
                                      config=SimpleNamespace(state_dir=tmp_path))
         digest = await blank_layer(parts)
         docs = await manifests.documents("ociblank-")

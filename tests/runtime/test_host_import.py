@@ -7,6 +7,7 @@ that fails leaves the layers sealed before it cached, and nothing of the import 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import subprocess
@@ -21,7 +22,7 @@ from host.contract import BuildFailed
 from host.images import Image, ImageConfig, Layer
 from host.images.layout import chain_ids
 from host.runtime import hostimport
-from host.runtime.imports import import_image
+from host.runtime.imports import builder_layers, import_image
 from host.runtime.manifests import ManifestStore
 from host.storage import BlockServer
 from host.storage.convert import convert_image
@@ -97,11 +98,14 @@ async def test_layers_sealed_beside_the_next_apply_stack_in_order(
     try:
         parts: Any = SimpleNamespace(
             manifests=ManifestStore(f"posix_fs:{repo}"), block=SimpleNamespace(client=bs),
+            blank_lock=asyncio.Lock(),
             config=SimpleNamespace(state_dir=tmp_path / "state"))
         parts.config.state_dir.mkdir()
         base = _built_in(tmp_path)
         big = os.urandom(3 << 20)  # a seal that takes a while beside the next apply
-        tars = [LayerTar().dir("srv").file("srv/a", b"one\n").file("srv/gone", b"x").bytes(),
+        tars = [LayerTar().dir("srv").file("srv/a", b"one\n").file("srv/gone", b"x")
+                # the builder's mark, which only the host's builder disk may hold
+                .dir("etc").dir("etc/aenv").file("etc/aenv/builder", b"").bytes(),
                 LayerTar().dir("srv").file("srv/a", b"two\n").file("srv/b", big).bytes(),
                 LayerTar().dir("srv").whiteout("srv/gone").file("srv/c", b"three\n").bytes()]
         logs: list[str] = []
@@ -133,6 +137,16 @@ async def test_layers_sealed_beside_the_next_apply_stack_in_order(
         assert _cat(raw, "/srv/c") == b"three\n"
         assert _cat(raw, "/srv/gone") is None  # the third layer's whiteout
         assert _cat(raw, "/usr/bin/envd") == b"#!envd\n"  # our files on top of them all
+        assert _cat(raw, "/etc/aenv/builder") is None  # an image's never boots a builder
         assert _fsck_clean(raw)
+
+        # the builder's disk (builder.py): the blank, our files and the mark; made once
+        disk = await builder_layers(parts, base, log, name="bld")
+        assert await builder_layers(parts, base, log, name="bld") == disk
+        await bs.create("bcheck", list(disk))
+        braw = tmp_path / "builder.raw"
+        await bs.export_raw("bcheck", str(braw))
+        assert _cat(braw, "/etc/aenv/builder") == b""
+        assert _cat(braw, "/usr/sbin/aenv-init") == b"#!init\n"
     finally:
         await bs.aclose()

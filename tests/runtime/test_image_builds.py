@@ -50,6 +50,11 @@ async def test_busybox_image_becomes_a_template(runtime: NodeRuntime, registry: 
     assert any(msg.startswith("applied ") and "MiB/s" in msg for _, msg, _ in logs), logs
     # its gzip inflated by igzip beside the helper's reading (host/images/gunzip.py)
     assert any("inflated by igzip" in msg for _, msg, _ in logs), logs
+    # its VM restored from the node's builder (host/runtime/builder.py), then switched onto
+    # the image's disk, grown there
+    assert ("info", "Restoring the build VM from the node's builder", "base") in logs, logs
+    assert not any(msg == "Booting the build VM" for _, msg, _ in logs), logs
+    assert any("switched onto /dev/vda" in msg for _, msg, _ in logs), logs
     # the first layer (only the blank ext4 below) becomes a new ext4 of its tree
     assert any("a new ext4 by mke2fs -d" in msg for _, msg, _ in logs), logs
     # grown for minFreeDiskMb by our init at boot: busybox has no python3 to do it
@@ -137,6 +142,13 @@ async def test_missing_image_and_bad_credentials_fail_cleanly(
         assert err.value.step == "base" and why in str(err.value).lower(), str(err.value)
         assert await runtime.find_snapshot(spec.snapshot_id) is None
         assert not (runtime.config.memory_dir / spec.snapshot_id).exists()
+        # the builder it started beside the pull (builder.py) ended with it: no half-made
+        # builder, and nothing of its VM
+        name = build_stack(spec.snapshot_id) + "-b"
+        assert not list((runtime.config.state_dir / "builders").glob(".*"))
+        assert name not in [i.name for i in await runtime.block.client.list()]
+        assert not (runtime.config.vms_dir / name).exists()
+        assert not any(name in n for n in netns_names())
     ok = await runtime.build(BuildSpec(snapshot_id="img-priv", machine=MACHINE,
                                        from_image=f"{auth_registry.host}/private/busybox:1",
                                        registry=RegistryAuth("alice", "s3cret")),
