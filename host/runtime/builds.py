@@ -16,7 +16,6 @@ cache entries of the steps that succeeded stay: they are the cache.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import logging
@@ -33,8 +32,8 @@ from host.vmm.driver import Vm
 from host.vmm.errors import VmmError
 from host.vmm.image import find_image
 
+from . import builddisk, rebuilds
 from . import builder as builders
-from . import rebuilds
 from . import steps as guest_steps
 from .buildcache import BuildCache, CacheEntry, source_key, step_key
 from .errors import NodeRuntimeError, SandboxStartError, SnapshotNotFoundError
@@ -49,7 +48,6 @@ log_ = logging.getLogger(__name__)
 READY_TIMEOUT_S = 600.0
 # the build VM's init grows its root filesystem to the device (rootfs/init/init.c)
 GROWFS_FLAG = "aenv.growfs"
-GROWFS_STATUS = "/run/aenv/growfs"
 DEFAULT_READY_WITH_START = "sleep 20"  # E2B's default when a start command has none
 # What the SDKs send as `fromImage` when no source was chosen (`Template()` alone, or
 # `from_base_image()`): E2B's base image, whose role our built-in image plays.
@@ -257,7 +255,8 @@ class _Build:
         self.timings.update(boot)
         if grow:
             t = time.perf_counter()
-            await self._grow_filesystem()
+            assert self.shell is not None
+            await builddisk.grow_filesystem(self.shell, self.spec, self.log, self.disk_mib)
             self.timings["grow_s"] = time.perf_counter() - t
         n = len(spec.steps)
         for i in range(first, n):
@@ -271,7 +270,8 @@ class _Build:
                 layers = await self._seal_step()
             await self.cache.put(keys[i], CacheEntry(tuple(layers), guest))
             self.timings[f"step{i + 1}_s"] = time.perf_counter() - t
-        await self._check_free_disk()
+        if self.shell is not None:
+            await builddisk.check_free_disk(self.shell, self.spec, self.log)
         await self._start_and_wait(guest, src.start_cmd)
         return await self._commit(m, vspec, scratch, guest, first, t1, len(src.layers))
 
@@ -296,54 +296,6 @@ class _Build:
         await client.create(self.stack, list(layers), virtual_size=want)
         self.disk_mib = want >> 20
         return True, want
-
-    async def _grow_filesystem(self) -> None:
-        """The root filesystem grown to the (bigger) device: our init does it at boot when
-        the command line says GROWFS_FLAG (rootfs/init/init.c) and leaves its outcome in
-        GROWFS_STATUS (read through envd's files API: no program needed); an init older
-        than that (a template built before, as a base) left none: the kernel's online
-        resize from python3 in the guest, as it did then (EXT4_IOC_RESIZE_FS on /;
-        resize2fs itself fails on a root mounted as /dev/root: "Device or resource
-        busy")."""
-        assert self.shell is not None
-        said = await self.shell.read_file(GROWFS_STATUS, limit=4096)
-        status = said.decode(errors="replace").strip() if said is not None else ""
-        if not status:
-            # the last lines only: the guest may print without end
-            out: collections.deque[str] = collections.deque(maxlen=3)
-            script = ("python3 -c 'import fcntl,os,struct; "
-                      "n=int(open(\"/sys/block/vda/size\").read())*512//os.statvfs(\"/\").f_frsize; "
-                      "fd=os.open(\"/\",os.O_RDONLY); "
-                      "fcntl.ioctl(fd,0x40086610,struct.pack(\"Q\",n))'")
-            code = await self.shell.run(script, user="root",
-                                        on_output=lambda _s, line: out.append(line))
-            status = "grown" if code == 0 else (" | ".join(out)
-                                                 or "the image has no python3 to grow it")
-        if not status.startswith("grown"):
-            if self.spec.min_free_disk_mb:
-                raise BuildFailed(f"growing the disk for minFreeDiskMb failed: {status}",
-                                  step="base")
-            self.log("warn", f"the image's filesystem was not grown ({status}): disk size "
-                     "unchanged", "base")
-            return
-        self.log("info", f"disk grown to {self.disk_mib} MiB", "base")
-
-    async def _check_free_disk(self) -> None:
-        need = self.spec.min_free_disk_mb
-        if not need or self.shell is None:
-            return
-        out: collections.deque[str] = collections.deque(maxlen=1)  # the last line only
-        await self.shell.run("df -Pm / | tail -1", user="root",
-                             on_output=lambda _s, line: out.append(line))
-        try:
-            free = int(out[-1].split()[3])
-        except (IndexError, ValueError):
-            raise BuildFailed(f"cannot read the free disk space: {list(out)}",
-                              step="finalize") from None
-        if free < need:
-            raise BuildFailed(f"{free} MiB free on the disk, {need} MiB asked "
-                              "(minFreeDiskMb)", step="finalize")
-        self.log("info", f"{free} MiB free on the disk", "finalize")
 
     async def _seal_step(self) -> tuple[str, ...]:
         """The disk as this step left it becomes a layer: the guest flushes its page
