@@ -54,6 +54,7 @@ from .routing import (
 )
 from .signed import SignedFileRequest
 from .upstream import Pool, UpstreamError, UpstreamUnreachable
+from .wspump import refuse
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ class ProxyApp:
     async def _deny(self, scope: Scope, receive: Receive, send: Send, status: int, message: str,
                     *, sandbox_id: str | None = None, port: int | None = None) -> None:
         if scope["type"] == "websocket":
-            await websocket.deny(scope, receive, send, status, message, sandbox_id, port)
+            await refuse(scope, receive, send, status, message, sandbox_id, port)
         else:
             await responses.send_json(send, status, message, sandbox_id=sandbox_id, port=port)
 

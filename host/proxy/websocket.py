@@ -19,24 +19,8 @@ from host.orchestrator.model import Route
 from . import responses
 from .forwarding import guest_headers
 from .routing import Target, masked_host
-from .wspump import pump_down, pump_up
+from .wspump import pump_down, pump_up, refuse
 
-
-async def deny(scope: Scope, receive: Receive, send: Send, status: int, message: str,
-               sandbox_id: str | None, port: int | None) -> None:
-    """The handshake refused: an HTTP answer with E2B's JSON where the server can send
-    one (the websocket.http.response extension), else a close (1008)."""
-    msg = await receive()  # websocket.connect
-    if msg["type"] != "websocket.connect":
-        return
-    if "websocket.http.response" in scope.get("extensions", {}):
-        payload = responses.body(status, message, sandbox_id, port)
-        await send({"type": "websocket.http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(payload)).encode())]})
-        await send({"type": "websocket.http.response.body", "body": payload})
-    else:
-        await send({"type": "websocket.close", "code": 1008, "reason": message[:120]})
 
 async def relay(scope: Scope, receive: Receive, send: Send, target: Target, route: Route,
                 *, connect_timeout_s: float) -> None:
@@ -66,16 +50,16 @@ async def relay(scope: Scope, receive: Receive, send: Send, target: Target, rout
             open_timeout=connect_timeout_s, max_size=None, compression=None,
             user_agent_header=None, ping_interval=None, **address)
     except websockets.InvalidURI:
-        await deny(scope, receive, send, 502,
+        await refuse(scope, receive, send, 502,
                                    f"invalid network.maskRequestHost {masked!r}",
                                    target.sandbox_id, target.port)
         return
     except (TimeoutError, OSError):
-        await deny(scope, receive, send, 502, responses.PORT_CLOSED,
+        await refuse(scope, receive, send, 502, responses.PORT_CLOSED,
                                    target.sandbox_id, target.port)
         return
     except websockets.InvalidStatus as exc:
-        await deny(scope, receive, send, exc.response.status_code,
+        await refuse(scope, receive, send, exc.response.status_code,
                                    f"upstream refused the WebSocket: {exc}",
                                    target.sandbox_id, target.port)
         return

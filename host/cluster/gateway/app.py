@@ -57,6 +57,7 @@ from host.proxy.routing import (
     routes_by_headers,
 )
 from host.proxy.signed import SignedFileRequest
+from host.proxy.wspump import refuse
 
 from ..config import GatewayConfig
 from ..errors import ClusterError, SandboxLost, SandboxStranded, SandboxUnknown, error_reply
@@ -68,7 +69,7 @@ from .metrics import GatewayMetrics, error_code
 from .resolve import Resolver
 from .scheduling import SchedulerClient
 from .shared import GatewayContext
-from .websocket import deny, relay_websocket
+from .websocket import relay_websocket
 
 _PORT_HOST = re.compile(rf"^[0-9]+-{ROUTABLE_ID_BODY}\.")   # `<port>-<id>.`: traffic
 _ANY = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"]
@@ -270,7 +271,7 @@ class Gateway:
         """Refuse sandbox traffic (counted as an error: `code`, else the status's name)."""
         self.metrics.error(status, code)
         if scope["type"] == "websocket":
-            await deny(scope, receive, send, status, message, sandbox_id)
+            await refuse(scope, receive, send, status, message, sandbox_id)
         else:
             await responses.send_json(send, status, message, sandbox_id=sandbox_id)
 

@@ -14,29 +14,13 @@ from starlette.types import Receive, Scope, Send
 from websockets.asyncio.client import connect as ws_connect
 
 from host.httpheaders import WS_HANDSHAKE
-from host.proxy import responses
-from host.proxy.wspump import pump_down, pump_up
+from host.proxy.wspump import pump_down, pump_up, refuse
 
 from ..errors import NodeUnreachable
 from .forward import host_port, is_tls, traffic_headers
 
 if TYPE_CHECKING:
     from .metrics import GatewayMetrics
-
-
-async def deny(scope: Scope, receive: Receive, send: Send, status: int, message: str,
-               sandbox_id: str | None = None) -> None:
-    """Refuse the handshake with a JSON body where the server can send one."""
-    if (await receive())["type"] != "websocket.connect":
-        return
-    if "websocket.http.response" in scope.get("extensions", {}):
-        payload = responses.body(status, message, sandbox_id)
-        await send({"type": "websocket.http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(payload)).encode())]})
-        await send({"type": "websocket.http.response.body", "body": payload})
-    else:
-        await send({"type": "websocket.close", "code": 1008, "reason": message[:120]})
 
 
 async def relay_websocket(address: str, scope: Scope, receive: Receive, send: Send, *,
@@ -64,13 +48,13 @@ async def relay_websocket(address: str, scope: Scope, receive: Receive, send: Se
             subprotocols=scope.get("subprotocols") or None, open_timeout=open_timeout_s,
             max_size=None, compression=None, user_agent_header=None, ping_interval=None)
     except websockets.InvalidStatus as exc:
-        await deny(scope, receive, send, exc.response.status_code,
+        await refuse(scope, receive, send, exc.response.status_code,
                    f"the node refused the WebSocket: {exc}", sandbox_id)
         return
     except (OSError, TimeoutError, websockets.InvalidHandshake, websockets.InvalidURI) as exc:
         if metrics is not None:
             metrics.error(502, NodeUnreachable.error_code)
-        await deny(scope, receive, send, 502, f"The sandbox's node is unreachable: {exc}",
+        await refuse(scope, receive, send, 502, f"The sandbox's node is unreachable: {exc}",
                    sandbox_id)
         return
     async with upstream:
