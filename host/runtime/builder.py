@@ -51,6 +51,7 @@ from .parts import NodeParts
 log = logging.getLogger(__name__)
 
 SWITCH_ROOT = "/usr/sbin/aenv-init"
+BUILDER_READY = "/run/aenv/builder"  # rootfs/init/init.c: "ready" once its disk is let go
 # Under TCG, the build VM's translated code kept before a flush (VmSpec.tcg_tb_mib): its
 # cold boot translates over the 64 MiB a sandbox gets; at 128 it boots in 4.88 s instead
 # of 5.13 s (bench/bench_boot.py, 3 boots each), more gains nothing (256: 4.84 s). One
@@ -159,10 +160,11 @@ async def _boot(p: NodeParts, b: Builder, m: dict[str, Any], size: int, base: Gu
     await client.create(name, list(layers), virtual_size=size)
     vm: Vm | None = None
     try:
-        _net, (network, *_rest) = await mx.make_net(name, NetworkPolicy())
+        _net, (network, host, port, _fwd) = await mx.make_net(name, NetworkPolicy())
         try:
             spec = builder_spec(p, m, name=name, ram=b.ram, network=network)
             vm, _stages = await mx.boot(spec, timeout_s=p.config.boot_timeout_s)
+            await _check_ready(host, port)
             await vm.save_state(b.state)
         finally:
             if vm is not None:
@@ -170,6 +172,22 @@ async def _boot(p: NodeParts, b: Builder, m: dict[str, Any], size: int, base: Gu
             await mx.drop_net(name)
     finally:
         await mx.drop_stack(name)
+
+
+async def _check_ready(host: str, port: int) -> None:
+    """Init's word that the builder runs on its tmpfs root with its disk let go (a
+    builder still on its disk would, restored on another, meet its own stale filesystem
+    there): without it no builder is saved and the build cold-boots."""
+    shell = GuestShell(host, port)
+    try:
+        said = await shell.read_file(BUILDER_READY, limit=4096)
+    except GuestCommandError as exc:
+        raise BuildFailed(f"the builder's state: {exc}", step="base") from exc
+    finally:
+        await shell.aclose()
+    if said is None or said.strip() != b"ready":
+        raise BuildFailed("the builder did not leave its disk (see the node's log)",
+                          step="base")
 
 
 def builder_spec(p: NodeParts, m: dict[str, Any], *, name: str, ram: Path,

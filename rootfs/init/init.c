@@ -69,6 +69,7 @@
 #define BUILDER_MARK "/etc/aenv/builder"
 #define BUILDER_TMPDIR "/run/aenv/envd"   /* moves with /run onto the image at switch-root */
 #define NEW_ROOT "/newroot"
+#define BUILDER_READY "/run/aenv/builder"  /* "ready": on its tmpfs root, the disk let go */
 #define ROOT_DEV "/dev/vda"
 
 static char cmdline[4096];
@@ -494,6 +495,10 @@ static int switch_root(int argc, char **argv) {
         cmdline[n > 0 ? n : 0] = 0;
         close(fd);
     }
+    if (access(BUILDER_READY, F_OK) < 0) {  /* a root on a disk: no other may go there */
+        say("switch-root: not a builder (no %s)", BUILDER_READY);
+        return 1;
+    }
     fd = open(ROOT_DEV, O_RDONLY | O_CLOEXEC);  /* nothing the builder's disk left cached */
     if (fd >= 0) {
         if (ioctl(fd, BLKFLSBUF, 0) < 0) say("flush %s: %s", ROOT_DEV, strerror(errno));
@@ -509,6 +514,7 @@ static int switch_root(int argc, char **argv) {
     if (pivot_into(NEW_ROOT, "run/aenv/oldroot") < 0) return 1;
     if (umount2("/run/aenv/oldroot", MNT_DETACH) < 0) say("detach the old root: %s", strerror(errno));
     rmdir("/run/aenv/oldroot");
+    unlink(BUILDER_READY);  /* on the disk now: a second switch-root is refused */
     setup_tmp();
     setup_hostname();
     char dns[256] = "";
@@ -539,9 +545,11 @@ int main(int argc, char **argv) {
         strcpy(envd_path, ENVD_DEFAULT);  /* copied there */
         /* the disk let go whole: a mount of another disk on it later must not meet
            this filesystem (a detached one would still hold the device) */
-        if (umount2("/oldroot", 0) < 0) {
+        if (umount2("/oldroot", 0) < 0) {  /* not ready then: the host saves no builder */
             say("builder: unmounting the disk: %s", strerror(errno));
             umount2("/oldroot", MNT_DETACH);
+        } else {
+            write_file(BUILDER_READY, "ready\n");
         }
         mkdir(BUILDER_TMPDIR, 0700);
         snprintf(envd_tmpdir, sizeof envd_tmpdir, "TMPDIR=%s", BUILDER_TMPDIR);

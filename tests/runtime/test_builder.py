@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from host.contract import BuildSpec, BuildStep, MachineSpec, NetworkConfig
-from host.runtime import NodeRuntime
+from host.runtime import NodeRuntime, builder
 from host.runtime.parts import build_stack
 from tests.images.conftest import Registry
 from tests.images.ocibuild import LayerTar, OciLayout, busybox_layer, push
@@ -86,6 +86,11 @@ async def test_a_builder_is_made_once_reused_and_its_vm_runs_on_the_image(
         assert root_mount.startswith("/dev/vda / ext4 "), root_mount
         assert newroot == "0"  # the builder's tmpfs root is gone from the view
         assert envd_dir == "/run/aenv/envd"  # envd's unpacked self moved along with /run
+        # on its disk now: init refuses another switch (the builder's mark is gone)
+        again = await run(p, "/usr/sbin/aenv-init switch-root 2>&1; echo exit=$?; "
+                             "ls /run/aenv/builder 2>/dev/null | wc -l; cat /srv/built.txt")
+        assert "not a builder" in again and "exit=1" in again, again
+        assert again.strip().split("\n")[-2:] == ["0", "built"], again
     finally:
         await runtime.kill(sid)
     await assert_gone(runtime, sid)
@@ -140,3 +145,20 @@ async def test_a_builder_being_made_is_not_reaped_as_an_orphan(
     assert any(m.startswith("Made a builder") for m in logs), logs
     assert "Restoring the build VM from the node's builder" in logs, logs
     await runtime.delete_snapshot("bld-reap")
+
+
+async def test_a_builder_still_on_its_disk_is_not_saved(
+        runtime: NodeRuntime, bld_images: dict[str, str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Init says `ready` only once the builder's disk is let go; without that word (here:
+    the host looks for another file) no builder is saved and the build cold-boots."""
+    monkeypatch.setattr(builder, "BUILDER_READY", "/run/aenv/no-such-word")
+    before = _builders(runtime)
+    logs: list[str] = []
+    await runtime.build(BuildSpec(snapshot_id="bld-unready", machine=MachineSpec(memory_mb=304),
+                                  from_image=bld_images["one"], steps=(STEP,)),
+                        lambda _lvl, msg, _step: logs.append(msg))
+    assert any("no builder" in m and "did not leave its disk" in m for m in logs), logs
+    assert "Booting the build VM" in logs, logs
+    assert _builders(runtime) == before  # nothing saved, nothing half-made left
+    await runtime.delete_snapshot("bld-unready")
