@@ -45,12 +45,11 @@ from host.vmm.image import GuestImage, find_image
 from .builderstore import Builder
 from .errors import NodeRuntimeError, SandboxStartError
 from .guest_shell import GuestCommandError, GuestShell, OnOutput
-from .imports import INIT, builder_layers
+from .imports import INIT, builder_layers, image_to_import, imported_cmdline, ours_id
 from .parts import NodeParts
 
 log = logging.getLogger(__name__)
 
-SWITCH_ROOT = "/usr/sbin/aenv-init"
 BUILDER_READY = "/run/aenv/builder"  # rootfs/init/init.c: "ready" once its disk is let go
 # Under TCG, the build VM's translated code kept before a flush (VmSpec.tcg_tb_mib): its
 # cold boot translates over the 64 MiB a sandbox gets; at 128 it boots in 4.88 s instead
@@ -69,23 +68,29 @@ class BuilderUse:
         self.p, self.spec, self.stack, self.log = p, spec, stack, log_
         self.task: asyncio.Task[Builder] | None = None
         self.m: dict[str, Any] = {}
+        self.size = 0
         self.key = ""
 
     async def start(self, size: int) -> None:
-        """The builder for the build VM of this build's image, on a disk of `size` bytes,
-        whose command line is our init's on the built-in image's kernel."""
+        """For a build from an OCI image on QEMU, on a node with builders: the builder for
+        its build VM, on a disk of `size` bytes, whose command line is our init's on the
+        built-in image's kernel. Nothing for any other build."""
         p, spec = self.p, self.spec
+        if p.builders is None or image_to_import(spec) is None or \
+                p.machines.vmm.name != "qemu":
+            return
         base = await asyncio.to_thread(find_image, spec.machine.image, p.config.image_cache)
-        cmdline = f"{base.cmdline} init={INIT} {p.machines.guest_net_cmdline()}".strip()
+        cmdline = f"{imported_cmdline(base)} {p.machines.guest_net_cmdline()}".strip()
         self.m = {"machine": dataclasses.asdict(spec.machine), "cmdline": cmdline,
                   "kernel": str(base.kernel.vmlinux)}
+        self.size = size
         self.key = await key(p, self.m, size, base)
         self.task = asyncio.create_task(get(p, self.key, self.m, size, base, self.log,
                                             name=f"{self.stack}-b"))
 
-    async def take(self, m: dict[str, Any], size_fits: bool) -> Builder | None:
-        """The builder, if its VM is this build's (machine, command line, kernel; the
-        disk's size `size_fits`) and it could be made; None: the build cold-boots."""
+    async def take(self, m: dict[str, Any], size: int) -> Builder | None:
+        """The builder, if its VM is this build's (machine, command line, kernel, a disk
+        of `size` bytes) and it could be made; None: the build cold-boots."""
         task, self.task = self.task, None
         if task is None:
             return None
@@ -94,7 +99,8 @@ class BuilderUse:
         except (VmmError, BuildFailed, NodeRuntimeError, SandboxStartError, OSError) as exc:
             self.log("warn", f"no builder ({exc}): cold-booting the build VM", "base")
             return None
-        if not size_fits or any(m[k] != self.m[k] for k in ("machine", "cmdline", "kernel")):
+        if size != self.size or any(m[k] != self.m[k] for k in ("machine", "cmdline",
+                                                                "kernel")):
             return None
         return b
 
@@ -129,8 +135,8 @@ async def key(p: NodeParts, m: dict[str, Any], size: int, base: GuestImage) -> s
     included), the disk's size, the VMM's identity, and our init and envd (they run on
     from the builder's memory in every template made with it)."""
     identity = (await p.machines.identity()).to_json()
-    ours = str(base.manifest.get("rootfs", {}).get("digest") or base.rootfs)
-    text = json.dumps([p.machines.restore_digest(m), size, identity, ours], sort_keys=True)
+    text = json.dumps([p.machines.restore_digest(m), size, identity, ours_id(base)],
+                      sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -226,7 +232,7 @@ async def switch_root(shell: GuestShell, *, grow: bool, on_output: OnOutput) -> 
     (the builder's are the snapshot's), then init's switch-root."""
     try:
         await shell.init_clock()
-        code = await shell.run([SWITCH_ROOT, "switch-root", *(["--growfs"] if grow else [])],
+        code = await shell.run([INIT, "switch-root", *(["--growfs"] if grow else [])],
                                user="root", timeout_s=120.0, on_output=on_output)
     except GuestCommandError as exc:
         raise BuildFailed(f"switching the build VM onto its disk: {exc}", step="base") from exc

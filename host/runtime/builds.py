@@ -38,7 +38,7 @@ from . import steps as guest_steps
 from .buildcache import BuildCache, CacheEntry, source_key, step_key
 from .errors import NodeRuntimeError, SandboxStartError, SnapshotNotFoundError
 from .guest_shell import GuestCommandError, GuestShell, OnOutput
-from .imports import BLANK_MIB, import_image
+from .imports import BLANK_MIB, image_to_import, import_image
 from .layers import image_layers
 from .manifests import VERSION
 from .parts import NodeParts, build_stack
@@ -49,15 +49,6 @@ READY_TIMEOUT_S = 600.0
 # the build VM's init grows its root filesystem to the device (rootfs/init/init.c)
 GROWFS_FLAG = "aenv.growfs"
 DEFAULT_READY_WITH_START = "sleep 20"  # E2B's default when a start command has none
-# What the SDKs send as `fromImage` when no source was chosen (`Template()` alone, or
-# `from_base_image()`): E2B's base image, whose role our built-in image plays.
-E2B_BASE_IMAGES = ("e2bdev/base", "docker.io/e2bdev/base")
-
-
-def spec_wants_builder(spec: BuildSpec, p: NodeParts) -> bool:
-    """A build from an OCI image on a node with builders, on QEMU (builder.py)."""
-    return bool(p.builders is not None and spec.from_image and p.machines.vmm.name == "qemu"
-                and spec.from_image.split(":")[0] not in E2B_BASE_IMAGES)
 
 
 def _noop(level: str, message: str, step: str | None) -> None:
@@ -109,8 +100,7 @@ class _Build:
         t0 = time.perf_counter()
         guest_steps.validate(self.spec.steps, self.spec.files_dir)
         try:
-            if spec_wants_builder(self.spec, self.p):
-                await self.builder.start(self._stack_size(BLANK_MIB << 20))
+            await self.builder.start(self._stack_size(BLANK_MIB << 20))
             src = await self._source()
             self.timings["source_s"] = time.perf_counter() - t0
             layers, guest, first, keys = await self._cached_prefix(src)
@@ -138,8 +128,8 @@ class _Build:
 
     async def _source(self) -> _Source:
         spec, p = self.spec, self.p
-        if spec.from_image and spec.from_image.split(":")[0] not in E2B_BASE_IMAGES:
-            return await self._image_source(spec.from_image)
+        if (reference := image_to_import(spec)) is not None:
+            return await self._image_source(reference)
         if spec.from_snapshot:
             try:
                 m = await p.manifests.get(spec.from_snapshot)
@@ -232,9 +222,7 @@ class _Build:
             "image": src.image, "kernel": src.kernel, "cmdline": cmdline,
             "base_cmdline": src.cmdline,
         }
-        builder = await self.builder.take(m, size == self._stack_size(BLANK_MIB << 20))
-        if grow and builder is None:  # our init grows it at boot (switch-root, restored)
-            m["cmdline"] = f"{cmdline} {GROWFS_FLAG}"
+        builder = await self.builder.take(m, size)
         scratch = self.mem_root / "scratch.mem"
         vspec = builders.builder_spec(p, m, name=self.stack, ram=scratch, network=network)
         t1 = time.perf_counter()
@@ -247,7 +235,7 @@ class _Build:
             if got is not None:
                 self.vm, boot = got
         if boot is None:
-            if builder is not None and grow:  # its VM is gone: this one grows it at boot
+            if grow:  # our init grows it at boot (a restored builder: switch-root did)
                 m["cmdline"] = f"{cmdline} {GROWFS_FLAG}"
                 vspec = dataclasses.replace(vspec, cmdline=m["cmdline"])
             self.log("info", "Booting the build VM", "base")

@@ -21,7 +21,7 @@ import hashlib
 import tempfile
 from pathlib import Path
 
-from host.contract import BuildFailed, BuildLog, GuestDefaults
+from host.contract import BuildFailed, BuildLog, BuildSpec, GuestDefaults
 from host.images import Image
 from host.storage.convert import convert_image
 from host.vmm.image import GuestImage
@@ -33,6 +33,9 @@ from .parts import NodeParts
 
 BLANK_MIB = 4096
 INIT = "/usr/sbin/aenv-init"
+# What the SDKs send as `fromImage` when no source was chosen (`Template()` alone, or
+# `from_base_image()`): E2B's base image, whose role our built-in image plays.
+E2B_BASE_IMAGES = ("e2bdev/base", "docker.io/e2bdev/base")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +81,23 @@ async def _make_blank(p: NodeParts, name: str) -> str:
     return str(digest)
 
 
+def ours_id(base: GuestImage) -> str:
+    """What identifies our init and envd: the built-in image's rootfs (its digest)."""
+    return str(base.manifest.get("rootfs", {}).get("digest") or base.rootfs)
+
+
+def imported_cmdline(base: GuestImage) -> str:
+    """An imported image's kernel command line: the built-in image's, booting our init."""
+    return f"{base.cmdline} init={INIT}"
+
+
+def image_to_import(spec: BuildSpec) -> str | None:
+    """The OCI image a build imports: its `fromImage`, unless none or E2B's base image."""
+    if spec.from_image and spec.from_image.split(":")[0] not in E2B_BASE_IMAGES:
+        return spec.from_image
+    return None
+
+
 def guest_defaults(image: Image) -> GuestDefaults:
     """The image config's ENV, WORKDIR and USER (E2B's `user` and its home otherwise)."""
     cfg = image.config
@@ -95,7 +115,7 @@ async def builder_layers(p: NodeParts, base: GuestImage, log: BuildLog, *,
     """The disk a builder boots from (builder.py): the blank, our init and envd, and the
     mark that makes init boot a builder; made once (cached as an image import is)."""
     blank = await blank_layer(p)
-    envd_id = str(base.manifest.get("rootfs", {}).get("digest") or base.rootfs)
+    envd_id = ours_id(base)
     key = _key(blank, "aenv-builder", envd_id)
     if (doc := await read_entry(p.manifests, f"ocilayer-{key}")) is not None:
         return tuple(doc["layers"])
@@ -112,9 +132,9 @@ async def import_image(p: NodeParts, image: Image, base: GuestImage, log: BuildL
     the import's stack (the build's name, so recovery knows it)."""
     blank = await blank_layer(p)
     keys = [_key(blank, layer.chain_id) for layer in image.layers]
-    envd_id = str(base.manifest.get("rootfs", {}).get("digest") or base.rootfs)
+    envd_id = ours_id(base)
     final_key = _key(keys[-1] if keys else blank, "aenv-envd-init", envd_id)
-    cmdline = f"{base.cmdline} init={INIT}"
+    cmdline = imported_cmdline(base)
     guest = guest_defaults(image)
     if (doc := await read_entry(p.manifests, f"ocilayer-{final_key}")) is not None:
         log("info", f"CACHED image {image.name} ({len(image.layers)} layers)", "base")

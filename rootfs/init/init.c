@@ -89,6 +89,15 @@ static void say(const char *fmt, ...) {
     dprintf(2, "aenv-init: [%.3f] %s\n", uptime(), buf);
 }
 
+static void read_cmdline(void) {
+    int fd = open("/proc/cmdline", O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        ssize_t n = read(fd, cmdline, sizeof cmdline - 1);
+        cmdline[n > 0 ? n : 0] = 0;
+        close(fd);
+    }
+}
+
 /* Value of KEY=... on the kernel command line (copied into out), or NULL. */
 static const char *param(const char *key, char *out, size_t n) {
     size_t kl = strlen(key);
@@ -270,10 +279,9 @@ static void setup_network(void) {
     if (!explicit_ip) {
         strcpy(ip, "10.0.2.15/24");
         strcpy(gw, "10.0.2.2");
-        strcpy(dns, "10.0.2.3");
     }
     param("aenv.gw", gw, sizeof gw);
-    param("aenv.dns", dns, sizeof dns);
+    network_dns(dns, sizeof dns);
 
     if (if_nametoindex(ifname) == 0) {
         if (explicit_ip) say("network: no interface %s", ifname);
@@ -489,17 +497,12 @@ static void builder_root(void) {
    mounted, grown, the mounts moved onto it, every process pivoted onto it, then what a
    boot on it would have written (its /tmp, hostname, resolv.conf). */
 static int switch_root(int argc, char **argv) {
-    int fd = open("/proc/cmdline", O_RDONLY | O_CLOEXEC);
-    if (fd >= 0) {
-        ssize_t n = read(fd, cmdline, sizeof cmdline - 1);
-        cmdline[n > 0 ? n : 0] = 0;
-        close(fd);
-    }
+    read_cmdline();
     if (access(BUILDER_READY, F_OK) < 0) {  /* a root on a disk: no other may go there */
         say("switch-root: not a builder (no %s)", BUILDER_READY);
         return 1;
     }
-    fd = open(ROOT_DEV, O_RDONLY | O_CLOEXEC);  /* nothing the builder's disk left cached */
+    int fd = open(ROOT_DEV, O_RDONLY | O_CLOEXEC);  /* nothing the builder's disk left cached */
     if (fd >= 0) {
         if (ioctl(fd, BLKFLSBUF, 0) < 0) say("flush %s: %s", ROOT_DEV, strerror(errno));
         close(fd);
@@ -532,12 +535,7 @@ int main(int argc, char **argv) {
     if (getpid() != 1) fprintf(stderr, "aenv-init: warning: not PID 1\n");
     umask(022);
     if (!builder) setup_mounts();  /* /proc first: the command line lives there */
-    int fd = open("/proc/cmdline", O_RDONLY | O_CLOEXEC);
-    if (fd >= 0) {
-        ssize_t n = read(fd, cmdline, sizeof cmdline - 1);
-        cmdline[n > 0 ? n : 0] = 0;
-        close(fd);
-    }
+    read_cmdline();
     say(builder ? "starting a builder" : "starting");
     param("aenv.envd", envd_path, sizeof envd_path);
     if (!builder && access(BUILDER_MARK, F_OK) == 0) builder_root();  /* returns on failure */
