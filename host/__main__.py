@@ -66,6 +66,7 @@ async def open_runtime(cfg: Config, metrics: Metrics | None = None) -> Any:
                                    network_prefix=cfg.network_prefix,
                                    network_pool=cfg.network_pool,
                                    envd_timeout_s=cfg.envd_timeout_s, ksm=cfg.ksm, p2p=cfg.p2p,
+                                   tcg_tb_mib=cfg.tcg_tb_mib,
                                    balloon=cfg.vm_balloon, builders=cfg.builders,
                                    jail=cfg.jail(),
                                    registry_mirror=cfg.registry_mirror,

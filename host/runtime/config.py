@@ -50,6 +50,7 @@ class RuntimeConfig:
     jailer_gid: int = 0
     vms_survive_service: bool = True
     ksm: bool = False  # ksmd merges VMs' identical pages (host.hostmem.KsmSwitch)
+    tcg_tb_mib: int | None = None  # under TCG, each VM's code buffer (None: QEMU driver's)
     balloon: bool = True  # a virtio-balloon in every VM (host/vmm VmSpec.balloon)
     # every VMM confined (host/vmm/jail); JailConfig(enabled=False) runs them as root
     jail: JailConfig = field(default_factory=JailConfig)

@@ -62,7 +62,7 @@ def make_driver(cfg: RuntimeConfig) -> VmmDriver:
                           "qemu": cfg.qemu, "firecracker": cfg.firecracker,
                           "jailer": cfg.jailer, "jailer_uid": cfg.jailer_uid,
                           "jailer_gid": cfg.jailer_gid, "ksm": cfg.ksm, "jail": cfg.jail,
-                          "log_dir": cfg.vm_logs_dir}
+                          "log_dir": cfg.vm_logs_dir, "tcg_tb_mib": cfg.tcg_tb_mib}
     try:
         return pick_driver(None if cfg.vmm == "auto" else cfg.vmm, **kw)
     except VmmError as exc:

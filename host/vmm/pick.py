@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 VMM_CHOICES = ("auto", "qemu", "firecracker", "fake")
 FIRECRACKER_OPTIONS = ("firecracker", "jailer", "jailer_uid", "jailer_gid", "balloon",
                        "track_dirty_pages", "block")
-QEMU_OPTIONS = ("qemu", "accel", "ksm", "log_dir")  # "jail": both take it
+QEMU_OPTIONS = ("qemu", "accel", "ksm", "log_dir", "tcg_tb_mib")  # "jail": both take it
 DEFAULT_FIRECRACKER = "firecracker"
 
 

@@ -39,6 +39,22 @@ def test_env_then_flags() -> None:
     assert parse_config(["--builders"], {"AENV_BUILDERS": "0"}).builders is True
 
 
+def test_tcg_code_buffer_reaches_the_qemu_driver(tmp_path) -> None:
+    """--tcg-tb-mib / AENV_TCG_TB_MIB: parsed here once and handed down to the driver that
+    writes `-accel tcg,tb-size=` (it no longer reads the environment itself)."""
+    from host.runtime.config import RuntimeConfig
+    from host.runtime.machines import make_driver
+    from host.vmm.qemu.cmdline import TCG_TB_MIB
+
+    assert parse_config([], {}).tcg_tb_mib == TCG_TB_MIB
+    assert parse_config([], {"AENV_TCG_TB_MIB": "32"}).tcg_tb_mib == 32
+    assert parse_config(["--tcg-tb-mib", "0"], {"AENV_TCG_TB_MIB": "32"}).tcg_tb_mib == 0
+    rt = RuntimeConfig(state_dir=tmp_path, run_dir=tmp_path / "rt", vmm="qemu")
+    assert make_driver(rt).tcg_tb_mib == TCG_TB_MIB  # type: ignore[attr-defined]
+    rt = RuntimeConfig(state_dir=tmp_path, run_dir=tmp_path / "rt", vmm="qemu", tcg_tb_mib=32)
+    assert make_driver(rt).tcg_tb_mib == 32  # type: ignore[attr-defined]
+
+
 def test_vmm_firecracker_and_its_binaries() -> None:
     cfg = parse_config(["--vmm", "firecracker", "--firecracker", "/opt/fc/firecracker"],
                        {"AENV_JAILER": "off", "AENV_JAILER_UID": "123"})
@@ -56,6 +72,7 @@ def test_vmm_firecracker_and_its_binaries() -> None:
     ([], {"AENV_API_PORT": "x"}),
     ([], {"AENV_VMM": "cloud-hypervisor"}),
     ([], {"AENV_JAILER_UID": "-1"}),
+    ([], {"AENV_TCG_TB_MIB": "-1"}),
     (["--domain", "http://x"], {}),
     (["--run-dir", "/tmp/" + "x" * 80], {}),
     (["--cache-mib", "8"], {}),

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import re
 import shutil
 from collections.abc import AsyncIterator
@@ -64,9 +63,8 @@ class QemuDriver(DriverBase["QemuVm"]):
         self.jail = jail if jail is not None and jail.enabled else None
         self.uids = UidPool(*self.jail.uid_range) if self.jail is not None else None
         self._accel = accel
-        # $AENV_TCG_TB_MIB: the TCG code buffer per VM (0: QEMU's default, 1 GiB)
-        self.tcg_tb_mib = (tcg_tb_mib if tcg_tb_mib is not None
-                           else int(os.environ.get("AENV_TCG_TB_MIB", TCG_TB_MIB)))
+        # the TCG code buffer per VM (0: QEMU's default, 1 GiB; the service's --tcg-tb-mib)
+        self.tcg_tb_mib = TCG_TB_MIB if tcg_tb_mib is None else tcg_tb_mib
 
     async def accel(self) -> tuple[str, int | None]:
         """(accelerator, host TSC kHz); detection is blocking and cached, so run it off-loop."""
