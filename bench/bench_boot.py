@@ -95,6 +95,8 @@ async def main() -> int:
     ap.add_argument("--vcpus", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=180.0)
     ap.add_argument("--restore", action="store_true", help="also measure snapshot restore")
+    ap.add_argument("--tcg-tb-mib", type=int, default=None,
+                    help="under TCG, the VM's translated-code buffer (default: the driver's)")
     ap.add_argument("--json", type=Path, default=REPO / "out/bench/boot.json")
     args = ap.parse_args()
 
@@ -114,7 +116,7 @@ async def main() -> int:
         guest = {"image": image.name, "kernel": str(image.kernel.vmlinux),
                  "kernel_release": image.kernel.release, "cmdline": spec.cmdline}
 
-    driver = QemuDriver()
+    driver = QemuDriver(tcg_tb_mib=args.tcg_tb_mib)
     accel, tsc_khz = await driver.accel()
     floors: list[float] = []
     boots: list[float] = []
