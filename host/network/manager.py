@@ -32,36 +32,20 @@ from typing import Self
 
 from host.ids import is_vm_name
 
-from .commands import (
-    Namespace,
-    listen_in,
-    netns_inode,
-    netns_path,
-    pids_in_netns,
-    remove_netns,
-    run,
-)
+from . import plumbing
+from .commands import Namespace, listen_in, netns_path
 from .errors import (
     NetworkCleanupError,
-    NetworkCommandError,
     NetworkError,
     NetworkUnavailableError,
     SandboxNetworkExistsError,
     SandboxNetworkNotFoundError,
 )
 from .policy import NetworkPolicy
-from .pool import AddressPool, Block
+from .pool import AddressPool
 from .probe import NetworkCapability, probe_capability
 from .ruleset import delete_table, host_allow_update, host_table, host_table_name, sandbox_table
-from .sandbox import (
-    BRIDGE_NAME,
-    GATEWAY_MAC,
-    GUEST_SERVICE_PORT,
-    TAP_NAME,
-    UPLINK_NAME,
-    GuestNetConfig,
-    SandboxNetwork,
-)
+from .sandbox import GUEST_SERVICE_PORT, GuestNetConfig, SandboxNetwork
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +186,7 @@ class NetworkManager:
         return f"{self.config.prefix}{sandbox_id}"
 
     def host_ifname(self, slot: int) -> str:
-        return f"{self.config.prefix}{slot}"
+        return plumbing.host_ifname(self.config.prefix, slot)
 
     async def create(
         self, sandbox_id: str, policy: NetworkPolicy | None = None
@@ -225,7 +209,9 @@ class NetworkManager:
             guest=self.config.guest, policy=policy,
         )
         try:
-            await self._build(net, block)
+            await plumbing.build(self.host, net, block,
+                                 forward_on_veth=self.config.uplinks is not None,
+                                 tap_user=self.config.tap_user)
             await self._apply_policy(net)
         except BaseException:
             try:
@@ -276,7 +262,7 @@ class NetworkManager:
         prefix = self.config.prefix
         found: list[ExistingNetwork] = []
         seen_ifs: set[str] = set()
-        for name in await self._netns_names():
+        for name in await plumbing.netns_names(prefix):
             sandbox_id = name[len(prefix):]
             ifname = await self._host_ifname_of(name)
             slot = int(ifname[len(prefix):]) if ifname else None
@@ -284,7 +270,7 @@ class NetworkManager:
                 seen_ifs.add(ifname)
             found.append(ExistingNetwork(sandbox_id=sandbox_id, netns=name,
                                          host_ifname=ifname, slot=slot))
-        for ifname in await self._host_links():
+        for ifname in await plumbing.host_links(self.host, prefix):
             if ifname not in seen_ifs:
                 found.append(ExistingNetwork(sandbox_id=None, netns=None, host_ifname=ifname,
                                              slot=int(ifname[len(prefix):])))
@@ -329,50 +315,6 @@ class NetworkManager:
         if not self._open:
             raise NetworkError("NetworkManager is not open (call open() or use async with)")
 
-    async def _build(self, net: SandboxNetwork, block: Block) -> None:
-        await run(["ip", "netns", "add", net.netns])
-        await self._add_host_veth(net, block)
-        if self.config.uplinks is not None:
-            await self.host.sysctl_write({f"net.ipv4.conf.{net.host_ifname}.forwarding": "1"})
-        ns = Namespace(net.netns)
-        tap_owner = f" user {self.config.tap_user}" if self.config.tap_user is not None else ""
-        guest = net.guest
-        gw_prefix = ipaddress.IPv4Network(f"{guest.gateway}/{guest.prefixlen}", strict=False)
-        await ns.ip_batch([
-            "link set lo up",
-            f"addr add {block.netns_ip}/30 dev {UPLINK_NAME}",
-            f"link set {UPLINK_NAME} up",
-            f"route add default via {block.host_ip} dev {UPLINK_NAME}",
-            f"link add {BRIDGE_NAME} address {GATEWAY_MAC} type bridge",
-            f"addr add {guest.gateway}/{gw_prefix.prefixlen} dev {BRIDGE_NAME}",
-            f"link set {BRIDGE_NAME} up",
-            f"tuntap add dev {TAP_NAME} mode tap{tap_owner}",
-            f"link set {TAP_NAME} master {BRIDGE_NAME}",
-            f"link set {TAP_NAME} up",
-        ])
-        await ns.sysctl_write({
-            "net.ipv4.ip_forward": "1",
-            "net.ipv6.conf.all.disable_ipv6": "1",
-            "net.ipv6.conf.default.disable_ipv6": "1",
-        })
-
-    async def _add_host_veth(self, net: SandboxNetwork, block: Block) -> None:
-        lines = [
-            f"link add {net.host_ifname} type veth peer name {UPLINK_NAME} netns {net.netns}",
-            f"link set {net.host_ifname} alias {net.netns}",
-            f"addr add {block.host_ip}/30 dev {net.host_ifname}",
-            f"link set {net.host_ifname} up",
-        ]
-        try:
-            await self.host.ip_batch(lines)
-        except NetworkCommandError as exc:
-            # The veth of the slot's previous network, whose namespace the kernel is still
-            # freeing (`_teardown`): the slot is ours now, so is any link of its name.
-            if "File exists" not in exc.stderr:
-                raise
-            await self.host.ip("link", "del", net.host_ifname, check=False)
-            await self.host.ip_batch(lines)  # nothing of the first batch was applied
-
     async def _apply_policy(self, net: SandboxNetwork) -> None:
         host_addrs = await self._host_addresses()
         rules = net.policy.rules(extra_denied=[self.pool.network, *host_addrs])
@@ -403,69 +345,10 @@ class NetworkManager:
         return out
 
     async def _teardown(self, netns: str | None, host_ifname: str | None) -> None:
-        """Remove the namespace's name in-process (no process spawned): once nothing is
-        left inside, the kernel frees the namespace asynchronously, and with it its
-        devices, the veth pair included (its eth0 end is inside; a veth's ends go
-        together). Deleting the host veth here instead cost ~35 ms on the caller's path
-        (a kill's answer waited for it): unregistering a device waits for RCU under the
-        rtnl lock, which serialised concurrent teardowns and the creates meanwhile; the
-        namespace's cleanup does that work in the kernel's own worker, in batches.
-
-        The host veth is deleted here only when it would outlive the namespace: when
-        there is no namespace (a leftover found at recovery, a half-made network) or
-        processes are still inside (they keep it alive; cut them off the network). A
-        host veth still going away when its slot comes round again: `_add_host_veth`.
-        Checks that the name is gone and that no process is left inside."""
-        ino = netns_inode(netns) if netns else None
-        # before the name goes: a freed namespace's inode number can be reused
-        pids = pids_in_netns(ino) if ino is not None else []
-        link_left = False
-        if host_ifname and (ino is None or pids):
-            res = await self.host.ip("link", "del", host_ifname, check=False)
-            # "Cannot find device": gone already; any other failure: look again below
-            link_left = res.returncode != 0 and "Cannot find device" not in res.stderr
-        if netns:
-            remove_netns(netns)
-        left: list[str] = []
-        if netns and os.path.exists(netns_path(netns)):
-            left.append(f"namespace {netns}")
-        if link_left and host_ifname in await self._host_links():
-            left.append(f"host link {host_ifname}")
-        if pids:
-            left.append(f"processes {', '.join(pids)} still in {netns} (it lives until they exit)")
-        if left:
-            raise NetworkCleanupError(f"teardown left: {'; '.join(left)}")
-
-    async def _netns_names(self) -> list[str]:
-        prefix = self.config.prefix
-        names = []
-        for entry in await Namespace(None).ip_json("netns", "list"):
-            name = entry.get("name", "")
-            if name.startswith(prefix) and is_vm_name(name[len(prefix):]):
-                names.append(name)
-        return names
-
-    async def _host_links(self) -> list[str]:
-        prefix = self.config.prefix
-        return [
-            link["ifname"] for link in await self.host.ip_json("link", "show")
-            if re.fullmatch(re.escape(prefix) + r"\d+", link.get("ifname", ""))
-        ]
+        await plumbing.teardown(self.host, self.config.prefix, netns, host_ifname)
 
     async def _host_ifname_of(self, netns: str) -> str | None:
-        """The host veth of a namespace, from the address of its eth0."""
-        if not os.path.exists(netns_path(netns)):
-            return None
-        try:
-            links = await Namespace(netns).ip_json("-4", "addr", "show", "dev", UPLINK_NAME)
-        except NetworkError:
-            return None
-        for link in links:
-            for info in link.get("addr_info", []):
-                slot = self.pool.slot_of(info.get("local", "0.0.0.0"))
-                if slot is not None:
-                    return self.host_ifname(slot)
-        return None
+        return await plumbing.host_ifname_of(netns, self.pool, self.config.prefix)
 
     async def _enable_forwarding(self) -> None:
         keys = (["net.ipv4.ip_forward"] if self.config.uplinks is None
