@@ -22,9 +22,10 @@ from .errors import (
     StackNotFoundError,
     StorageError,
 )
-from .lsmt import LayerWriter, SealedLayer, Upper, digest_of_file
+from .lsmt import LayerWriter, SealedLayer, digest_of_file
 from .repository import OssRepository, PosixFsRepository, Repository, open_repository
 from .stack import Stack
+from .upper import Upper
 
 if TYPE_CHECKING:
     from .blockserver import BlockServer

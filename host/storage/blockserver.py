@@ -41,13 +41,14 @@ from .convert import write_raw
 from .errors import LayerNotFoundError, StackExistsError, StackNotFoundError, StorageError
 from .export import StackExport
 from .index import SegmentIndex
-from .lsmt import SealedLayer, Upper
+from .lsmt import SealedLayer
 from .nbd import NbdServer
 from .openlayers import OpenLayers
 from .peers import PeerLayers
 from .repository import Repository, open_repository
 from .stack import Stack, merge_layers
 from .statedir import StateDir
+from .upper import Upper
 
 log = logging.getLogger(__name__)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

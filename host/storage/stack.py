@@ -13,7 +13,8 @@ from pathlib import Path
 from .blob import Blob, FileBlob
 from .errors import OutOfRangeError
 from .index import ZERO, SegmentIndex
-from .lsmt import DATA_FILE, SECTOR, SPACE, HeaderTrailer, SealedLayer, Upper
+from .lsmt import DATA_FILE, SECTOR, SPACE, HeaderTrailer, SealedLayer
+from .upper import Upper
 
 LayerPlacer = Callable[[str, Path], Path]  # (digest, sealed data file) -> final path
 Piece = tuple[Blob | None, int, int]  # (blob or None for zeros, byte offset in blob, length)

@@ -21,8 +21,9 @@ from typing import Any
 from host.durable import fsync_dir, fsync_file, write_atomic
 
 from .export import StackExport
-from .lsmt import DATA_FILE, SealedLayer, Upper, digest_of_file
+from .lsmt import DATA_FILE, SealedLayer, digest_of_file
 from .repository import digest_hex
+from .upper import Upper
 
 SEALED_MARKER = "sealed-as"
 

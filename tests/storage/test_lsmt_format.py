@@ -18,8 +18,9 @@ import pytest
 
 from host.storage.convert import convert_image
 from host.storage.errors import LayerFormatError
-from host.storage.lsmt import LayerWriter, SealedLayer, Upper, digest_of_file
+from host.storage.lsmt import LayerWriter, SealedLayer, digest_of_file
 from host.storage.stack import Stack
+from host.storage.upper import Upper
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -174,7 +175,7 @@ def test_unsealed_upper_is_not_a_sealed_layer(tmp_path: Path) -> None:
 
 CRASH_CHILD = textwrap.dedent("""
     import os, sys, signal
-    from host.storage.lsmt import Upper
+    from host.storage.upper import Upper
     from host.storage.stack import Stack
     up = Upper.create(sys.argv[1], 8 << 20)
     st = Stack("c", [], up)
@@ -232,7 +233,7 @@ def test_flushed_upper_survives_sigkill(tmp_path: Path) -> None:
 
 KILLED_CHILD = textwrap.dedent("""
     import sys
-    from host.storage.lsmt import Upper
+    from host.storage.upper import Upper
     from host.storage.stack import Stack
     st = Stack("c", [], Upper.create(sys.argv[1], 8 << 20))
     for i in range(200):  # acknowledged writes, never flushed

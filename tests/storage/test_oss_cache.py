@@ -15,9 +15,10 @@ import pytest
 from host.storage.cache import ChunkCache
 from host.storage.convert import convert_image
 from host.storage.errors import LayerNotFoundError, RepositoryConfigError, RepositoryError
-from host.storage.lsmt import LayerWriter, SealedLayer, Upper
+from host.storage.lsmt import LayerWriter, SealedLayer
 from host.storage.repository import OssRepository, PosixFsRepository, open_repository
 from host.storage.stack import Stack
+from host.storage.upper import Upper
 
 from .conftest import BlockServerProc, qemu_tool
 from .test_blockserver import RawNbd, _ext4_image

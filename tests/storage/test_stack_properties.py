@@ -13,8 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from host.storage.blob import FileBlob
-from host.storage.lsmt import SealedLayer, Upper, digest_of_file
+from host.storage.lsmt import SealedLayer, digest_of_file
 from host.storage.stack import Stack
+from host.storage.upper import Upper
 
 VSIZE = 64 * 1024
 
