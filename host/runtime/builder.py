@@ -43,7 +43,6 @@ from host.vmm.errors import VmmError
 from host.vmm.image import GuestImage, find_image
 
 from .builderstore import Builder
-from .errors import NodeRuntimeError, SandboxStartError
 from .guest_shell import GuestCommandError, GuestShell, OnOutput
 from .imports import INIT, builder_layers, image_to_import, imported_cmdline, ours_id
 from .parts import NodeParts
@@ -96,8 +95,8 @@ class BuilderUse:
             return None
         try:
             b = await task
-        except (VmmError, BuildFailed, NodeRuntimeError, SandboxStartError, OSError) as exc:
-            self.log("warn", f"no builder ({exc}): cold-booting the build VM", "base")
+        except Exception as exc:  # noqa: BLE001 - a builder only saves time: never fatal
+            self.log("warn", f"no builder ({_why(exc)}): cold-booting the build VM", "base")
             return None
         if size != self.size or any(m[k] != self.m[k] for k in ("machine", "cmdline",
                                                                 "kernel")):
@@ -113,8 +112,9 @@ class BuilderUse:
             vm, timings = await restore(self.p, b, spec)
             await switch_root(shell, grow=grow, on_output=on_output)
             return vm, timings
-        except (BuildFailed, VmmError, SandboxStartError) as exc:
-            self.log("warn", f"the builder failed ({exc}): dropped, cold-booting", "base")
+        except Exception as exc:  # noqa: BLE001 - as in `take`: the build cold-boots
+            self.log("warn", f"the builder failed ({_why(exc)}): dropped, cold-booting",
+                     "base")
             if vm is not None:
                 await self.p.machines.release_vm(vm)
             assert self.p.builders is not None
@@ -242,7 +242,18 @@ async def switch_root(shell: GuestShell, *, grow: bool, on_output: OnOutput) -> 
 
 
 def _copy_sparse(src: Path, dest: Path) -> None:
+    """A builder's RAM file copied for one build. `src` may vanish meanwhile: another
+    build whose switch failed dropped that builder (BuildFailed: this build cold-boots)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         dest.unlink()
-    subprocess.run(["cp", "--sparse=always", str(src), str(dest)], check=True)
+    res = subprocess.run(["cp", "--sparse=always", str(src), str(dest)],
+                         check=False, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise BuildFailed(f"copying the builder's memory: {res.stderr.strip()[-300:]}",
+                          step="base")
+
+
+def _why(exc: BaseException) -> str:
+    """An error for the build's log: its message, or its type where it has none."""
+    return str(exc) or type(exc).__name__
