@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from envd.services.filesystem.watch import DirWatch, PollingWatcher
+from envd.services.filesystem.pollwatch import PollingWatcher
+from envd.services.filesystem.watch import DirWatch
 from envd.spec.filesystem.filesystem_pb import EventType
 from envd.users import User
 

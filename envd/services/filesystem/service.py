@@ -41,7 +41,8 @@ from .credentials import run_as
 from .entry import list_entries
 from .errors import connect_errors
 from .paths import resolve
-from .watch import DirWatch, NetworkMountError, WatcherRegistry
+from .pollwatch import WatcherRegistry
+from .watch import DirWatch, NetworkMountError
 
 Ctx = RequestContext[Any, Any]
 

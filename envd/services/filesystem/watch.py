@@ -1,4 +1,4 @@
-"""Directory watches for WatchDir and the CreateWatcher/GetWatcherEvents/RemoveWatcher trio.
+"""Directory watches for WatchDir and, polled (pollwatch.py), the CreateWatcher trio.
 
 Backend: Linux inotify through `inotify_simple` (a thin ctypes wrapper), with the
 inotify fd registered on the event loop (`loop.add_reader`), so no thread per watch
@@ -38,7 +38,6 @@ import errno
 import os
 import stat
 from collections import OrderedDict, deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from inotify_simple import INotify  # type: ignore[import-untyped]
@@ -364,73 +363,3 @@ class DirWatch:
         with contextlib.suppress(Exception):
             asyncio.get_running_loop().remove_reader(inotify.fileno())
         inotify.close()
-
-
-class PollingWatcher:
-    """A DirWatch whose events are buffered until the client polls them (sync Py SDK).
-
-    A pump converts events as they come (their entries stat-ed near the time of the
-    change); a poll first takes in everything the kernel and the pump have queued, under
-    the same lock, so that it returns every event of a change made before it, in order.
-    """
-
-    def __init__(self, watch: DirWatch) -> None:
-        self.watch = watch
-        self._events: list[FilesystemEvent] = []
-        self._lock = asyncio.Lock()
-        self._task = asyncio.create_task(self._pump(), name=f"watcher {watch.root}")
-
-    async def _pump(self) -> None:
-        while True:
-            await self.watch.wait_queued()
-            async with self._lock:
-                await self._convert_queued()
-
-    async def _convert_queued(self) -> None:
-        while self.watch.pending():
-            event = await self.watch.next_event()  # does not wait: one is queued
-            if len(self._events) >= MAX_PENDING_EVENTS:
-                del self._events[0]
-            self._events.append(event)
-
-    async def drain(self) -> list[FilesystemEvent]:
-        """Events since the previous drain, including every one the kernel has queued."""
-        async with self._lock:
-            self.watch.read_kernel_queue()
-            await self._convert_queued()
-            events, self._events = self._events, []
-        return events
-
-    async def aclose(self) -> None:
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        self.watch.close()
-
-
-class WatcherRegistry:
-    """Watchers created by CreateWatcher, by id. `aclose()` stops them all."""
-
-    def __init__(self, new_id: Callable[[], str]) -> None:
-        self._watchers: dict[str, PollingWatcher] = {}
-        self._new_id = new_id
-
-    def add(self, watch: DirWatch) -> str:
-        watcher_id = self._new_id()
-        self._watchers[watcher_id] = PollingWatcher(watch)
-        return watcher_id
-
-    def get(self, watcher_id: str) -> PollingWatcher | None:
-        return self._watchers.get(watcher_id)
-
-    async def remove(self, watcher_id: str) -> bool:
-        watcher = self._watchers.pop(watcher_id, None)
-        if watcher is None:
-            return False
-        await watcher.aclose()
-        return True
-
-    async def aclose(self) -> None:
-        watchers, self._watchers = self._watchers, {}
-        for watcher in watchers.values():
-            await watcher.aclose()
