@@ -36,6 +36,24 @@ HOG = ("python3 -c \"import os, time; b = bytearray({mib} << 20); "
        "[time.sleep(0.2) for _ in iter(lambda: os.path.exists('/tmp/hold'), False)]\"")
 
 
+def hold(b: Any, mib: int) -> None:
+    """Start the hog in sandbox `b` and wait until its guest holds `mib` MiB, touched."""
+    b.commands.run("touch /tmp/hold")
+    # timeout=0: a background command's default timeout (60 s) would end it before a
+    # slow guest (30 under TCG) got there
+    b.commands.run(HOG.format(mib=mib), background=True, timeout=0)
+    deadline = time.monotonic() + 900
+    while b.commands.run("test -e /tmp/held && echo y || true").stdout.strip() != "y":
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{b.sandbox_id}: its guest never held the memory")
+        time.sleep(2)
+
+
+def release(b: Any) -> None:
+    """Let the hog in `b` exit: its memory freed."""
+    b.commands.run("rm -f /tmp/hold /tmp/held")
+
+
 def total_pss_mib(svc: E2EService, ids: set[str]) -> float:
     return sum(pss_kib(pid) for pid in vmm_pids(svc, ids)) / 1024
 
@@ -88,26 +106,15 @@ def main() -> int:
         print(f"  idle, fresh: PSS {idle:.0f} MiB for {promised} MiB promised "
               f"({promised / idle:.1f}x)", flush=True)
 
-        def hog(b: Any, mib: int) -> None:
-            # timeout=0: a background command's default timeout (60 s) would end it
-            # before a slow guest (30 under TCG) got there
-            b.commands.run("touch /tmp/hold")
-            b.commands.run(HOG.format(mib=mib), background=True, timeout=0)
-            deadline = time.monotonic() + 900
-            while b.commands.run("test -e /tmp/held && echo y || true").stdout.strip() != "y":
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{b.sandbox_id}: its guest never held the memory")
-                time.sleep(2)
-
         def run_hogs(mib: int) -> float:
             t0 = time.perf_counter()
             with concurrent.futures.ThreadPoolExecutor(8) as pool:
-                list(pool.map(lambda b: hog(b, mib), boxes))
+                list(pool.map(lambda b: hold(b, mib), boxes))
             return time.perf_counter() - t0
 
         def free_all() -> None:
             with concurrent.futures.ThreadPoolExecutor(8) as pool:
-                list(pool.map(lambda b: b.commands.run("rm -f /tmp/hold /tmp/held"), boxes))
+                list(pool.map(release, boxes))
 
         # The second anchor: the same program run first without the allocation, so what
         # running it costs (its page cache, under TCG its translated code) is in both

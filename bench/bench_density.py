@@ -150,17 +150,33 @@ def pss_kib(pid: int) -> int:
     return 0
 
 
-def tcg_code_kib(pid: int) -> int:
-    """PSS of TCG's translated-code buffer (QEMU's one anonymous rwx mapping): memory a
-    VM spends only under emulation (KVM runs guest code natively)."""
-    kib, in_code = 0, False
+RAM_MIN = 256 * 1024 * 1024  # the one mapping this large in a QEMU is its guest RAM
+KINDS = ("ram", "tcg", "heap", "anon", "file")
+
+
+def smaps_by_kind(pid: int) -> dict[str, dict[str, int]]:
+    """KiB of Pss and of private pages per kind of mapping of one QEMU: its guest RAM, TCG's
+    translated code (its one anonymous rwx mapping), heap, other anonymous, files."""
+    out = {k: {"pss": 0, "private": 0} for k in KINDS}
+    kind = "file"
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
         head = line.split()
-        if head and "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
-            in_code = head[1] == "rwxp" and len(head) == 5
-        elif in_code and line.startswith("Pss:"):
-            kib += int(head[1])
-    return kib
+        if head and "-" in head[0] and ":" not in head[0]:
+            a, b = (int(x, 16) for x in head[0].split("-"))
+            path = head[5] if len(head) > 5 else ""
+            kind = ("tcg" if head[1] == "rwxp" and not path else "ram" if b - a >= RAM_MIN
+                    else "heap" if path == "[heap]" else "anon" if not path else "file")
+        elif head and head[0] == "Pss:":
+            out[kind]["pss"] += int(head[1])
+        elif head and head[0] in ("Private_Clean:", "Private_Dirty:"):
+            out[kind]["private"] += int(head[1])
+    return out
+
+
+def tcg_code_kib(pid: int) -> int:
+    """PSS of TCG's translated-code buffer: memory a VM spends only under emulation (KVM
+    runs guest code natively)."""
+    return smaps_by_kind(pid)["tcg"]["pss"]
 
 
 STAGE = re.compile(r"sandbox \S+ (?:restored|booted)(?P<held> \(held\))? from \S+ in [\d.]+ ms: "

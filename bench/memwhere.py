@@ -30,13 +30,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_balloon import HOG
-from bench.bench_density import vmm_pids
+from bench.bench_balloon import hold, release
+from bench.bench_density import KINDS, RAM_MIN, smaps_by_kind, vmm_pids
 from tests.e2e.conftest import E2EService, build_template
-
-MIB = 1024 * 1024
-RAM_MIN = 256 * MIB  # the one mapping this large in a QEMU is its guest RAM
-KINDS = ("ram", "tcg", "heap", "anon", "file")
 
 # Runs in the guest as root: /tmp/pfns holds the frames the host holds privately.
 CLASSIFY = r'''
@@ -77,24 +73,6 @@ with open("/proc/kpageflags", "rb") as f:
 for c, n in sorted(counts.items(), key=lambda kv: -kv[1]):
     print(f"{n * 4 / 1024:8.1f} MiB  {c}")
 '''
-
-
-def smaps_by_kind(pid: int) -> dict[str, dict[str, int]]:
-    """KiB of Pss / private / anonymous per kind of mapping of one QEMU."""
-    out = {k: {"pss": 0, "private": 0} for k in KINDS}
-    kind = "file"
-    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        head = line.split()
-        if head and "-" in head[0] and ":" not in head[0]:
-            a, b = (int(x, 16) for x in head[0].split("-"))
-            path = head[5] if len(head) > 5 else ""
-            kind = ("tcg" if head[1] == "rwxp" and not path else "ram" if b - a >= RAM_MIN
-                    else "heap" if path == "[heap]" else "anon" if not path else "file")
-        elif head and head[0] == "Pss:":
-            out[kind]["pss"] += int(head[1])
-        elif head and head[0] in ("Private_Clean:", "Private_Dirty:"):
-            out[kind]["private"] += int(head[1])
-    return out
 
 
 def private_frames(pid: int) -> list[int]:
@@ -164,11 +142,8 @@ def main() -> int:
         report("idle", svc, boxes)
 
         def hog(b: Any) -> None:
-            b.commands.run("touch /tmp/hold")
-            b.commands.run(HOG.format(mib=args.alloc_mib), background=True, timeout=0)
-            while b.commands.run("test -e /tmp/held && echo y || true").stdout.strip() != "y":
-                time.sleep(2)
-            b.commands.run("rm -f /tmp/hold /tmp/held")
+            hold(b, args.alloc_mib)
+            release(b)
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             list(pool.map(hog, boxes))
