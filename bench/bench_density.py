@@ -155,9 +155,12 @@ KINDS = ("ram", "tcg", "heap", "anon", "file")
 
 
 def smaps_by_kind(pid: int) -> dict[str, dict[str, int]]:
-    """KiB of Pss and of private pages per kind of mapping of one QEMU: its guest RAM, TCG's
-    translated code (its one anonymous rwx mapping), heap, other anonymous, files."""
-    out = {k: {"pss": 0, "private": 0} for k in KINDS}
+    """KiB of Pss, of private pages (mapped by this process alone: with one VM, the guest
+    RAM file's pages too) and of anonymous ones (in the guest RAM: its copy-on-write
+    copies, held for this VM alone however many map the file) per kind of mapping of one
+    QEMU: its guest RAM, TCG's translated code (its one anonymous rwx mapping), heap, other
+    anonymous, files."""
+    out = {k: {"pss": 0, "private": 0, "anonymous": 0} for k in KINDS}
     kind = "file"
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
         head = line.split()
@@ -170,6 +173,8 @@ def smaps_by_kind(pid: int) -> dict[str, dict[str, int]]:
             out[kind]["pss"] += int(head[1])
         elif head and head[0] in ("Private_Clean:", "Private_Dirty:"):
             out[kind]["private"] += int(head[1])
+        elif head and head[0] == "Anonymous:":
+            out[kind]["anonymous"] += int(head[1])
     return out
 
 

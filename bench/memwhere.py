@@ -94,7 +94,7 @@ def private_frames(pid: int) -> list[int]:
 def report(label: str, svc: E2EService, boxes: list[Any]) -> None:
     ids = {b.sandbox_id for b in boxes}
     pids = vmm_pids(svc, ids)
-    total = {k: {"pss": 0, "private": 0} for k in KINDS}
+    total = {k: {"pss": 0, "private": 0, "anonymous": 0} for k in KINDS}
     for pid in pids:
         for kind, v in smaps_by_kind(pid).items():
             for key in v:
@@ -103,7 +103,8 @@ def report(label: str, svc: E2EService, boxes: list[Any]) -> None:
     print(f"\n== {label}: per VM, MiB (N={n})")
     for kind in KINDS:
         print(f"   {kind:5} Pss {total[kind]['pss'] / 1024 / n:7.1f}   private "
-              f"{total[kind]['private'] / 1024 / n:7.1f}")
+              f"{total[kind]['private'] / 1024 / n:7.1f}   anonymous (copies) "
+              f"{total[kind]['anonymous'] / 1024 / n:7.1f}")
     print(f"   total Pss {sum(v['pss'] for v in total.values()) / 1024 / n:7.1f}")
     first = boxes[0]
     frames = private_frames(vmm_pids(svc, {first.sandbox_id})[0])
