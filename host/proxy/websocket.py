@@ -51,17 +51,17 @@ async def relay(scope: Scope, receive: Receive, send: Send, target: Target, rout
             user_agent_header=None, ping_interval=None, **address)
     except websockets.InvalidURI:
         await refuse(scope, receive, send, 502,
-                                   f"invalid network.maskRequestHost {masked!r}",
-                                   target.sandbox_id, target.port)
+                     f"invalid network.maskRequestHost {masked!r}",
+                     target.sandbox_id, target.port)
         return
     except (TimeoutError, OSError):
         await refuse(scope, receive, send, 502, responses.PORT_CLOSED,
-                                   target.sandbox_id, target.port)
+                     target.sandbox_id, target.port)
         return
     except websockets.InvalidStatus as exc:
         await refuse(scope, receive, send, exc.response.status_code,
-                                   f"upstream refused the WebSocket: {exc}",
-                                   target.sandbox_id, target.port)
+                     f"upstream refused the WebSocket: {exc}",
+                     target.sandbox_id, target.port)
         return
     async with upstream:
         if (await receive())["type"] != "websocket.connect":

@@ -49,13 +49,13 @@ async def relay_websocket(address: str, scope: Scope, receive: Receive, send: Se
             max_size=None, compression=None, user_agent_header=None, ping_interval=None)
     except websockets.InvalidStatus as exc:
         await refuse(scope, receive, send, exc.response.status_code,
-                   f"the node refused the WebSocket: {exc}", sandbox_id)
+                     f"the node refused the WebSocket: {exc}", sandbox_id)
         return
     except (OSError, TimeoutError, websockets.InvalidHandshake, websockets.InvalidURI) as exc:
         if metrics is not None:
             metrics.error(502, NodeUnreachable.error_code)
         await refuse(scope, receive, send, 502, f"The sandbox's node is unreachable: {exc}",
-                   sandbox_id)
+                     sandbox_id)
         return
     async with upstream:
         if (await receive())["type"] != "websocket.connect":
