@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
+import shutil
 import struct
 import sys
 import tempfile
@@ -156,7 +157,8 @@ def main() -> int:
             time.sleep(args.settle)
             report(f"after {args.after_cmd!r}", svc, boxes)
     finally:
-        svc.cleanup()
+        svc.cleanup()  # its sandboxes with it
+        shutil.rmtree(root, ignore_errors=True)
     return 0
 
 
